@@ -1,0 +1,114 @@
+"""The one checkpoint reader, used by training (resume) and every other reader.
+
+Trax checkpoints are `model.pkl.gz` (a pickle: step, state, history, input
+signature) beside `model.weights.npy.gz` and `model.opt_slots0.npy.gz`
+(NumPy arrays, read without pickle). A pickle can run arbitrary code when
+loaded, so we never unpickle with the stock loader: `SafeUnpickler` accepts
+only the handful of types a Trax checkpoint contains (NumPy and JAX arrays,
+dtypes, `ShapeDtype`, plain containers) and refuses anything else with a
+`UserError`. `install()` routes Trax's own loader through it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import pickle
+
+from src.errors import UserError
+
+CHECKPOINT = 'model.pkl.gz'
+WEIGHTS = 'model.weights.npy.gz'
+
+_ALLOWED = {
+  ('numpy', 'ndarray'),
+  ('numpy', 'dtype'),
+  ('numpy.core.multiarray', '_reconstruct'),
+  ('numpy.core.multiarray', 'scalar'),
+  ('numpy._core.multiarray', '_reconstruct'),
+  ('numpy._core.multiarray', 'scalar'),
+  ('jax._src.array', '_reconstruct_array'),
+  ('trax.shapes', 'ShapeDtype'),
+  ('collections', 'defaultdict'),
+  ('collections', 'OrderedDict'),
+  ('builtins', 'list'),
+  ('builtins', 'dict'),
+  ('builtins', 'tuple'),
+  ('builtins', 'set'),
+  ('builtins', 'frozenset'),
+  ('builtins', 'float'),
+  ('builtins', 'int'),
+  ('builtins', 'complex'),
+}
+
+
+class SafeUnpickler(pickle.Unpickler):
+  """Unpickles only the types a Trax checkpoint is made of."""
+
+  def find_class(self, module, name):
+    if (module, name) in _ALLOWED or (
+      module == 'numpy.dtypes' and name.endswith('DType')
+    ):
+      return super().find_class(module, name)
+    raise pickle.UnpicklingError(
+      f'checkpoint refers to {module}.{name}, which a Trax checkpoint '
+      'never contains'
+    )
+
+
+def safe_load(data: bytes, path: str = 'checkpoint'):
+  """Unpickles `data` with `SafeUnpickler`; errors become `UserError`."""
+  try:
+    return SafeUnpickler(io.BytesIO(data)).load()
+  except (
+    pickle.UnpicklingError,
+    EOFError,
+    AttributeError,
+    ValueError,
+    TypeError,
+    IndexError,
+  ) as e:
+    raise UserError(
+      f'{path}: not a readable Trax checkpoint ({e}); delete '
+      'it to start over, or restore it from a backup'
+    ) from None
+
+
+def read_pickle(path: str, gzipped: bool = True):
+  with open(path, 'rb') as f:
+    data = f.read()
+  if gzipped:
+    try:
+      data = gzip.decompress(data)
+    except (OSError, EOFError) as e:
+      raise UserError(
+        f'{path}: damaged ({e}); delete it to start over, or '
+        'restore it from a backup'
+      ) from None
+  return safe_load(data, path)
+
+
+def read_meta(model_dir: str) -> dict | None:
+  """The checkpoint's metadata (step, history, ...), or None if absent."""
+  path = os.path.join(model_dir, CHECKPOINT)
+  if not os.path.exists(path):
+    return None
+  return read_pickle(path)
+
+
+def latest_step(model_dir: str) -> int:
+  """The step of the saved checkpoint; 0 if there is none."""
+  meta = read_meta(model_dir)
+  return int(meta['step']) if meta else 0
+
+
+def _trax_unpickle_from_file(file_path, gzip=False):  # noqa: A002 (Trax API)
+  return read_pickle(file_path, gzipped=gzip)
+
+
+def install():
+  """Makes Trax's `Loop.load_checkpoint` read pickles through this module."""
+  from trax.supervised import training
+
+  training.unpickle_from_file = _trax_unpickle_from_file

@@ -1,0 +1,142 @@
+"""Gin: the one place configurables are registered, and gin file handling.
+
+Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
+`trax.optimizers.Adam`, ...) and two of ours, registered here:
+
+- `lr_schedule`: warmup then rsqrt / cosine / linear / constant decay
+  (`src.model.lr_schedule`; `total_steps` comes from the run settings).
+- `optimizer.kind`: which Trax optimizer class to use.
+
+`mode` and `vocab_size` are never bound in gin: the scripts pass them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tokenize
+
+import trax
+
+import gin
+from src import model
+from src.errors import UserError
+
+lr_schedule = gin.external_configurable(
+  model.lr_schedule, module='jade', denylist=['total_steps']
+)
+optimizer = gin.external_configurable(model.optimizer, module='jade')
+
+MODEL_GIN = 'model.gin'  # The run's bindings, saved in out-dir.
+OPERATIVE_GIN = 'config.gin'  # What the run actually used (gin's view).
+
+
+@dataclasses.dataclass(frozen=True)
+class GinSetup:
+  """A parsed gin configuration.
+
+  Attributes:
+    path: The gin file.
+    text: Gin's normalized listing of every binding (compared on resume).
+    model: ReformerLM settings, defaults filled in.
+    attention: Attention-layer settings, defaults filled in.
+    attention_name: The attention layer's class name.
+  """
+
+  path: str
+  text: str
+  model: dict
+  attention: dict
+  attention_name: str
+
+  @property
+  def max_len(self) -> int:
+    return int(self.model['max_len'])
+
+
+def _one_line(e: Exception) -> str:
+  return ' '.join(str(e).split())
+
+
+def parse(path: str, bindings: tuple[str, ...] = ()) -> GinSetup:
+  """Parses a gin file (clearing earlier gin state) and checks it.
+
+  Args:
+    path: The gin file.
+    bindings: Extra bindings ("ReformerLM.n_layers = 2") applied after it.
+
+  Raises:
+    UserError: a missing file, a gin syntax error or unknown name, or a
+      setting Trax would silently get wrong.
+  """
+  if not os.path.isfile(path):
+    raise UserError(
+      f'gin file {path!r} not found; set "gin" in config.json '
+      '(or --gin) to a file in gin/'
+    )
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings([path], list(bindings))
+  except (
+    ValueError,
+    SyntaxError,
+    KeyError,
+    TypeError,
+    NameError,
+    AttributeError,
+    ImportError,
+    tokenize.TokenError,
+  ) as e:
+    gin.clear_config()
+    message = _one_line(e)
+    found = re.search(r'In file "[^"]*", line (\d+)', message)
+    line = getattr(e, 'lineno', None) or (found and found.group(1))
+    message = re.sub(r' In file "[^"]*", line \d+.*$', '', message)
+    where = f'{path}:{line}' if line else path
+    raise UserError(
+      f'{where}: {message}; check the spelling against gin/reformer_32k.gin'
+    ) from None
+  try:
+    bound = gin.get_bindings('trax.models.ReformerLM')
+  except ValueError:
+    bound = {}
+  model_settings = {**model._defaults(trax.models.ReformerLM), **bound}
+  model_settings['_bound'] = tuple(bound)
+  attention_cls = model_settings['attention_type']
+  attention = model._defaults(attention_cls)
+  try:
+    attention.update(gin.get_bindings(attention_cls.__name__))
+  except (ValueError, TypeError, AttributeError):
+    pass
+  name = model.check_settings(model_settings, attention, attention_cls, path)
+  return GinSetup(path, gin.config_str(), model_settings, attention, name)
+
+
+def saved_text(out_dir: str) -> str | None:
+  p = os.path.join(out_dir, MODEL_GIN)
+  if not os.path.exists(p):
+    return None
+  with open(p, encoding='utf-8') as f:
+    return f.read()
+
+
+def check_same_as_saved(setup: GinSetup, out_dir: str):
+  """A run resumes only with the gin it was started with."""
+  saved = saved_text(out_dir)
+  if saved is None or saved == setup.text:
+    return
+  old, new = saved.splitlines(), setup.text.splitlines()
+  diff = next(
+    (f'saved "{a}" vs now "{b}"' for a, b in zip(old, new) if a != b),
+    'different number of settings',
+  )
+  raise UserError(
+    f'{os.path.join(out_dir, MODEL_GIN)}: this run was trained with other '
+    f'model settings than {setup.path} ({diff}); use the same gin file '
+    'to resume, or a new out-dir to start over'
+  )
+
+
+def operative_text() -> str:
+  return gin.operative_config_str()

@@ -1,0 +1,200 @@
+"""The model, optimizer and learning-rate schedule, as plain functions.
+
+Nothing here knows about gin: `src.ginconf` registers these functions (and
+Trax's own `ReformerLM`, `LSHSelfAttention`, optimizers) as configurables
+and parses the gin files. `mode` and `vocab_size` always come from code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+
+import numpy as np
+import trax
+from trax import layers as tl
+
+from src.errors import UserError
+
+DECAYS = ('rsqrt', 'cosine', 'linear', 'constant')
+
+
+def lr_schedule(
+  total_steps: int,
+  peak: float = 1e-3,
+  warmup_steps: int = 1000,
+  decay: str = 'rsqrt',
+  final_fraction: float = 0.1,
+) -> Callable[[int], float]:
+  """Linear warmup to `peak`, then a decay.
+
+  Args:
+    total_steps: Steps of the whole run (the `steps` run setting).
+    peak: Learning rate at the end of warmup.
+    warmup_steps: Steps of linear warmup from 0.
+    decay: 'rsqrt' (peak * sqrt(warmup / step)), 'cosine' or 'linear' (to
+      `final_fraction * peak` at `total_steps`), or 'constant'.
+    final_fraction: Where cosine and linear decay end, relative to peak.
+
+  Returns:
+    A function step -> learning rate.
+  """
+  if decay not in DECAYS:
+    raise UserError(
+      f'lr_schedule.decay = {decay!r} is not one of {DECAYS}; '
+      'fix it in the gin file'
+    )
+  warmup_steps = max(0, int(warmup_steps))
+
+  def schedule(step: int) -> float:
+    step = int(step)
+    if warmup_steps and step < warmup_steps:
+      return peak * (step + 1) / warmup_steps
+    if decay == 'constant':
+      return peak
+    if decay == 'rsqrt':
+      return peak * math.sqrt(max(warmup_steps, 1) / max(step, 1))
+    span = max(total_steps - warmup_steps, 1)
+    progress = min(max(step - warmup_steps, 0) / span, 1.0)
+    if decay == 'linear':
+      shape = 1.0 - progress
+    else:
+      shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return peak * (final_fraction + (1.0 - final_fraction) * shape)
+
+  return schedule
+
+
+def optimizer(kind=trax.optimizers.Adam):
+  """The optimizer: `kind` is a Trax optimizer class, its settings in gin."""
+  return kind()
+
+
+def reformer_lm(vocab_size: int, mode: str):
+  """`trax.models.ReformerLM` with the gin-bound settings."""
+  return trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
+
+
+def _defaults(fn) -> dict:
+  """Keyword defaults of a function, or of a class's `__init__`."""
+  fn = fn.__init__ if inspect.isclass(fn) else getattr(fn, '__wrapped__', fn)
+  return {
+    k: p.default
+    for k, p in inspect.signature(fn).parameters.items()
+    if p.default is not inspect.Parameter.empty
+  }
+
+
+def check_settings(model: dict, attention: dict, attention_type, where: str):
+  """Rejects settings that Trax would silently get wrong.
+
+  Args:
+    model: ReformerLM keyword settings (defaults filled in).
+    attention: Settings of the attention layer (defaults filled in).
+    attention_type: The attention layer class.
+    where: The gin file, for messages.
+  """
+  for key in ('vocab_size', 'mode'):
+    if key in model.get('_bound', ()):
+      what = (
+        'comes from the tokenizer'
+        if key == 'vocab_size'
+        else 'is chosen by the scripts (train/eval/predict)'
+      )
+      raise UserError(f'{where}: remove "ReformerLM.{key}": it {what}')
+  max_len, d_model = model['max_len'], model['d_model']
+  axial = tuple(model.get('pos_axial_shape') or ())
+  if axial and model.get('pos_type') != 'axial':
+    raise UserError(
+      f'{where}: ReformerLM.pos_axial_shape is set but '
+      "ReformerLM.pos_type is not 'axial', so Trax would "
+      'ignore it; add "ReformerLM.pos_type = \'axial\'"'
+    )
+  if model.get('pos_type') == 'axial':
+    if not axial or int(np.prod(axial)) != max_len:
+      raise UserError(
+        f'{where}: ReformerLM.pos_axial_shape {axial} must '
+        f'multiply to max_len {max_len}'
+      )
+    embs = tuple(model.get('pos_d_axial_embs') or ())
+    if len(embs) != len(axial) or sum(embs) != d_model:
+      raise UserError(
+        f'{where}: ReformerLM.pos_d_axial_embs {embs} must have '
+        f'{len(axial)} entries summing to d_model {d_model}'
+      )
+  name = getattr(attention_type, '__name__', str(attention_type))
+  if 'LSH' in name:
+    chunk_len, n_buckets = attention['chunk_len'], attention['n_buckets']
+    if n_buckets is None:
+      raise UserError(
+        f'{where}: set "LSHSelfAttention.n_buckets" (e.g. '
+        f'{max(2, max_len // chunk_len)}); left unset, '
+        'Trax hashes the one-token predict step into a different number '
+        'of buckets than training used'
+      )
+    for n in n_buckets if isinstance(n_buckets, (list, tuple)) else [n_buckets]:
+      if n < 2 or n % 2:
+        raise UserError(
+          f'{where}: LSHSelfAttention.n_buckets {n_buckets} '
+          'must be even (or a list of even factors)'
+        )
+    if max_len % chunk_len:
+      raise UserError(
+        f'{where}: max_len {max_len} must be a multiple of '
+        f'LSHSelfAttention.chunk_len {chunk_len}'
+      )
+  return name
+
+
+def count_params(layer) -> int:
+  """Number of weights in an initialized Trax layer."""
+  leaves = [
+    w for w in trax.fastmath.tree_flatten(layer.weights) if hasattr(w, 'size')
+  ]
+  return int(sum(w.size for w in leaves))
+
+
+def init_model(vocab_size: int, mode: str, max_len: int, batch: int = 1):
+  """Builds and initializes a model for a `[batch, max_len]` int32 input."""
+  model = reformer_lm(vocab_size, mode)
+  length = 1 if mode == 'predict' else max_len
+  model.init(trax.shapes.ShapeDtype((batch, length), np.int32))
+  return model
+
+
+def lsh_layers(layer) -> list:
+  """Every LSH attention layer inside `layer`."""
+  found = []
+
+  def walk(node):
+    if type(node).__name__ in ('LSHSelfAttention', 'PureLSHSelfAttention'):
+      found.append(node)
+    for sub in getattr(node, 'sublayers', ()) or ():
+      walk(sub)
+
+  walk(layer)
+  return found
+
+
+def loss_layer():
+  """Cross-entropy on logits (ReformerLM outputs logits, not log-probs)."""
+  return tl.WeightedCategoryCrossEntropy()
+
+
+def metric_layers():
+  return [tl.WeightedCategoryCrossEntropy(), tl.WeightedCategoryAccuracy()]
+
+
+__all__ = [
+  'lr_schedule',
+  'optimizer',
+  'reformer_lm',
+  'check_settings',
+  'count_params',
+  'init_model',
+  'lsh_layers',
+  'loss_layer',
+  'metric_layers',
+  '_defaults',
+]

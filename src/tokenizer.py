@@ -1,0 +1,227 @@
+"""The sentencepiece tokenizer: trained on the run's data, saved with the run.
+
+The three markers are user-defined symbols, so each is exactly one id
+wherever it appears. Ids 0/1/2 are pad/eos/unk; there is no bos.
+
+Files in out-dir: `tokenizer.model` (sentencepiece) and `tokenizer.json`
+(settings and a fingerprint of the data it was trained on). Both are written
+to a temporary file first and renamed, so a crash never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+
+import numpy as np
+import sentencepiece as spm
+
+from src import chatformat
+from src.errors import UserError
+
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+MODEL_FILE, INFO_FILE = 'tokenizer.model', 'tokenizer.json'
+
+
+def data_fingerprint(conversations) -> str:
+  """A hash of the training text (turn roles and texts, in order)."""
+  h = hashlib.sha256()
+  for turn in chatformat.iter_turns(conversations):
+    h.update(turn.role.encode())
+    h.update(b'\0')
+    h.update(turn.text.encode('utf-8'))
+    h.update(b'\n')
+  return h.hexdigest()
+
+
+def write_atomic(path: str, data: bytes):
+  """Writes `data` to `path` through a temporary file and a rename."""
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix='.' + os.path.basename(path))
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+class Tokenizer:
+  """Encodes turns to ids and back; wraps a sentencepiece model."""
+
+  def __init__(self, model_proto: bytes, markers: chatformat.Markers):
+    self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    self.model_proto = model_proto
+    self.markers = markers
+    self.ai_start_id = self.sp.piece_to_id(markers.ai_start)
+    self.ai_end_id = self.sp.piece_to_id(markers.ai_end)
+    self.line_break_id = self.sp.piece_to_id(markers.line_break)
+    for marker, i in zip(markers.all(), self.marker_ids()):
+      if i == UNK_ID:
+        raise UserError(
+          f'tokenizer: marker {marker!r} is not in the '
+          'vocabulary; the tokenizer was trained with other '
+          'markers. Use the markers it was trained with or a '
+          'new out-dir'
+        )
+
+  def marker_ids(self) -> list[int]:
+    return [self.ai_start_id, self.ai_end_id, self.line_break_id]
+
+  @property
+  def vocab_size(self) -> int:
+    return self.sp.get_piece_size()
+
+  def encode(self, text: str) -> list[int]:
+    return self.sp.encode(text)
+
+  def decode(self, ids) -> str:
+    return self.sp.decode([int(i) for i in ids if int(i) != PAD_ID])
+
+  def encode_turn(self, turn: chatformat.Turn) -> list[int]:
+    """User turn: its text. AI turn: start marker, text, end marker."""
+    ids = self.encode(turn.text)
+    if turn.role == chatformat.AI:
+      return [self.ai_start_id] + ids + [self.ai_end_id]
+    return ids
+
+  def encode_conversations(self, conversations) -> np.ndarray:
+    """One token stream: every turn in order, EOS after each conversation.
+
+    Returns:
+      `[n_tokens] int32`.
+    """
+    parts = []
+    for conversation in conversations:
+      for turn in conversation.turns:
+        parts.append(np.asarray(self.encode_turn(turn), np.int32))
+      parts.append(np.asarray([EOS_ID], np.int32))
+    if not parts:
+      return np.zeros([0], np.int32)
+    return np.concatenate(parts)
+
+
+def train(conversations, vocab_size: int, markers: chatformat.Markers) -> bytes:
+  """Trains a unigram sentencepiece model on the turns' texts.
+
+  Returns:
+    The serialized model. The vocabulary may be smaller than `vocab_size`
+    when the data has too few distinct pieces.
+  """
+  texts = [turn.text for turn in chatformat.iter_turns(conversations)]
+  out = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(texts),
+      model_writer=out,
+      vocab_size=vocab_size,
+      model_type='unigram',
+      user_defined_symbols=markers.all(),
+      pad_id=PAD_ID,
+      eos_id=EOS_ID,
+      unk_id=UNK_ID,
+      bos_id=-1,
+      hard_vocab_limit=False,
+      character_coverage=1.0,
+      input_sentence_size=2_000_000,
+      shuffle_input_sentence=True,
+      max_sentence_length=1 << 16,
+      num_threads=os.cpu_count() or 1,
+      minloglevel=2,
+    )
+  except RuntimeError as e:
+    raise UserError(
+      f'tokenizer training failed ({e}); lower "vocab-size" or add more data'
+    ) from None
+  return out.getvalue()
+
+
+def load_or_train(
+  out_dir: str,
+  conversations,
+  vocab_size: int,
+  markers: chatformat.Markers,
+  write: bool = True,
+  log=print,
+) -> Tokenizer:
+  """Loads the run's tokenizer, or trains and saves one.
+
+  If a tokenizer exists in `out_dir` it is always reused (the checkpoints
+  depend on it). If the data has changed since it was trained, this says so;
+  if the markers or vocabulary size setting differ, that is an error.
+
+  Args:
+    out_dir: The run folder.
+    conversations: The parsed training data.
+    vocab_size: Requested vocabulary size.
+    markers: The format's markers.
+    write: Save a newly trained tokenizer (False for dry runs).
+    log: Where messages go.
+  """
+  model_path = os.path.join(out_dir, MODEL_FILE)
+  info_path = os.path.join(out_dir, INFO_FILE)
+  fingerprint = data_fingerprint(conversations)
+  if os.path.exists(model_path):
+    info = {}
+    if os.path.exists(info_path):
+      with open(info_path, encoding='utf-8') as f:
+        info = json.load(f)
+    if info.get('markers') and info['markers'] != markers.all():
+      raise UserError(
+        f'{info_path}: the tokenizer was trained with markers '
+        f'{info["markers"]}, the config has {markers.all()}; '
+        'restore the markers or use a new out-dir'
+      )
+    if info.get('requested_vocab_size', vocab_size) != vocab_size:
+      raise UserError(
+        f'{info_path}: the tokenizer was trained with '
+        f'vocab-size {info["requested_vocab_size"]}, the config '
+        f'asks for {vocab_size}; set it back or use a new '
+        'out-dir'
+      )
+    if info.get('data_fingerprint', fingerprint) != fingerprint:
+      log(
+        f'note: the data changed since {model_path} was trained; keeping '
+        "that tokenizer because this run's checkpoints use it (use a new "
+        'out-dir to train a tokenizer on the new data)'
+      )
+    with open(model_path, 'rb') as f:
+      return Tokenizer(f.read(), markers)
+  proto = train(conversations, vocab_size, markers)
+  tok = Tokenizer(proto, markers)
+  if write:
+    write_atomic(model_path, proto)
+    info = {
+      'requested_vocab_size': vocab_size,
+      'vocab_size': tok.vocab_size,
+      'markers': markers.all(),
+      'data_fingerprint': fingerprint,
+      'pad_id': PAD_ID,
+      'eos_id': EOS_ID,
+      'unk_id': UNK_ID,
+    }
+    write_atomic(info_path, json.dumps(info, indent=2).encode())
+  return tok
+
+
+def load(
+  model_dir: str, markers: chatformat.Markers | None = None
+) -> Tokenizer:
+  """Loads the tokenizer of a finished run (for sampling and evaluation)."""
+  model_path = os.path.join(model_dir, MODEL_FILE)
+  info_path = os.path.join(model_dir, INFO_FILE)
+  if not os.path.exists(model_path):
+    raise UserError(
+      f'{model_path}: missing; is {model_dir!r} the out-dir of a training run?'
+    )
+  if markers is None:
+    with open(info_path, encoding='utf-8') as f:
+      markers = chatformat.Markers(*json.load(f)['markers'])
+  with open(model_path, 'rb') as f:
+    return Tokenizer(f.read(), markers)

@@ -1,0 +1,349 @@
+"""Training: chat files -> tokenizer -> chunks -> Trax `Loop` -> checkpoints.
+
+`train(settings)` is everything `train.py` does. Order matters for the
+promise that bad input never touches out-dir: the config, data, gin file
+and any earlier run in out-dir are all checked before the first write.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from trax.supervised import training as trax_training
+
+from src import chatformat, checkpoint, chunks, ginconf, model, tokenizer
+from src.config import Section
+from src.errors import UserError
+
+# Trax's Loop prints its own step lines and blank separators to stdout; our
+# JadeLoop prints a progress line and one line per evaluation instead. Trax
+# still logs everything through absl (see JADE_VERBOSE in src.quiet).
+_trax_log = trax_training._log
+
+
+def _log_without_stdout(s, stdout=True):
+  del stdout
+  _trax_log(s, stdout=False)
+
+
+trax_training._log = _log_without_stdout
+
+
+def _format_duration(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  h, rest = divmod(seconds, 3600)
+  m, s = divmod(rest, 60)
+  return f'{h}h{m:02d}m' if h else (f'{m}m{s:02d}s' if m else f'{s}s')
+
+
+class Progress:
+  """One live status line: step/total, loss, perplexity, lr, tokens/s, ETA.
+
+  On a terminal the line is redrawn in place; otherwise a line is printed
+  every `interval` seconds. Step times exclude the first two steps of the
+  session (they include compilation), so the ETA is not thrown off.
+  """
+
+  def __init__(
+    self, total: int, start: int, stream=None, interval: float = 10.0
+  ):
+    self.total, self.start = total, start
+    self.stream = stream or sys.stdout
+    self.tty = self.stream.isatty()
+    self.interval = 0.5 if self.tty else interval
+    self.last_print = 0.0
+    self.timed_steps, self.timed_seconds, self.timed_tokens = 0, 0.0, 0.0
+    self.last_time = None
+    self.live = False
+
+  def step_done(self, step: int, loss, lr: float, tokens: float):
+    now = time.time()
+    if self.last_time is not None and step - self.start > 2:
+      self.timed_steps += 1
+      self.timed_seconds += now - self.last_time
+      self.timed_tokens += tokens
+    self.last_time = now
+    if now - self.last_print < self.interval and step < self.total:
+      return
+    self.last_print = now
+    loss = float(np.mean(np.asarray(loss)))
+    ppl = math.exp(min(loss, 50.0))
+    parts = [
+      f'step {step}/{self.total}',
+      f'loss {loss:.3f}',
+      f'ppl {ppl:.1f}',
+      f'lr {lr:.2e}',
+    ]
+    if self.timed_steps:
+      per_step = self.timed_seconds / self.timed_steps
+      parts.append(f'{self.timed_tokens / self.timed_seconds:.0f} tok/s')
+      parts.append(f'ETA {_format_duration(per_step * (self.total - step))}')
+    else:
+      parts.append('compiling' if step - self.start <= 2 else '')
+    self._write(' | '.join(p for p in parts if p))
+
+  def _write(self, line: str):
+    if self.tty:
+      self.stream.write('\r\033[K' + line)
+      self.live = True
+    else:
+      self.stream.write(line + '\n')
+    self.stream.flush()
+
+  def message(self, line: str):
+    """Prints a line that stays (eval results, checkpoints, notes)."""
+    if self.live:
+      self.stream.write('\r\033[K')
+      self.live = False
+    self.stream.write(line + '\n')
+    self.stream.flush()
+
+
+class JadeLoop(trax_training.Loop):
+  """Trax's Loop with our console output (progress line, eval lines).
+
+  Trax still writes TensorBoard events, checkpoints and its gin config; we
+  only replace its stdout chatter and add perplexity next to every loss.
+  """
+
+  def __init__(self, *args, progress: Progress, tokens_per_step, **kwargs):
+    self._progress = progress
+    self._tokens_per_step = tokens_per_step
+    super().__init__(*args, **kwargs)
+
+  def _run_one_step(self, task_index, task_changed):
+    loss, stats = super()._run_one_step(task_index, task_changed)
+    lr = float(self._tasks[task_index].learning_rate(self.step))
+    self._progress.step_done(self.step, loss, lr, self._tokens_per_step())
+    return loss, stats
+
+  def _log_step(self, msg, stdout=True):
+    super()._log_step(msg, stdout=False)
+
+  def log_summary(
+    self, values, summary_writer, value_prefix, log_prefix, stdout=True
+  ):
+    values = dict(values)
+    if 'loss' in values:
+      values['perplexity'] = float(np.exp(min(float(values['loss']), 50.0)))
+    super().log_summary(
+      values, summary_writer, value_prefix, log_prefix, stdout=False
+    )
+    if value_prefix == 'metrics/':
+      shown = ' | '.join(f'{k} {float(v):.4g}' for k, v in values.items())
+      self._progress.message(f'step {self.step}: {log_prefix} {shown}')
+
+  def save_checkpoint(self, basename):
+    super().save_checkpoint(basename)
+    if basename == 'model':
+      self._progress.message(
+        f'step {self.step}: checkpoint saved in {self.output_dir}'
+      )
+
+
+def _markers(settings: Section) -> chatformat.Markers:
+  markers = chatformat.Markers(
+    settings['ai-start'], settings['ai-end'], settings['line-break']
+  )
+  markers.check(settings.source)
+  return markers
+
+
+def _check_run_settings(s: Section):
+  for key in (
+    'steps',
+    'eval-every',
+    'checkpoint-every',
+    'eval-batches',
+    'vocab-size',
+  ):
+    if s[key] < 1:
+      raise UserError(
+        f'{s.source}: train.{key} must be at least 1 (got {s[key]})'
+      )
+  if s['vocab-size'] < 16:
+    raise UserError(
+      f'{s.source}: train.vocab-size {s["vocab-size"]} is too '
+      'small; use at least 16 (the default is 500)'
+    )
+
+
+def prepare(settings: Section, gin_bindings=(), log=print):
+  """Checks everything and builds the run's pieces without training.
+
+  Returns:
+    A dict with the tokenizer, gin setup, batch iterators and sizes; the
+    tokenizer is written to out-dir only after all checks passed.
+  """
+  s = settings
+  _check_run_settings(s)
+  if s['tpu-ip']:
+    log(
+      f'note: "tpu-ip" ({s["tpu-ip"]}) is not needed and is ignored: on a '
+      'TPU VM, JAX finds the TPU cores itself (JAX no longer drives remote '
+      'TPU nodes by IP). Run train.py on the TPU VM.'
+    )
+  markers = _markers(s)
+  out_dir = s['out-dir']
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise UserError(f'out-dir {out_dir!r} is a file; choose a folder name')
+  conversations = chatformat.read_data(
+    s['data'],
+    markers=markers,
+    repeat_limit=s['repeat-limit'],
+    collapse=s['collapse-repeats'],
+  )
+  setup = ginconf.parse(s['gin'], tuple(gin_bindings))
+  ginconf.check_same_as_saved(setup, out_dir)
+  start_step = checkpoint.latest_step(out_dir)  # Reads only; may raise.
+  devices = jax.local_device_count()
+  batch_size = chunks.batch_size_for(devices, s['batch-size'])
+  tok = tokenizer.load_or_train(
+    out_dir, conversations, s['vocab-size'], markers, log=log
+  )
+  stream = tok.encode_conversations(conversations)
+  train_stream, eval_stream = chunks.split_eval(
+    stream, s['eval-fraction'], [tok.ai_end_id, tokenizer.EOS_ID]
+  )
+  if eval_stream is train_stream and s['eval-fraction'] > 0:
+    log(
+      'note: the data is too small to hold some out; evaluating on the '
+      'training data'
+    )
+  max_len = setup.max_len
+  train_batches = chunks.ChunkBatches(
+    train_stream, max_len, batch_size, s['seed']
+  )
+  eval_batches = chunks.ChunkBatches(
+    eval_stream, max_len, batch_size, s['seed'] + 1
+  )
+  if train_batches.n_chunks < batch_size:
+    log(
+      f'note: only {train_batches.n_chunks} chunk(s) of {max_len} tokens '
+      f'for a batch of {batch_size}: some devices will see the same chunk '
+      'in a step; add data or lower max_len'
+    )
+  return {
+    'conversations': conversations,
+    'tokenizer': tok,
+    'gin': setup,
+    'devices': devices,
+    'batch_size': batch_size,
+    'start_step': start_step,
+    'train_batches': train_batches,
+    'eval_batches': eval_batches,
+    'n_tokens': len(stream),
+    'n_train_tokens': len(train_stream),
+    'n_eval_tokens': len(eval_stream),
+  }
+
+
+def _write_text(path: str, text: str):
+  tokenizer.write_atomic(path, text.encode('utf-8'))
+
+
+def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
+  """Trains (or resumes) a run as configured; returns the finished Loop."""
+  s = settings
+  run = prepare(s, gin_bindings, log=log)
+  out_dir, total = s['out-dir'], s['steps']
+  start = run['start_step']
+  tok, setup = run['tokenizer'], run['gin']
+  log(
+    f'data: {len(run["conversations"])} conversations, {run["n_tokens"]} '
+    f'tokens ({run["n_train_tokens"]} train, {run["n_eval_tokens"]} '
+    f'held out); vocabulary {tok.vocab_size}'
+  )
+  log(
+    f'model: {setup.path}, context {setup.max_len} tokens, '
+    f'{setup.attention_name}; {run["devices"]} device(s) '
+    f'({jax.devices()[0].platform}), batch {run["batch_size"]}'
+  )
+  if start >= total:
+    log(
+      f'already trained to step {start} (steps = {total}); raise --steps '
+      'to train further'
+    )
+    return None
+  if start:
+    log(f'resuming from the checkpoint at step {start} in {out_dir}')
+  _write_text(os.path.join(out_dir, ginconf.MODEL_GIN), setup.text)
+
+  train_batches, eval_batches = run['train_batches'], run['eval_batches']
+  last_tokens = [0.0]
+
+  def train_data():
+    for batch in train_batches.iterate(start):
+      last_tokens[0] = float(batch[2].sum())
+      yield batch
+
+  schedule = ginconf.lr_schedule(total)
+  train_task = trax_training.TrainTask(
+    labeled_data=train_data(),
+    loss_layer=model.loss_layer(),
+    optimizer=ginconf.optimizer(),
+    lr_schedule=schedule,
+    n_steps_per_checkpoint=s['checkpoint-every'],
+    loss_name='loss',
+    sample_batch=train_batches.batch(0),
+  )
+  eval_task = trax_training.EvalTask(
+    labeled_data=eval_batches.iterate(0),
+    metrics=model.metric_layers(),
+    metric_names=['loss', 'accuracy'],
+    n_eval_batches=s['eval-batches'],
+    sample_batch=eval_batches.batch(0),
+  )
+
+  def checkpoint_at(step):
+    return step % s['checkpoint-every'] == 0 or step == total
+
+  def eval_at(step):
+    return step == start + 1 or step % s['eval-every'] == 0 or step == total
+
+  progress = Progress(total, start)
+  vocab = tok.vocab_size
+  loop = JadeLoop(
+    model.reformer_lm(vocab, 'train'),
+    [train_task],
+    eval_model=model.reformer_lm(vocab, 'eval'),
+    eval_tasks=[eval_task],
+    output_dir=out_dir,
+    checkpoint_at=checkpoint_at,
+    permanent_checkpoint_at=lambda step: False,
+    eval_at=eval_at,
+    random_seed=s['seed'],
+    progress=progress,
+    tokens_per_step=lambda: last_tokens[0],
+  )
+  if loop.step != start:
+    raise UserError(
+      f'{out_dir}: the checkpoint says step {start} but loaded '
+      f'as step {loop.step}; the checkpoint files disagree'
+    )
+  _write_text(
+    os.path.join(out_dir, ginconf.OPERATIVE_GIN), ginconf.operative_text()
+  )
+  n_weights = model.count_params(loop.model)
+  log(
+    f'{n_weights:,} weights; training steps {start + 1}..{total}; '
+    f'TensorBoard: tensorboard --logdir {out_dir}'
+  )
+  try:
+    loop.run(total - start)
+  except KeyboardInterrupt:
+    progress.message(
+      f'interrupted at step {loop.step}; the last checkpoint is at step '
+      f'{checkpoint.latest_step(out_dir)}. Run the same command to resume.'
+    )
+    raise
+  progress.message(
+    f'done: step {loop.step}. Chat with it: python '
+    f'evaluate.py --model-dir {out_dir}'
+  )
+  return loop

@@ -1,0 +1,83 @@
+"""Shared fixtures: sample data, a tokenizer trained here, one tiny run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import src  # noqa: E402,F401  (applies the compat fixes once)
+from src import chatformat, config, tokenizer  # noqa: E402
+
+DATA = os.path.join(ROOT, 'data')
+TINY_GIN = os.path.join(ROOT, 'gin', 'tiny.gin')
+# Binds the tiny model even smaller so each step is a few milliseconds.
+MICRO = (
+  'ReformerLM.max_len = 128',
+  'ReformerLM.pos_axial_shape = (8, 16)',
+  'ReformerLM.d_model = 32',
+  'ReformerLM.d_ff = 64',
+  'ReformerLM.pos_d_axial_embs = (16, 16)',
+  'LSHSelfAttention.chunk_len = 16',
+  'LSHSelfAttention.n_buckets = 8',
+  'LSHSelfAttention.predict_mem_len = 128',
+  'LSHSelfAttention.predict_drop_len = 32',
+  'lr_schedule.warmup_steps = 2',
+)
+
+
+def train_settings(out_dir, **overrides):
+  """A `train` Section for the sample data and tiny gin, with overrides."""
+  values = {
+    'out-dir': str(out_dir),
+    'data': DATA,
+    'gin': TINY_GIN,
+    'steps': 4,
+    'eval-every': 2,
+    'checkpoint-every': 2,
+    'eval-batches': 1,
+    'vocab-size': 300,
+  }
+  values.update(overrides)
+  return config.from_values('train', values)
+
+
+@pytest.fixture(scope='session')
+def conversations():
+  return chatformat.read_data(DATA)
+
+
+@pytest.fixture(scope='session')
+def trained_tokenizer(conversations, tmp_path_factory):
+  out = tmp_path_factory.mktemp('tok')
+  return tokenizer.load_or_train(
+    str(out), conversations, 300, chatformat.Markers()
+  )
+
+
+@pytest.fixture(scope='session')
+def tiny_run(tmp_path_factory):
+  """One short training run shared by the tests that read its outputs."""
+  from src import training
+
+  out = tmp_path_factory.mktemp('run') / 'out'
+  lines = []
+  loop = training.train(
+    train_settings(out), gin_bindings=MICRO, log=lines.append
+  )
+  return {'out': str(out), 'loop': loop, 'log': lines}
+
+
+@pytest.fixture
+def copy_of(tmp_path):
+  def copy(src_dir):
+    dst = tmp_path / 'copy'
+    shutil.copytree(src_dir, dst)
+    return str(dst)
+
+  return copy
