@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 from typing import Any
@@ -148,6 +149,15 @@ def convert(value, default, where: str):
   )
 
 
+def _unknown(section: str, key: str, keys) -> str:
+  close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
+  hint = f'did you mean "{close[0]}"? ' if close else ''
+  return (
+    f'unknown key "{section}.{key}"; {hint}known keys: '
+    f'{", ".join(sorted(keys))}'
+  )
+
+
 def _key_to_attr(key: str) -> str:
   return key.replace('-', '_')
 
@@ -222,10 +232,7 @@ def read_section(
   values = {}
   for key, value in data.items():
     if key not in keys:
-      close = [k for k in keys if k.split('-')[0] in key] or sorted(keys)
-      raise UserError(
-        f'{path}: unknown key "{section}.{key}"; known keys: {", ".join(close)}'
-      )
+      raise UserError(f'{path}: {_unknown(section, key, keys)}')
     values[key] = convert(value, keys[key][0], f'{path}: {section}.{key}')
   for key, value in overrides.items():
     if value is not None:
@@ -241,7 +248,7 @@ def from_values(
   keys = SECTIONS[section]
   for key in values:
     if key not in keys:
-      raise UserError(f'{source}: unknown key "{section}.{key}"')
+      raise UserError(f'{source}: {_unknown(section, key, keys)}')
   full = {
     k: convert(values[k], d, f'{source}: {section}.{k}') if k in values else d
     for k, (d, _) in keys.items()

@@ -93,6 +93,7 @@ def parse(path: str, bindings: tuple[str, ...] = ()) -> GinSetup:
     found = re.search(r'In file "[^"]*", line (\d+)', message)
     line = getattr(e, 'lineno', None) or (found and found.group(1))
     message = re.sub(r' In file "[^"]*", line \d+.*$', '', message)
+    message = message.rstrip('. ')
     where = f'{path}:{line}' if line else path
     raise UserError(
       f'{where}: {message}; check the spelling against gin/reformer_32k.gin'

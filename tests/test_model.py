@@ -1,0 +1,126 @@
+"""The gin-configured model: Trax's silent traps pinned, one step per gin."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+from trax.supervised import training as trax_training
+
+from src import chunks, ginconf, model
+from src.errors import UserError
+
+from .conftest import ROOT, TINY_GIN
+
+GIN_32K = os.path.join(ROOT, 'gin', 'reformer_32k.gin')
+# Tiny dimensions bound over the real 32k file (same structure, 1k context).
+SHRINK_32K = (
+  'ReformerLM.max_len = 1024',
+  'ReformerLM.d_model = 64',
+  'ReformerLM.pos_axial_shape = (32, 32)',
+  'ReformerLM.pos_d_axial_embs = (32, 32)',
+  'ReformerLM.d_ff = 128',
+  'ReformerLM.n_layers = 2',
+  'ReformerLM.n_heads = 2',
+  'ReformerLM.ff_chunk_size = 0',
+  'LSHSelfAttention.n_buckets = 16',
+)
+
+
+def test_both_gin_files_parse_with_the_seed_setup():
+  big = ginconf.parse(GIN_32K)
+  assert big.max_len == 32768 and big.attention_name == 'LSHSelfAttention'
+  assert big.model['dropout'] == 0.2 and big.model['pos_type'] == 'axial'
+  assert math.prod(big.model['pos_axial_shape']) == 32768
+  assert big.attention['n_buckets'] == 512
+  tiny = ginconf.parse(TINY_GIN)
+  assert tiny.max_len == 512
+
+
+def test_axial_positions_are_really_axial():
+  """Without pos_type='axial' Trax builds a full max_len x d_model table."""
+  ginconf.parse(TINY_GIN)
+  axial = model.count_params(model.init_model(500, 'train', 512))
+  assert axial == 378_100
+  ginconf.parse(
+    TINY_GIN, ('ReformerLM.pos_type = None', 'ReformerLM.pos_axial_shape = ()')
+  )
+  full = model.count_params(model.init_model(500, 'train', 512))
+  # The full table replaces the two axial tables (16x64 and 32x64).
+  assert full - axial == 512 * 128 - (16 * 64 + 32 * 64)
+  with pytest.raises(UserError, match='add "ReformerLM.pos_type = \'axial\'"'):
+    ginconf.parse(TINY_GIN, ('ReformerLM.pos_type = None',))
+
+
+def test_bucket_count_is_fixed_and_equal_in_train_and_predict():
+  with pytest.raises(UserError, match='set "LSHSelfAttention.n_buckets"'):
+    ginconf.parse(TINY_GIN, ('LSHSelfAttention.n_buckets = None',))
+  ginconf.parse(TINY_GIN)
+  for mode in ('train', 'eval', 'predict'):
+    layers = model.lsh_layers(model.reformer_lm(300, mode))
+    assert len(layers) == 2
+    assert [layer._n_buckets for layer in layers] == [16, 16], mode
+
+
+@pytest.mark.parametrize(
+  'binding, message',
+  [
+    ('ReformerLM.vocab_size = 10', 'comes from the tokenizer'),
+    ("ReformerLM.mode = 'eval'", 'is chosen by the scripts'),
+    ('ReformerLM.pos_axial_shape = (16, 16)', 'must multiply to max_len 512'),
+    ('ReformerLM.pos_d_axial_embs = (64, 32)', 'summing to d_model 128'),
+    ('LSHSelfAttention.n_buckets = 7', 'must be even'),
+    ('LSHSelfAttention.chunk_len = 100', 'multiple of LSHSelfAttention'),
+  ],
+)
+def test_settings_trax_would_get_wrong_are_refused(binding, message):
+  with pytest.raises(UserError, match=message):
+    ginconf.parse(TINY_GIN, (binding,))
+
+
+@pytest.mark.parametrize(
+  'decay, at_end',
+  [('cosine', 0.1), ('linear', 0.1), ('constant', 1.0), ('rsqrt', 0.5)],
+)
+def test_lr_schedules(decay, at_end):
+  f = model.lr_schedule(
+    400, peak=2.0, warmup_steps=100, decay=decay, final_fraction=0.1
+  )
+  assert f(0) == pytest.approx(0.02) and f(49) == pytest.approx(1.0)
+  assert f(100) == pytest.approx(2.0)
+  assert f(400) == pytest.approx(2.0 * at_end)
+  with pytest.raises(UserError, match="decay = 'exp' is not one of"):
+    model.lr_schedule(10, decay='exp')
+
+
+@pytest.mark.parametrize(
+  'gin_file, bindings', [(TINY_GIN, ()), (GIN_32K, SHRINK_32K)]
+)
+def test_one_training_step_per_gin_file(gin_file, bindings):
+  setup = ginconf.parse(gin_file, bindings)
+  vocab = 300
+  rng = np.random.default_rng(0)
+  stream = rng.integers(3, vocab, size=setup.max_len * 3).astype(np.int32)
+  batches = chunks.ChunkBatches(stream, setup.max_len, 1, seed=0)
+  task = trax_training.TrainTask(
+    batches.iterate(),
+    model.loss_layer(),
+    ginconf.optimizer(),
+    lr_schedule=ginconf.lr_schedule(10),
+  )
+  losses = []
+
+  class RecordingLoop(trax_training.Loop):
+    def _run_one_step(self, task_index, task_changed):
+      loss, stats = super()._run_one_step(task_index, task_changed)
+      losses.append(float(loss))
+      return loss, stats
+
+  loop = RecordingLoop(
+    model.reformer_lm(vocab, 'train'), [task], output_dir=None, random_seed=0
+  )
+  loop.run(1)
+  assert loop.step == 1 and len(losses) == 1
+  # Cross-entropy on logits starts near ln(vocab); a log-prob loss such as
+  # tl.CrossEntropyLoss on these logits would be negative.
+  assert 0.5 * math.log(vocab) < losses[0] < 2 * math.log(vocab)
