@@ -49,6 +49,7 @@ Fixes:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import io
 import sys
@@ -118,9 +119,10 @@ def import_trax():
 
 
 def _patch_fast_assert_shape():
-  from trax.layers import assert_shape
-
-  assert_shape.inspect = fast_inspect_module()
+  # `trax.layers.assert_shape` is also the name of a function there, so
+  # fetch the module itself.
+  module = importlib.import_module('trax.layers.assert_shape')
+  module.inspect = fast_inspect_module()
 
 
 def cond_compat(*args, **kwargs):

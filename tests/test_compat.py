@@ -1,0 +1,144 @@
+"""Each Trax 1.4.1 / today's-JAX fix in src.compat, pinned by a test.
+
+Every test here exercises the broken path directly, so it fails if its fix
+is removed from `src.compat.apply()`.
+"""
+
+import importlib
+import inspect
+import warnings
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import trax
+from trax import fastmath
+from trax import layers as tl
+from trax.layers import acceleration
+from trax.supervised import training as trax_training
+
+from src import compat, ginconf, model
+
+from .conftest import MICRO, TINY_GIN
+
+
+def test_all_fixes_applied_once():
+  assert compat.APPLIED == [
+    'fast_trax_import',
+    'cond_keyword_form',
+    'stop_gradient_static',
+    'host_count_alias',
+    'device_put_replicated',
+    'on_cpu_uncommitted',
+    'tree_unflatten_arrays',
+    'tensorflow_off_accelerators',
+  ]
+  compat.apply()
+  assert len(compat.APPLIED) == 8
+
+
+def test_fast_trax_import_assert_shape_skips_inspect_stack(monkeypatch):
+  """assert_shape must not call inspect.stack (1 s per call at import)."""
+  monkeypatch.setattr(
+    inspect, 'stack', lambda *a, **k: pytest.fail('inspect.stack called')
+  )
+
+  module = importlib.import_module('trax.layers.assert_shape')
+
+  @module.assert_shape('...a->...a')
+  class Identity(tl.Layer):
+    def forward(self, x):
+      return x
+
+  layer = Identity()
+  line = inspect.getsourcelines(
+    test_fast_trax_import_assert_shape_skips_inspect_stack
+  )[1]  # noqa: E501
+  message = layer._before_assert_fun._message
+  assert message.startswith(f'Defined at {__file__}:')
+  assert int(message.split(':')[1].split()[0]) > line
+  x = np.ones((2, 3), np.float32)
+  np.testing.assert_array_equal(layer(x), x)
+
+
+def test_cond_keyword_form():
+  def branch(pred):
+    return fastmath.cond(
+      pred=pred,
+      true_operand=jnp.float32(2.0),
+      true_fun=lambda x: x + 1,
+      false_operand=jnp.float32(5.0),
+      false_fun=lambda x: x - 1,
+    )
+
+  assert float(branch(True)) == 3.0
+  assert float(jax.jit(branch)(False)) == 4.0
+  # The positional form still works.
+  assert int(fastmath.cond(True, lambda x: x, lambda x: -x, 3)) == 3
+
+
+def test_stop_gradient_keeps_python_numbers_static():
+  assert fastmath.stop_gradient(7) == 7
+  assert type(fastmath.stop_gradient(7)) is int
+
+  @jax.jit
+  def head(x):
+    return jax.lax.dynamic_slice_in_dim(x, 0, fastmath.stop_gradient(2))
+
+  np.testing.assert_array_equal(head(jnp.arange(5)), [0, 1])
+  grad = jax.grad(lambda x: fastmath.stop_gradient(x * 2.0) + x)(1.0)
+  assert float(grad) == 1.0
+
+
+def test_lsh_predict_mode_decodes():
+  """One-token LSH steps use both fixes above (cond and stop_gradient)."""
+  ginconf.parse(TINY_GIN, MICRO)
+  predict = model.init_model(50, 'predict', 128)
+  predict.weights = jax.tree_util.tree_map(jnp.asarray, predict.weights)
+  token = np.zeros((1, 1), np.int32)
+  for _ in range(3):
+    logits = predict(token)
+    assert logits.shape == (1, 1, 50)
+    assert np.all(np.isfinite(np.asarray(logits)))
+    token = np.argmax(np.asarray(logits), -1).astype(np.int32)
+
+
+def test_host_count_does_not_warn():
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    assert jax.host_count() == 1
+    trax_training.init_host_and_devices(None, 0)
+
+
+def test_replication_uses_device_put():
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    y = acceleration.for_n_devices(np.ones(3, np.float32), 2)
+  assert y.shape == (jax.local_device_count(), 3)
+
+
+def test_on_cpu_returns_uncommitted_host_arrays():
+  x = {'a': jnp.ones(3), 'b': (jnp.zeros(2),)}
+  y = tl.on_cpu(x)
+  assert isinstance(y['a'], np.ndarray) and isinstance(y['b'][0], np.ndarray)
+  assert trax.layers.on_cpu is acceleration.on_cpu
+
+
+def test_tree_unflatten_with_array_leaves():
+  tree = ((jnp.zeros(2), ()), [jnp.ones(1)])
+  flat = [jnp.full(2, 7.0), jnp.full(1, 9.0)]
+  new, rest = fastmath.tree_unflatten(flat, tree, copy_from_tree=[None, ()])
+  assert rest == []
+  np.testing.assert_array_equal(new[0][0], [7.0, 7.0])
+  assert new[0][1] == () and isinstance(new[1], list)
+
+
+def test_tensorflow_is_kept_off_accelerators():
+  import tensorflow as tf
+
+  with mock.patch.object(tf.config, 'set_visible_devices') as hide:
+    compat._hide_accelerators_from_tensorflow()
+  hide.assert_any_call([], 'GPU')
+  hide.assert_any_call([], 'TPU')

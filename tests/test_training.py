@@ -1,0 +1,269 @@
+"""Training end to end: checkpoints, TensorBoard, resume, devices, CLI."""
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+from src import checkpoint, ginconf, training
+from src.errors import UserError
+
+from .conftest import DATA, MICRO, ROOT, TINY_GIN, train_settings
+
+
+def scalars(folder):
+  acc = event_accumulator.EventAccumulator(folder)
+  acc.Reload()
+  return {
+    tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+    for tag in acc.Tags()['scalars']
+  }
+
+
+def test_run_writes_checkpoint_tokenizer_and_gin(tiny_run):
+  out = tiny_run['out']
+  files = set(os.listdir(out))
+  assert {
+    'model.pkl.gz',
+    'model.weights.npy.gz',
+    'model.opt_slots0.npy.gz',
+    'tokenizer.model',
+    'tokenizer.json',
+    'model.gin',
+    'config.gin',
+  } <= files
+  assert checkpoint.latest_step(out) == 4
+  operative = open(os.path.join(out, 'config.gin')).read()
+  assert 'ReformerLM.n_layers = 2' in operative
+  assert 'lr_schedule.warmup_steps = 2' in operative
+  assert tiny_run['loop'].step == 4
+
+
+def test_tensorboard_events_read_back(tiny_run):
+  train = scalars(os.path.join(tiny_run['out'], 'train'))
+  evals = scalars(os.path.join(tiny_run['out'], 'eval'))
+  assert [s for s, _ in train['metrics/loss']] == [1, 2, 4]
+  for step, loss in train['metrics/loss']:
+    ppl = dict(train['metrics/perplexity'])[step]
+    assert ppl == pytest.approx(np.exp(loss), rel=1e-4)
+  assert {
+    'training/learning_rate',
+    'training/steps per second',
+    'training/gradients_l2',
+  } <= set(train)
+  assert {'metrics/loss', 'metrics/accuracy', 'metrics/perplexity'} <= set(
+    evals
+  )
+  assert all(0 <= v <= 1 for _, v in evals['metrics/accuracy'])
+
+
+def test_resume_continues_at_the_saved_step(tiny_run, copy_of):
+  out = copy_of(tiny_run['out'])
+  lines = []
+  loop = training.train(
+    train_settings(out, steps=6), gin_bindings=MICRO, log=lines.append
+  )
+  assert any('resuming from the checkpoint at step 4' in x for x in lines)
+  assert loop.step == 6 and checkpoint.latest_step(out) == 6
+  train = scalars(os.path.join(out, 'train'))
+  assert [s for s, _ in train['metrics/loss']][-2:] == [5, 6]
+  lines.clear()
+  assert (
+    training.train(
+      train_settings(out, steps=6), gin_bindings=MICRO, log=lines.append
+    )
+    is None
+  )
+  assert 'already trained to step 6' in lines[-1]
+
+
+def test_checkpoint_pickles_are_read_safely(tiny_run, tmp_path):
+  meta = checkpoint.read_meta(tiny_run['out'])
+  assert meta['step'] == 4 and meta['input_signature']
+
+  class Evil:
+    def __reduce__(self):
+      return (os.system, ('echo pwned > ' + str(tmp_path / 'pwned'),))
+
+  data = pickle.dumps({'step': Evil()})
+  with pytest.raises(UserError, match='posix.system|os.system'):
+    checkpoint.safe_load(data, 'evil.pkl')
+  assert not (tmp_path / 'pwned').exists()
+  (tmp_path / 'model.pkl.gz').write_bytes(b'not gzip')
+  with pytest.raises(UserError, match='damaged'):
+    checkpoint.read_meta(str(tmp_path))
+
+
+def test_progress_line_shows_rate_and_eta(capsys):
+  progress = training.Progress(total=10, start=0, interval=0.0)
+  for step in range(1, 11):
+    progress.step_done(step, np.array([2.0]), 1e-3, 512)
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith('step 1/10 | loss 2.000 | ppl 7.4 | lr 1.00e-03')
+  assert 'compiling' in out[0]
+  assert 'tok/s' in out[-1] and 'ETA 0s' in out[-1]
+  assert out[-1].startswith('step 10/10')
+
+
+def run_script(args, env=None, **kwargs):
+  env = {**os.environ, **(env or {})}
+  return subprocess.run(
+    [sys.executable, *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    **kwargs,
+  )
+
+
+def micro_args(out, steps):
+  args = [
+    'train.py',
+    '--data',
+    DATA,
+    '--gin',
+    TINY_GIN,
+    '--out-dir',
+    out,
+    '--steps',
+    str(steps),
+    '--vocab-size',
+    '300',
+    '--eval-batches',
+    '1',
+  ]
+  for b in MICRO:
+    args += ['--bind', b]
+  return args
+
+
+def test_train_script_output_is_quiet_and_useful(tmp_path):
+  out = str(tmp_path / 'run')
+  result = run_script(
+    micro_args(out, 3) + ['--eval-every', '3', '--tpu-ip', '10.0.0.2']
+  )
+  assert result.returncode == 0, result.stderr
+  assert result.stderr == ''  # No TensorFlow / absl / gym noise.
+  lines = result.stdout.splitlines()
+  assert lines[0].startswith('note: "tpu-ip" (10.0.0.2) is not needed')
+  assert lines[1].startswith('data: 13 conversations')
+  assert any(x.startswith('step 3/3 | loss') for x in lines)
+  assert any(x.startswith('step 3: eval loss') for x in lines)
+  assert lines[-1].startswith('done: step 3.')
+
+
+MULTI_DEVICE = r"""
+import json, sys
+sys.path.insert(0, {root!r})
+import numpy as np
+from src import training
+from tests.conftest import MICRO, train_settings
+rows, losses = [], []
+class Recording(training.JadeLoop):
+  def _run_one_step(self, task_index, task_changed):
+    loss, stats = super()._run_one_step(task_index, task_changed)
+    losses.append(np.asarray(loss).tolist())
+    return loss, stats
+training.JadeLoop = Recording
+orig = training.chunks.ChunkBatches.batch
+def batch(self, step):
+  b = orig(self, step)
+  if self.seed == 0:
+    rows.append([r[w > 0].tolist() for r, w in zip(b[0], b[2])])
+  return b
+training.chunks.ChunkBatches.batch = batch
+loop = training.train(train_settings({out!r}, steps=2), gin_bindings=MICRO,
+                      log=lambda s: None)
+import jax
+print(json.dumps({{'devices': jax.local_device_count(), 'rows': rows,
+                  'losses': losses, 'step': loop.step}}))
+"""
+
+
+def test_eight_devices_each_train_on_a_different_chunk(tmp_path):
+  out = str(tmp_path / 'run8')
+  code = MULTI_DEVICE.format(root=ROOT, out=out)
+  result = run_script(
+    ['-c', code],
+    env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'},
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert report['devices'] == 8 and report['step'] == 2
+  # The sample batch plus one batch per step, each with 8 distinct chunks.
+  for rows in report['rows']:
+    assert len(rows) == 8
+    assert len({tuple(r) for r in rows}) == 8
+  # Trax's loss per device differs: each device saw different data.
+  for per_device in report['losses']:
+    assert len(per_device) == 8 and len(set(per_device)) == 8
+
+
+@pytest.mark.slow
+def test_killed_training_resumes_from_last_checkpoint(tmp_path):
+  out = str(tmp_path / 'run')
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      *micro_args(out, 100000),
+      '--checkpoint-every',
+      '5',
+      '--eval-every',
+      '1000',
+    ],
+    cwd=ROOT,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  try:
+    deadline = time.time() + 300
+    while time.time() < deadline:
+      if os.path.exists(os.path.join(out, 'model.pkl.gz')) and (
+        checkpoint.latest_step(out) >= 10
+      ):
+        break
+      time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  saved = checkpoint.latest_step(out)
+  assert saved >= 10 and saved % 5 == 0
+  result = run_script(micro_args(out, saved + 2) + ['--checkpoint-every', '5'])
+  assert result.returncode == 0, result.stderr
+  assert f'resuming from the checkpoint at step {saved}' in result.stdout
+  assert checkpoint.latest_step(out) == saved + 2
+
+
+@pytest.mark.slow
+def test_32k_model_trains_one_step(tmp_path):
+  """The real gin/reformer_32k.gin: build it and run one training step."""
+  setup = ginconf.parse(os.path.join(ROOT, 'gin', 'reformer_32k.gin'))
+  assert setup.max_len == 32768
+  out = str(tmp_path / 'run32k')
+  result = run_script(
+    [
+      'train.py',
+      '--data',
+      DATA,
+      '--out-dir',
+      out,
+      '--steps',
+      '1',
+      '--eval-fraction',
+      '0',
+    ],
+    timeout=1800,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert checkpoint.latest_step(out) == 1
