@@ -210,7 +210,7 @@ def prepare(settings: Section, gin_bindings=(), log=print):
   train_stream, eval_stream = chunks.split_eval(
     stream, s['eval-fraction'], [tok.ai_end_id, tokenizer.EOS_ID]
   )
-  if eval_stream is train_stream and s['eval-fraction'] > 0:
+  if eval_stream is train_stream and s['eval-fraction'] > 0:  # Too small.
     log(
       'note: the data is too small to hold some out; evaluating on the '
       'training data'
@@ -240,6 +240,7 @@ def prepare(settings: Section, gin_bindings=(), log=print):
     'n_tokens': len(stream),
     'n_train_tokens': len(train_stream),
     'n_eval_tokens': len(eval_stream),
+    'eval_is_train': eval_stream is train_stream,
   }
 
 
@@ -254,10 +255,14 @@ def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
   out_dir, total = s['out-dir'], s['steps']
   start = run['start_step']
   tok, setup = run['tokenizer'], run['gin']
+  held = (
+    'all used for training and evaluation'
+    if run['eval_is_train']
+    else f'{run["n_train_tokens"]} train, {run["n_eval_tokens"]} held out'
+  )
   log(
     f'data: {len(run["conversations"])} conversations, {run["n_tokens"]} '
-    f'tokens ({run["n_train_tokens"]} train, {run["n_eval_tokens"]} '
-    f'held out); vocabulary {tok.vocab_size}'
+    f'tokens ({held}); vocabulary {tok.vocab_size}'
   )
   log(
     f'model: {setup.path}, context {setup.max_len} tokens, '
@@ -343,7 +348,7 @@ def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
     )
     raise
   progress.message(
-    f'done: step {loop.step}. Chat with it: python '
-    f'evaluate.py --model-dir {out_dir}'
+    f'done: step {loop.step}. Curves: tensorboard --logdir {out_dir} | '
+    f'checkpoint, tokenizer and gin config are in {out_dir}/'
   )
   return loop
