@@ -112,3 +112,56 @@ def install():
   from trax.supervised import training
 
   training.unpickle_from_file = _trax_unpickle_from_file
+
+
+def load_weights(model_dir: str, layer, input_signature):
+  """Initializes `layer` and loads the checkpoint's weights into it.
+
+  The weights file holds plain NumPy arrays (read without pickle); the
+  metadata comes through `SafeUnpickler`. Works for any mode of the model
+  that was trained (train, eval, predict share the weights' structure).
+
+  Args:
+    model_dir: The run folder.
+    layer: An uninitialized Trax layer of the trained architecture.
+    input_signature: `ShapeDtype` of the layer's input.
+
+  Returns:
+    The checkpoint's step.
+  """
+  import jax
+  import numpy as np
+  from trax import layers as tl
+
+  meta = read_meta(model_dir)
+  if meta is None:
+    raise UserError(
+      f'{os.path.join(model_dir, CHECKPOINT)}: missing; train a model '
+      f'into {model_dir!r} first (python train.py --out-dir {model_dir})'
+    )
+  path = os.path.join(model_dir, WEIGHTS)
+  if not os.path.exists(path):
+    raise UserError(f'{path}: missing; the checkpoint is incomplete')
+  try:
+    flat = tl.np_from_file(path, compresslevel=meta['flat_weights'])
+  except (OSError, EOFError, ValueError) as e:
+    raise UserError(f'{path}: damaged ({e})') from None
+  flat = [
+    np.asarray(jax.lax.bitcast_convert_type(w, jax.numpy.bfloat16))
+    if w.dtype == np.uint16
+    else w
+    for w in flat
+  ]
+  layer.init(input_signature)
+  sig = layer.weights_and_state_signature(input_signature)
+  expected = len(tl.flatten_weights_and_state(layer.weights, layer.state)[0])
+  if len(flat) != expected:
+    raise UserError(
+      f'{path}: has {len(flat)} weight arrays, the model in {model_dir} '
+      f'needs {expected}; the checkpoint and its model.gin do not match'
+    )
+  weights, _ = tl.unflatten_weights_and_state(
+    flat, (), sig, weights_only=True
+  )
+  layer.weights = jax.tree_util.tree_map(jax.numpy.asarray, weights)
+  return int(meta['step'])
