@@ -160,8 +160,6 @@ def load_weights(model_dir: str, layer, input_signature):
       f'{path}: has {len(flat)} weight arrays, the model in {model_dir} '
       f'needs {expected}; the checkpoint and its model.gin do not match'
     )
-  weights, _ = tl.unflatten_weights_and_state(
-    flat, (), sig, weights_only=True
-  )
+  weights, _ = tl.unflatten_weights_and_state(flat, (), sig, weights_only=True)
   layer.weights = jax.tree_util.tree_map(jax.numpy.asarray, weights)
   return int(meta['step'])

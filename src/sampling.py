@@ -49,7 +49,9 @@ class SamplingSettings:
     try:
       parsed = kind(float(value)) if kind is int else kind(value)
     except ValueError:
-      raise UserError(f'{name} needs a {kind.__name__}, not {value!r}') from None
+      raise UserError(
+        f'{name} needs a {kind.__name__}, not {value!r}'
+      ) from None
     candidate = dataclasses.replace(self, **{name: parsed})
     candidate.check()
     setattr(self, name, parsed)
@@ -131,9 +133,7 @@ def next_token(
   logits = np.asarray(logits, np.float64).reshape(-1)
   window = settings.repetition_window
   recent = list(recent)[-window:] if window else []
-  logits = apply_repetition_penalty(
-    logits, recent, settings.repetition_penalty
-  )
+  logits = apply_repetition_penalty(logits, recent, settings.repetition_penalty)
   if settings.temperature == 0:
     return int(np.argmax(logits))
   logits = filter_logits(
