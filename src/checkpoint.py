@@ -152,6 +152,9 @@ def load_weights(model_dir: str, layer, input_signature):
     else w
     for w in flat
   ]
+  # The state (LSH hash seeds) is drawn at init: seed it so that scoring
+  # and sampling are reproducible from run to run.
+  layer.rng = jax.random.PRNGKey(0)
   layer.init(input_signature)
   sig = layer.weights_and_state_signature(input_signature)
   expected = len(tl.flatten_weights_and_state(layer.weights, layer.state)[0])

@@ -1,0 +1,85 @@
+"""Chat with a trained Jade V8 model, or measure its perplexity.
+
+python evaluate.py                      # interactive chat (model-dir from
+                                        # config.json "eval", default train)
+python evaluate.py --prompt "Hello!"    # one reply, then exit
+echo "Hi" | python evaluate.py          # each input line is a user turn
+python evaluate.py --perplexity data/   # loss/perplexity on held-out files
+"""
+
+import argparse
+import dataclasses
+import sys
+
+
+def parse_args(argv=None):
+  from src import config, sampling
+
+  defaults = sampling.SamplingSettings()
+  parser = argparse.ArgumentParser(
+    description='Chat with a trained model (or score files with it).',
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument(
+    '--config',
+    metavar='FILE',
+    default=None,
+    help='JSON config (default: ./config.json if present)',
+  )
+  config.add_arguments(parser, 'eval')
+  parser.add_argument('--prompt', help='print one reply to this and exit')
+  parser.add_argument(
+    '--perplexity',
+    metavar='PATH',
+    help='report loss and perplexity on a conversation file or folder',
+  )
+  parser.add_argument(
+    '--n-hashes',
+    type=int,
+    default=None,
+    help='LSH hash rounds while sampling (default: as trained)',
+  )
+  for f in dataclasses.fields(defaults):
+    parser.add_argument(
+      '--' + f.name.replace('_', '-'),
+      type=type(f.default),
+      default=f.default,
+      help=f'sampling: {f.name} (/set {f.name} VALUE)',
+    )
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  from src import chat, config, decoding, sampling
+
+  settings = config.read_section(
+    args.config, 'eval', config.overrides_from_args(args, 'eval')
+  )
+  model_dir = settings['model-dir']
+  if args.perplexity:
+    from src import perplexity
+
+    r = perplexity.evaluate(model_dir, args.perplexity)
+    print(
+      f'{args.perplexity}: {r["tokens"]} tokens, loss {r["loss"]:.4f} '
+      f'nats/token, perplexity {r["perplexity"]:.2f}, '
+      f'{r["bits_per_char"]:.3f} bits/char'
+    )
+    return 0
+  fields = [f.name for f in dataclasses.fields(sampling.SamplingSettings)]
+  sampler = sampling.SamplingSettings(**{k: getattr(args, k) for k in fields})
+  sampler.check()
+  decoder = decoding.Decoder.load(model_dir, n_hashes=args.n_hashes)
+  session = chat.ChatSession(decoder, sampler)
+  if args.prompt is not None:
+    session.reply(args.prompt)
+    return 0
+  chat.run_repl(session, interactive=sys.stdin.isatty())
+  return 0
+
+
+if __name__ == '__main__':
+  from src.cli import run_main
+
+  sys.exit(run_main(main))

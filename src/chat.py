@@ -1,0 +1,342 @@
+"""A chat session: the conversation, its context budget, and REPL commands.
+
+The whole conversation is the model's context. Each user turn is encoded as
+the training data encodes it (a line break becomes the line-break marker),
+followed by the AI start marker; the model then writes until it emits the
+AI end marker or reaches `max_new_tokens`. Only the new tokens of a turn are
+fed to the decoder. When the next turn would not fit in the context, the
+oldest turns are dropped (whole turns only) and the rest is read again once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+
+import numpy as np
+
+from src import chatformat, sampling, tokenizer
+from src.decoding import Decoder
+from src.errors import UserError
+
+HELP = """commands:
+  /help              this list
+  /reset             start a new conversation
+  /show              settings and how much of the context is used
+  /set NAME VALUE    change a setting, e.g. /set temperature 0.7
+  /save FILE         write the conversation in the training-data format
+  /load FILE         start from a conversation file (training-data format)
+  /quit              leave (Ctrl-D works too)
+Ctrl-C stops a reply; Ctrl-D leaves."""
+
+
+@dataclasses.dataclass
+class Turn:
+  role: str  # chatformat.USER or chatformat.AI
+  text: str  # With line-break markers, without AI markers.
+  ids: list[int]  # As fed to the model (AI turns include both markers).
+
+
+class _StopFlag:
+  """Turns Ctrl-C into a flag while a reply is generated.
+
+  Raising KeyboardInterrupt inside the jitted step would lose the donated
+  model state, so the reply loop checks this flag between tokens instead.
+  """
+
+  def __init__(self):
+    self.stop = False
+
+  @contextlib.contextmanager
+  def armed(self):
+    self.stop = False
+    if not hasattr(signal, 'SIGINT') or (
+      signal.getsignal(signal.SIGINT) is None
+    ):
+      yield self
+      return
+    try:
+      previous = signal.signal(signal.SIGINT, self._handler)
+    except ValueError:  # Not the main thread.
+      yield self
+      return
+    try:
+      yield self
+    finally:
+      signal.signal(signal.SIGINT, previous)
+
+  def _handler(self, signum, frame):
+    del signum, frame
+    self.stop = True
+
+
+class ChatSession:
+  """One conversation with a `Decoder`."""
+
+  def __init__(
+    self,
+    decoder: Decoder,
+    settings: sampling.SamplingSettings,
+    out=None,
+  ):
+    self.decoder = decoder
+    self.tok = decoder.tokenizer
+    self.markers = self.tok.markers
+    self.settings = settings
+    self.out = out or sys.stdout
+    self.turns: list[Turn] = []
+    self.rng = np.random.default_rng(settings.seed)
+    self.flag = _StopFlag()
+
+  # ---- conversation state
+
+  def reset(self):
+    self.turns.clear()
+    self.decoder.reset()
+    self.rng = np.random.default_rng(self.settings.seed)
+
+  def used(self) -> int:
+    return self.decoder.position
+
+  def _say(self, text: str):
+    self.out.write(text + '\n')
+    self.out.flush()
+
+  def _make_room(self, needed: int):
+    """Drops the oldest turns until `needed` more tokens fit; re-reads."""
+    start = 1 if self.used() == 0 else 0  # The leading pad token.
+    if self.used() + start + needed <= self.decoder.max_len:
+      return
+    kept = list(self.turns)
+    while kept and 1 + sum(len(t.ids) for t in kept) + needed > (
+      self.decoder.max_len
+    ):
+      kept.pop(0)
+    while kept and kept[0].role != chatformat.USER and len(kept) > 1:
+      kept.pop(0)  # Start the kept context on a user turn.
+    dropped = len(self.turns) - len(kept)
+    ids = [i for t in kept for i in t.ids]
+    self._say(
+      f'(context full: dropped the {dropped} oldest turn(s); re-reading '
+      f'the last {len(ids)} tokens)'
+    )
+    self.turns = kept
+    self.decoder.reset()
+    if ids:
+      self.decoder.feed(ids)
+
+  def user_ids(self, text: str) -> tuple[str, list[int]]:
+    """Encodes a user message as the training data does."""
+    br = f' {self.markers.line_break} '
+    text = br.join(part.strip() for part in text.splitlines() if part.strip())
+    return text, self.tok.encode(text)
+
+  # ---- replying
+
+  def reply(self, text: str, stream: bool = True) -> str | None:
+    """Adds a user turn, generates and returns the AI's reply.
+
+    The reply is written to `out` as it is generated; line-break markers are
+    shown as line breaks. Returns None for an empty message.
+    """
+    text, ids = self.user_ids(text)
+    if not ids:
+      return None
+    s = self.settings
+    # Besides the message: pad, start marker, the reply, end marker.
+    room = self.decoder.max_len - s.max_new_tokens - 3
+    if len(ids) > room:
+      self._say(
+        f'(your message is {len(ids)} tokens; the context holds '
+        f'{room} besides the reply, so only its last {room} are kept)'
+      )
+      ids = ids[-room:]
+      text = self.tok.decode(ids)
+    self._make_room(len(ids) + 1 + s.max_new_tokens + 1)
+    self.turns.append(Turn(chatformat.USER, text, ids))
+    logits = self.decoder.feed(ids + [self.tok.ai_start_id])
+    recent = [i for t in self.turns for i in t.ids][-s.repetition_window :]
+    reply_ids: list[int] = []
+    shown = ''
+    banned = [tokenizer.PAD_ID, self.tok.ai_start_id]
+    with self.flag.armed() as flag:
+      while len(reply_ids) < s.max_new_tokens and not flag.stop:
+        logits = np.array(logits, np.float64)
+        logits[banned] = -np.inf  # Never inside a reply.
+        token = sampling.next_token(logits, s, self.rng, recent)
+        if token in (self.tok.ai_end_id, tokenizer.EOS_ID):
+          break
+        reply_ids.append(token)
+        recent.append(token)
+        if stream:
+          text_so_far = self._display(reply_ids)
+          if text_so_far.startswith(shown):
+            self.out.write(text_so_far[len(shown) :])
+            self.out.flush()
+            shown = text_so_far
+        logits = self.decoder.feed([token])
+      stopped = flag.stop
+    # Close the AI turn in the model's context as training data does.
+    self.decoder.feed([self.tok.ai_end_id])
+    reply_text = self.tok.decode(reply_ids).strip()
+    self.turns.append(
+      Turn(
+        chatformat.AI,
+        reply_text,
+        [self.tok.ai_start_id] + reply_ids + [self.tok.ai_end_id],
+      )
+    )
+    if stream:
+      final = self._display(reply_ids)
+      if final.startswith(shown):
+        self.out.write(final[len(shown) :])
+      self.out.write(' [stopped]\n' if stopped else '\n')
+      self.out.flush()
+    return self._display(reply_ids)
+
+  def _display(self, ids) -> str:
+    text = self.tok.decode(ids)
+    return '\n'.join(
+      part.strip() for part in text.split(self.markers.line_break)
+    ).strip()
+
+  # ---- files
+
+  def conversation(self) -> chatformat.Conversation:
+    return chatformat.Conversation(
+      tuple(chatformat.Turn(t.role, t.text, '', 0) for t in self.turns)
+    )
+
+  def save(self, path: str):
+    if not self.turns:
+      raise UserError('nothing to save yet: the conversation is empty')
+    if os.path.exists(path):
+      raise UserError(f'{path} exists; choose another file name')
+    text = chatformat.format_conversation(self.conversation(), self.markers)
+    with open(path, 'x', encoding='utf-8') as f:
+      f.write(text)
+    self._say(f'(saved {len(self.turns)} turns to {path})')
+
+  def load(self, path: str):
+    if not os.path.isfile(path):
+      raise UserError(f'{path}: no such file')
+    convs = chatformat.read_file(path, markers=self.markers)
+    turns = []
+    for turn in chatformat.iter_turns(convs):
+      ids = self.tok.encode_turn(turn)
+      turns.append(Turn(turn.role, turn.text, ids))
+    self.reset()
+    budget = self.decoder.max_len - self.settings.max_new_tokens - 64 - 1
+    while turns and sum(len(t.ids) for t in turns) > budget:
+      turns.pop(0)
+    ids = [i for t in turns for i in t.ids]
+    self.turns = turns
+    if ids:
+      self.decoder.feed(ids)
+    self._say(f'(loaded {len(turns)} turns, {len(ids)} tokens, from {path})')
+
+  # ---- commands
+
+  def show(self) -> str:
+    s = dataclasses.asdict(self.settings)
+    settings = ', '.join(f'{k}={v}' for k, v in s.items())
+    return (
+      f'settings: {settings}\ncontext: {self.used()} of '
+      f'{self.decoder.max_len} tokens used, {len(self.turns)} turns'
+    )
+
+  def command(self, line: str) -> bool:
+    """Runs a /command. Returns False when the session should end."""
+    parts = line.strip().split()
+    name, args = parts[0].lower(), parts[1:]
+    if name in ('/quit', '/exit', '/q'):
+      return False
+    if name == '/help':
+      self._say(HELP)
+    elif name == '/reset':
+      self.reset()
+      self._say('(new conversation)')
+    elif name == '/show':
+      self._say(self.show())
+    elif name == '/set':
+      if len(args) != 2:
+        raise UserError('usage: /set NAME VALUE (see /show for the names)')
+      self.settings.set(args[0], args[1])
+      if args[0].replace('-', '_') == 'seed':
+        self.rng = np.random.default_rng(self.settings.seed)
+      self._say(f'({args[0]} = {args[1]})')
+    elif name in ('/save', '/load'):
+      if len(args) != 1:
+        raise UserError(f'usage: {name} FILE')
+      (self.save if name == '/save' else self.load)(args[0])
+    else:
+      raise UserError(f'unknown command {name}; /help lists the commands')
+    return True
+
+
+def run_repl(session: ChatSession, interactive: bool, stdin=None):
+  """Reads user turns and commands until /quit or end of input.
+
+  Args:
+    session: The chat session.
+    interactive: A terminal: prompts, line editing and history.
+    stdin: Input stream when not interactive (default sys.stdin).
+  """
+  stdin = stdin or sys.stdin
+  if interactive:
+    _enable_line_editing()
+    d = session.decoder
+    session._say(
+      f'Jade V8: model at step {d.step}, context {d.max_len} tokens. '
+      'Type a message; /help lists commands, Ctrl-D leaves.'
+    )
+  while True:
+    try:
+      line = input('you> ') if interactive else stdin.readline()
+    except EOFError:
+      break
+    except KeyboardInterrupt:
+      session.out.write('\n')
+      continue
+    if not interactive and line == '':
+      break
+    line = line.strip()
+    if not line:
+      continue
+    if line.startswith('/'):
+      try:
+        if not session.command(line):
+          break
+      except UserError as e:
+        session._say(f'error: {e}')
+      continue
+    if interactive:
+      session.out.write('jade> ')
+      session.out.flush()
+    session.reply(line)
+  if interactive:
+    session.out.write('\n')
+
+
+def _enable_line_editing():
+  try:
+    import readline  # noqa: F401  (line editing and history for input())
+  except ImportError:
+    return
+  history = os.path.expanduser('~/.jade_v8_history')
+  try:
+    readline.read_history_file(history)
+  except OSError:
+    pass
+  import atexit
+
+  def save():
+    try:
+      readline.write_history_file(history)
+    except OSError:
+      pass
+
+  atexit.register(save)

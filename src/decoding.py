@@ -1,0 +1,128 @@
+"""Incremental decoding: a predict-mode ReformerLM compiled once per session.
+
+`Decoder` loads a run folder (tokenizer, `model.gin`, checkpoint) and keeps
+the model's predict-mode state (LSH attention memory, position counters)
+between calls, so each new token costs one step of one token. The step is
+jitted once and its state buffers are donated, so the attention memory is
+updated in place instead of copied every token.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import trax
+
+from src import checkpoint, ginconf, model, tokenizer
+from src.errors import UserError
+
+
+def load_setup(model_dir: str, bindings=()) -> ginconf.GinSetup:
+  """Parses the run's saved `model.gin` (plus `bindings`)."""
+  if not os.path.isdir(model_dir):
+    raise UserError(
+      f'model-dir {model_dir!r}: no such folder; point --model-dir (or '
+      '"eval": {"model-dir": ...} in config.json) at a training out-dir'
+    )
+  path = os.path.join(model_dir, ginconf.MODEL_GIN)
+  if not os.path.exists(path):
+    raise UserError(
+      f'{path}: missing; {model_dir!r} is not a finished training run '
+      '(train into it with python train.py --out-dir ...)'
+    )
+  return ginconf.parse(path, tuple(bindings))
+
+
+class Decoder:
+  """A trained model in predict mode with its running state.
+
+  Attributes:
+    tokenizer: The run's tokenizer.
+    max_len: The model's context length.
+    position: Tokens fed since the last reset.
+    traces: How many times the step function was traced (compiled).
+  """
+
+  def __init__(self, predict_model, max_len: int, tok=None, step: int = 0):
+    """Wraps an initialized predict-mode model.
+
+    Args:
+      predict_model: A `ReformerLM(mode='predict')` with weights set.
+      max_len: Its context length.
+      tok: The run's tokenizer (None for benchmarks).
+      step: The checkpoint's training step (shown to the user).
+    """
+    self.model = predict_model
+    self.max_len = max_len
+    self.tokenizer = tok
+    self.step = step
+    self.weights = predict_model.weights
+    self._fresh_state = jax.tree_util.tree_map(np.asarray, predict_model.state)
+    self._rng = jax.random.PRNGKey(0)
+    self.traces = 0
+    self._step_fn = jax.jit(self._pure_step, donate_argnums=(1,))
+    self.reset()
+
+  @classmethod
+  def load(cls, model_dir: str, n_hashes: int | None = None) -> Decoder:
+    """Loads a run folder: tokenizer, saved gin, latest checkpoint."""
+    bindings = []
+    if n_hashes is not None:
+      bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
+    setup = load_setup(model_dir, bindings)
+    tok = tokenizer.load(model_dir)
+    mem = setup.attention.get('predict_mem_len', setup.max_len)
+    if 'LSH' in setup.attention_name and mem < setup.max_len:
+      raise UserError(
+        f'{model_dir}/model.gin: LSHSelfAttention.predict_mem_len {mem} '
+        f'is below max_len {setup.max_len}; set it to {setup.max_len}'
+      )
+    layer = model.reformer_lm(tok.vocab_size, 'predict')
+    signature = trax.shapes.ShapeDtype((1, 1), np.int32)
+    step = checkpoint.load_weights(model_dir, layer, signature)
+    return cls(layer, setup.max_len, tok, step)
+
+  def _pure_step(self, weights, state, tokens, rng):
+    self.traces += 1  # Runs only while tracing: counts compilations.
+    logits, state = self.model.pure_fn(tokens, weights, state, rng)
+    return logits[0, -1], state
+
+  def reset(self):
+    """Forgets the conversation: a fresh state, position 0."""
+    self.state = jax.tree_util.tree_map(jax.numpy.asarray, self._fresh_state)
+    self.position = 0
+
+  def _step(self, token_id: int):
+    token = np.array([[token_id]], np.int32)
+    logits, self.state = self._step_fn(
+      self.weights, self.state, token, self._rng
+    )
+    self.position += 1
+    return logits
+
+  def feed(self, ids) -> np.ndarray:
+    """Feeds tokens one at a time; returns the logits after the last.
+
+    Args:
+      ids: Token ids to append to the context.
+
+    Returns:
+      `[vocab] float32` logits for the next token.
+    """
+    ids = list(ids)
+    if not ids:
+      raise ValueError('feed() needs at least one token')
+    if self.position == 0:
+      # Training shifts inputs right: position 0 always sees the pad id.
+      ids = [tokenizer.PAD_ID] + ids
+    if self.position + len(ids) > self.max_len:
+      raise UserError(
+        f'context full: {self.position} + {len(ids)} tokens exceed '
+        f'{self.max_len}'
+      )
+    logits = None
+    for i in ids:
+      logits = self._step(i)
+    return np.asarray(logits)

@@ -1,0 +1,79 @@
+"""Perplexity of a trained model on held-out conversation files."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import numpy as np
+import trax
+from tqdm import tqdm
+
+from src import chatformat, checkpoint, chunks, model
+from src.decoding import load_setup
+from src.tokenizer import load as load_tokenizer
+
+
+def token_losses(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+  """Per-token cross-entropy (nats) of `[n, vocab]` logits."""
+  logits = logits.astype(np.float64)
+  top = logits.max(-1, keepdims=True)
+  logz = top[:, 0] + np.log(np.exp(logits - top).sum(-1))
+  return logz - logits[np.arange(len(targets)), targets]
+
+
+def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
+  """Token-level loss, perplexity and bits per character on `data`.
+
+  Every token counts: the stream is cut into `max_len` windows and the last,
+  shorter one is padded (padding gets no weight), never dropped.
+
+  Returns:
+    dict with tokens, characters, loss (nats/token), perplexity and
+    bits_per_char.
+  """
+  setup = load_setup(model_dir)
+  tok = load_tokenizer(model_dir)
+  convs = chatformat.read_data(data, markers=tok.markers)
+  stream = tok.encode_conversations(convs)
+  n_chars = sum(
+    len(t.text) + (2 if t.role == chatformat.AI else 1)
+    for t in chatformat.iter_turns(convs)
+  )
+  max_len = setup.max_len
+  layer = model.reformer_lm(tok.vocab_size, 'eval')
+  signature = trax.shapes.ShapeDtype((1, max_len), np.int32)
+  checkpoint.load_weights(model_dir, layer, signature)
+  weights, state = layer.weights, layer.state
+  rng = jax.random.PRNGKey(0)
+
+  @jax.jit
+  def forward(x):
+    return layer.pure_fn(x, weights, state, rng)[0]
+
+  total, count = 0.0, 0
+  n_windows = -(-len(stream) // max_len)
+  windows = range(n_windows)
+  if show_progress:
+    windows = tqdm(
+      windows,
+      desc=f'perplexity {os.path.basename(data)}',
+      unit='window',
+      leave=False,
+    )
+  for w in windows:
+    piece = stream[w * max_len : (w + 1) * max_len]
+    ids = np.full([1, max_len], chunks.PAD_ID, np.int32)
+    ids[0, : len(piece)] = piece
+    logits = np.asarray(forward(ids))[0, : len(piece)]
+    total += float(token_losses(logits, piece).sum())
+    count += len(piece)
+  loss = total / count
+  return {
+    'tokens': count,
+    'characters': n_chars,
+    'loss': loss,
+    'perplexity': math.exp(loss),
+    'bits_per_char': total / math.log(2) / max(n_chars, 1),
+  }

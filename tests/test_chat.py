@@ -1,0 +1,254 @@
+"""Chatting with a trained model: decoding, the session, evaluate.py."""
+
+import io
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+import trax
+
+import evaluate
+from src import (
+  chat,
+  chatformat,
+  checkpoint,
+  decoding,
+  ginconf,
+  model,
+  perplexity,
+  sampling,
+  tokenizer,
+)
+from src.cli import run_main
+
+from .conftest import DATA
+
+
+@pytest.fixture(scope='module')
+def decoder(tiny_run):
+  return decoding.Decoder.load(tiny_run['out'])
+
+
+def session(decoder, out=None, **kw):
+  decoder.reset()
+  s = sampling.SamplingSettings(**{'max_new_tokens': 6, 'seed': 1, **kw})
+  return chat.ChatSession(decoder, s, out=out or io.StringIO())
+
+
+def scripted(tokens):
+  """A stand-in for the sampler that returns `tokens` in order."""
+  it = iter(tokens)
+  return lambda logits, settings, rng, recent=(): next(it)
+
+
+def test_greedy_incremental_equals_full_forward(tiny_run):
+  """Incremental (predict-mode) decoding matches re-running the whole model.
+
+  LSH attention is approximate, so both modes are made exact for this test:
+  with chunk_len = max_len / 2 and one chunk before, every query's window in
+  the full forward pass spans the whole 128-token context, and the predict
+  step's candidate set (n_hashes * chunk_len * 2 = 128) holds every earlier
+  position. Both then compute full causal attention with the same weights
+  (the bucket settings have no weights), so greedy tokens must agree.
+  """
+  out = tiny_run['out']
+  ginconf.parse(
+    os.path.join(out, 'model.gin'),
+    ('LSHSelfAttention.chunk_len = 64', 'LSHSelfAttention.n_buckets = 2'),
+  )
+  tok = tokenizer.load(out)
+  predict = model.reformer_lm(tok.vocab_size, 'predict')
+  one = trax.shapes.ShapeDtype((1, 1), np.int32)
+  checkpoint.load_weights(out, predict, one)
+  inc_decoder = decoding.Decoder(predict, 128, tok)
+  full_model = model.reformer_lm(tok.vocab_size, 'eval')
+  checkpoint.load_weights(
+    out, full_model, trax.shapes.ShapeDtype((1, 128), np.int32)
+  )
+  prefix = tok.encode('Good morning!') + [tok.ai_start_id]
+  logits, incremental = inc_decoder.feed(prefix), []
+  for _ in range(10):
+    incremental.append(int(np.argmax(logits)))
+    logits = inc_decoder.feed(incremental[-1:])
+  seq, full = list(prefix), []
+  for _ in range(10):
+    x = np.zeros((1, 128), np.int32)
+    x[0, : len(seq)] = seq
+    # The model shifts inputs right: output i predicts token i.
+    nxt = int(np.argmax(np.asarray(full_model(x))[0, len(seq)]))
+    full.append(nxt)
+    seq.append(nxt)
+  assert incremental == full
+
+
+def test_reply_stops_at_end_marker_and_closes_the_turn(decoder, monkeypatch):
+  tok = decoder.tokenizer
+  word = tok.encode('morning')
+  monkeypatch.setattr(
+    sampling, 'next_token', scripted(word + [tok.ai_end_id, 99])
+  )
+  s = session(decoder)
+  assert s.reply('Good morning!') == 'morning'
+  assert s.turns[-1].ids == [tok.ai_start_id] + word + [tok.ai_end_id]
+  # Pad, the user's tokens, the start marker, reply, end marker: all fed.
+  fed = 1 + len(tok.encode('Good morning!')) + 1 + len(word) + 1
+  assert decoder.position == fed
+  assert s.out.getvalue() == 'morning\n'
+
+
+def test_line_breaks_in_and_out(decoder, monkeypatch):
+  tok = decoder.tokenizer
+  monkeypatch.setattr(
+    sampling,
+    'next_token',
+    scripted(tok.encode('a |br| b') + [tok.ai_end_id]),
+  )
+  s = session(decoder)
+  assert s.reply('first line\nsecond line') == 'a\nb'
+  assert s.turns[0].text == 'first line |br| second line'
+  assert tok.line_break_id in s.turns[0].ids
+
+
+def test_second_turn_does_not_recompile(decoder):
+  s = session(decoder, temperature=0.0)
+  s.reply('Hello')
+  traces = decoder.traces
+  s.reply('How are you doing?')
+  s.reply('What is your last name?')
+  assert decoder.traces == traces == 1
+
+
+def test_stdin_repl_with_commands_and_save(decoder, tmp_path):
+  out = io.StringIO()
+  s = session(decoder, out=out, temperature=0.0)
+  saved = tmp_path / 'chat.txt'
+  lines = [
+    'Hello',
+    '',
+    '/set max_new_tokens 4',
+    '/show',
+    'How are you?',
+    f'/save {saved}',
+    '/nope',
+    '/quit',
+    'never read',
+  ]
+  chat.run_repl(s, interactive=False, stdin=io.StringIO('\n'.join(lines)))
+  text = out.getvalue()
+  assert 'max_new_tokens=4' in text and 'turns' in text
+  assert 'error: unknown command /nope' in text
+  assert len(s.turns) == 4  # Two user turns, two replies; empty line skipped.
+  convs = chatformat.read_file(str(saved))  # Valid training data.
+  turns = list(chatformat.iter_turns(convs))
+  assert [t.role for t in turns] == ['user', 'ai', 'user', 'ai']
+  assert turns[0].text == 'Hello'
+  with pytest.raises(Exception, match='exists; choose another'):
+    s.save(str(saved))
+
+
+def test_reset_and_load(decoder, tmp_path):
+  s = session(decoder, temperature=0.0)
+  s.reply('Hello')
+  s.command('/reset')
+  assert s.turns == [] and decoder.position == 0
+  s.load(os.path.join(DATA, '01_greetings.txt'))
+  assert decoder.position > 0 and s.turns[-1].role == 'ai'
+  assert decoder.position <= decoder.max_len
+
+
+def test_context_overflow_drops_whole_oldest_turns(decoder):
+  s = session(decoder, temperature=0.0, max_new_tokens=12)
+  for i in range(12):
+    s.reply(f'Tell me something about number {i} please')
+    assert decoder.position <= decoder.max_len
+  text = s.out.getvalue()
+  assert 'context full: dropped the' in text
+  assert s.turns[0].role == 'user'
+  # What is in context is exactly the kept turns (plus the leading pad).
+  assert decoder.position == 1 + sum(len(t.ids) for t in s.turns)
+
+
+def test_overlong_input_is_cut_not_crashed(decoder):
+  s = session(decoder, temperature=0.0)
+  s.reply('word ' * 400)
+  assert 'only its last' in s.out.getvalue()
+  assert decoder.position <= decoder.max_len
+
+
+def test_ctrl_c_stops_the_reply(decoder, monkeypatch):
+  tok = decoder.tokenizer
+  calls = []
+
+  def sampler(logits, settings, rng, recent=()):
+    calls.append(1)
+    if len(calls) == 2:
+      os.kill(os.getpid(), signal.SIGINT)
+    return tok.encode('yes')[-1]
+
+  monkeypatch.setattr(sampling, 'next_token', sampler)
+  s = session(decoder, max_new_tokens=50)
+  s.reply('Hello')
+  assert s.out.getvalue().endswith(' [stopped]\n')
+  assert len(calls) == 2 and s.turns[-1].ids[-1] == tok.ai_end_id
+
+
+def test_evaluate_prompt_is_reproducible_with_seed(tiny_run, capsys):
+  args = ['--model-dir', tiny_run['out'], '--prompt', 'Hi there']
+  args += ['--max-new-tokens', '8', '--seed', '3', '--temperature', '1.0']
+  assert run_main(lambda: evaluate.main(args)) == 0
+  first = capsys.readouterr().out
+  assert run_main(lambda: evaluate.main(args)) == 0
+  assert capsys.readouterr().out == first and first.endswith('\n')
+
+
+@pytest.mark.parametrize('case', ['missing', 'not-a-run', 'no-checkpoint'])
+def test_bad_model_dir_one_line(case, tiny_run, tmp_path, capsys):
+  if case == 'missing':
+    model_dir, expected = str(tmp_path / 'nope'), 'no such folder'
+  elif case == 'not-a-run':
+    model_dir, expected = str(tmp_path), 'model.gin: missing'
+  else:
+    model_dir = str(tmp_path / 'run')
+    os.makedirs(model_dir)
+    for name in ('model.gin', 'tokenizer.model', 'tokenizer.json'):
+      with open(os.path.join(tiny_run['out'], name), 'rb') as f:
+        data = f.read()
+      with open(os.path.join(model_dir, name), 'wb') as f:
+        f.write(data)
+    expected = 'model.pkl.gz: missing; train a model'
+  code = run_main(lambda: evaluate.main(['--model-dir', model_dir]))
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1 and expected in err[0]
+
+
+def test_perplexity_is_exp_of_mean_token_loss(tiny_run):
+  out = tiny_run['out']
+  path = os.path.join(DATA, '02_about_jade.txt')
+  report = perplexity.evaluate(out, path, show_progress=False)
+  # Independently: Trax's own weighted cross-entropy over every window.
+  tok = tokenizer.load(out)
+  stream = tok.encode_conversations(chatformat.read_file(path))
+  ginconf.parse(os.path.join(out, 'model.gin'))
+  layer = model.reformer_lm(tok.vocab_size, 'eval')
+  checkpoint.load_weights(
+    out, layer, trax.shapes.ShapeDtype((1, 128), np.int32)
+  )
+  loss_layer = trax.layers.WeightedCategoryCrossEntropy()
+  # LSH hashing is random per call and flips on float noise, so the forward
+  # pass is compiled the way evaluate() compiles it, with its hash seed.
+  weights, state, key = layer.weights, layer.state, jax.random.PRNGKey(0)
+  forward = jax.jit(lambda x: layer.pure_fn(x, weights, state, key)[0])
+  total = count = 0.0
+  for start in range(0, len(stream), 128):
+    piece = stream[start : start + 128]
+    x = np.zeros((1, 128), np.int32)
+    w = np.zeros((1, 128), np.float32)
+    x[0, : len(piece)], w[0, : len(piece)] = piece, 1.0
+    mean = float(loss_layer((forward(x), x, w)))
+    total += mean * len(piece)
+    count += len(piece)
+  assert report['tokens'] == len(stream) == count
+  assert report['perplexity'] == pytest.approx(np.exp(total / count), rel=1e-4)
+  assert report['bits_per_char'] > 0
