@@ -16,3 +16,7 @@ quiet.silence_loggers()
 from src import checkpoint  # noqa: E402
 
 checkpoint.install()
+
+from src import fast_lsh  # noqa: E402
+
+fast_lsh.install()

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import trax
 
-from src import checkpoint, ginconf, model, tokenizer
+from src import checkpoint, fast_lsh, ginconf, model, tokenizer
 from src.errors import UserError
 
 
@@ -56,6 +56,14 @@ class Decoder:
     """
     self.model = predict_model
     self.max_len = max_len
+    for layer in model.lsh_layers(predict_model):
+      # feed() never lets the context outgrow the memory (see fast_lsh).
+      setattr(layer, fast_lsh.NO_ROLL, True)
+      if layer._predict_mem_len < max_len:
+        raise UserError(
+          f'LSHSelfAttention.predict_mem_len {layer._predict_mem_len} is '
+          f'below max_len {max_len}; set it to {max_len} in model.gin'
+        )
     self.tokenizer = tok
     self.step = step
     self.weights = predict_model.weights
@@ -73,12 +81,6 @@ class Decoder:
       bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
     setup = load_setup(model_dir, bindings)
     tok = tokenizer.load(model_dir)
-    mem = setup.attention.get('predict_mem_len', setup.max_len)
-    if 'LSH' in setup.attention_name and mem < setup.max_len:
-      raise UserError(
-        f'{model_dir}/model.gin: LSHSelfAttention.predict_mem_len {mem} '
-        f'is below max_len {setup.max_len}; set it to {setup.max_len}'
-      )
     layer = model.reformer_lm(tok.vocab_size, 'predict')
     signature = trax.shapes.ShapeDtype((1, 1), np.int32)
     step = checkpoint.load_weights(model_dir, layer, signature)

@@ -1,0 +1,194 @@
+"""A faster one-token decoding step for Trax's LSH attention.
+
+Measured on the benchmark model (bench/decode_speed.py): in Trax 1.4.1's
+predict mode each new token of `LSHSelfAttention` sorts the priorities of
+every position in its memory (`sort_key_val` over `predict_mem_len`, per
+head and layer) only to keep the last `n_hashes * chunk_len * (1 +
+n_chunks_before)` of them. The sort was ~80% of a token's time (34.6 ms of
+a step at an 8192-token memory; 7.7 ms without it) and made decoding slow
+down as the conversation grew.
+
+`install()` replaces the one-token path with the same computation that
+finds those positions with prefix sums in one linear pass (`select_kv`;
+`lax.top_k` is no help here: XLA on CPU lowers it to a sort). The
+priorities are distinct integers, so the selection is exactly the set and
+order the sort kept: outputs are bit-identical (pinned by
+tests/test_fast_lsh.py). Multi-token chunks and training are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import numpy as jnp
+from trax import fastmath
+from trax.layers.research import efficient_attention as ea
+
+_ORIGINAL = ea.LSHSelfAttention._incremental_forward_unbatched
+_ORIGINAL_MEM = ea.LSHSelfAttention._use_predict_mem
+NO_ROLL = '_jade_memory_never_rolls'
+
+
+def _use_predict_mem(self, inputs, state):
+  """Appends one token to the memory without Trax's in-graph roll.
+
+  Trax drops the oldest `predict_drop_len` positions inside the step when
+  the memory is full, through a `cond` whose result XLA must copy: every
+  token then copies each layer's whole memory (3 of the 13 ms of a token at
+  an 8192-token memory). A layer marked with `NO_ROLL` (the chat decoder
+  marks its layers and never lets the context outgrow the memory: it drops
+  whole turns and re-reads them first) appends in place instead.
+  """
+  seqlen = inputs[0].shape[-2]
+  if seqlen != 1 or not getattr(self, NO_ROLL, False):
+    return _ORIGINAL_MEM(self, inputs, state)
+  mem_end, mem, state = state
+
+  def append(buf, new):
+    return buf.at[:, mem_end].set(new[:, 0])
+
+  inputs = fastmath.nested_map_multiarg(append, mem, inputs)
+  return inputs, state, mem_end, inputs, mem_end + 1
+
+
+def _roll_buckets(self, buckets, buckets_idx, q_start):
+  """Drops the oldest bucket ids once the memory has been rolled."""
+
+  def roll(b):
+    b = jnp.reshape(b, (self._n_hashes, -1))
+    padded = jnp.concatenate(
+      [b, jnp.zeros((self._n_hashes, self._predict_drop_len), b.dtype)],
+      axis=1,
+    )
+    rolled = fastmath.dynamic_slice_in_dim(
+      padded, buckets_idx - q_start, b.shape[-1], axis=1
+    )
+    return jnp.reshape(rolled, (-1,))
+
+  return jax.lax.cond(buckets_idx > q_start, roll, lambda b: b, buckets)
+
+
+def select_kv(is_valid_target, q_start, n_keep: int):
+  """The positions Trax's sort keeps, found with prefix sums in O(memory).
+
+  Trax ranks position p by the priority `p + mem * valid(p)` if
+  `p <= q_start + 1`, else `-(mem + p) + mem * valid(p)`, sorts, and keeps
+  the `n_keep` highest in ascending order. Priorities are distinct, so the
+  rank of p is a count of positions in higher classes plus those of its own
+  class that outrank it; each count is a prefix sum.
+
+  Args:
+    is_valid_target: `[mem] bool`, positions sharing a bucket with the query.
+    q_start: Position of the new token.
+    n_keep: How many positions to keep.
+
+  Returns:
+    `[n_keep] int32` positions, lowest priority first (as the sort gives).
+  """
+  mem = is_valid_target.shape[0]
+  positions = jnp.arange(mem, dtype=jnp.int32)
+  past = positions <= q_start + 1
+  valid = is_valid_target
+  classes = [past & valid, past & ~valid, ~past & valid, ~past & ~valid]
+  counts = [jnp.sum(c, dtype=jnp.int32) for c in classes]
+  as_int = [c.astype(jnp.int32) for c in classes]
+
+  def later(c):  # Members of class c at higher positions than p.
+    return jnp.cumsum(c[::-1])[::-1] - c
+
+  def earlier(c):  # Members of class c at lower positions than p.
+    return jnp.cumsum(c) - c
+
+  rank = jnp.where(
+    classes[0],
+    later(as_int[0]),
+    jnp.where(
+      classes[1],
+      counts[0] + later(as_int[1]),
+      jnp.where(
+        classes[2],
+        counts[0] + counts[1] + earlier(as_int[2]),
+        counts[0] + counts[1] + counts[2] + earlier(as_int[3]),
+      ),
+    ),
+  )
+  slot = jnp.where(rank < n_keep, n_keep - 1 - rank, n_keep)
+  return jnp.zeros([n_keep], jnp.int32).at[slot].set(positions, mode='drop')
+
+
+def one_token_step(self, x, *, q_start, weights, state, rng):
+  """LSH attention of the newest token over the memory `x` (`[mem, d]`).
+
+  Returns:
+    `(out [1, d_v], new_state)` exactly as Trax's one-token path.
+  """
+  buckets, buckets_idx, hash_rng = state
+  buckets = _roll_buckets(self, buckets, buckets_idx, q_start)
+  attend_rng, output_rng = fastmath.random.split(rng)
+  w_q, w_v, w_o = weights
+  q_range = q_start + jnp.arange(1, dtype=jnp.int32)
+  # Trax duplicates the query row so matmul rounding matches its tests.
+  q = jnp.matmul(jnp.concatenate([x[q_range]] * 2, 0), w_q)
+  q_buckets = jnp.reshape(self.hash_vectors(q, hash_rng), (self._n_hashes, 2))
+  q_buckets = q_buckets[:, :1]
+  all_buckets = fastmath.dynamic_update_slice_in_dim(
+    jnp.reshape(buckets, (self._n_hashes, -1)), q_buckets, q_start, axis=1
+  )
+  is_valid_target = jnp.any(all_buckets == q_buckets, axis=0)
+  seqlen = x.shape[0]
+  n_keep = self._n_hashes * self._chunk_len * (1 + self._n_chunks_before)
+  kv_indices = select_kv(is_valid_target, q_start, min(n_keep, seqlen))
+  x_attend_to = x[kv_indices]
+  k = ea.length_normalized(jnp.matmul(x_attend_to, w_q))
+  v = jnp.matmul(x_attend_to, w_v)
+  mask_fn = functools.partial(
+    ea.mask_self_attention, causal=True, masked=True, exclude_self=True
+  )
+  o, _ = ea.attend(
+    q,
+    k,
+    v,
+    mask_fn=mask_fn,
+    q_info=q_range.astype(jnp.int32),
+    kv_info=kv_indices.astype(jnp.int32),
+    dropout=self._attention_dropout,
+    rng=attend_rng,
+  )
+  out = jnp.matmul(o, w_o)[:1]
+  out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+  new_idx = jnp.array(q_start + 1, dtype=buckets_idx.dtype)
+  return out, (jnp.reshape(all_buckets, (-1,)), new_idx, hash_rng)
+
+
+def _incremental_forward_unbatched(
+  self, x, *, q_start, q_len, weights, state, rng, update_state
+):
+  if q_len != 1 or self._n_chunks_after != 0 or not update_state:
+    return _ORIGINAL(
+      self,
+      x,
+      q_start=q_start,
+      q_len=q_len,
+      weights=weights,
+      state=state,
+      rng=rng,
+      update_state=update_state,
+    )
+  return one_token_step(
+    self, x, q_start=q_start, weights=weights, state=state, rng=rng
+  )
+
+
+def install():
+  """Routes LSH attention's one-token predict step through `select_kv`."""
+  ea.LSHSelfAttention._incremental_forward_unbatched = (
+    _incremental_forward_unbatched
+  )
+  ea.LSHSelfAttention._use_predict_mem = _use_predict_mem
+
+
+def uninstall():
+  """Restores Trax's sorting step (for comparisons)."""
+  ea.LSHSelfAttention._incremental_forward_unbatched = _ORIGINAL
+  ea.LSHSelfAttention._use_predict_mem = _ORIGINAL_MEM

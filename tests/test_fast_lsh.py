@@ -1,0 +1,46 @@
+"""The top_k one-token LSH step is bit-identical to Trax's sorting step."""
+
+import jax
+import numpy as np
+import trax
+
+from src import fast_lsh, ginconf, model
+from src.decoding import Decoder
+
+from .conftest import MICRO, TINY_GIN
+
+
+def decode(n_tokens=40):
+  ginconf.parse(TINY_GIN, MICRO + ('LSHSelfAttention.n_hashes = 2',))
+  layer = model.reformer_lm(60, 'predict')
+  layer.rng = jax.random.PRNGKey(1)
+  layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
+  decoder = Decoder(layer, 128)
+  rng = np.random.default_rng(0)
+  # Past the 64-token window, so the selection really drops positions.
+  return np.stack(
+    [decoder.feed([int(t)]) for t in rng.integers(3, 60, n_tokens)]
+  )
+
+
+def test_same_logits_as_trax_sort_and_no_sort_in_the_step():
+  fast = decode()
+  fast_lsh.uninstall()
+  try:
+    slow = decode()
+  finally:
+    fast_lsh.install()
+  np.testing.assert_array_equal(fast, slow)
+
+
+def test_compiled_step_has_no_sort():
+  ginconf.parse(TINY_GIN, MICRO)
+  layer = model.reformer_lm(60, 'predict')
+  layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
+  d = Decoder(layer, 128)
+  hlo = (
+    jax.jit(d._pure_step)
+    .lower(d.weights, d.state, np.zeros((1, 1), np.int32), d._rng)
+    .as_text()
+  )
+  assert 'stablehlo.sort' not in hlo
