@@ -20,6 +20,7 @@ message to the first reply token after compilation.
 from __future__ import annotations
 
 import argparse
+from importlib import metadata
 import json
 import os
 import platform
@@ -126,8 +127,8 @@ def main():
   results = {
     'machine': f'{platform.machine()}, {os.cpu_count()} cores, '
     f'{jax.devices()[0].platform}',
-    'versions': f'trax {trax.__version__ if hasattr(trax, "__version__") else "1.4.1"}'
-    f', jax {jax.__version__}, python {platform.python_version()}',
+    'versions': f'trax {metadata.version("trax")}, jax {jax.__version__}, '
+    f'python {platform.python_version()}',
   }
   results['incremental'] = incremental(prefixes, args.tokens, prompt)
   if args.trax_sort:
