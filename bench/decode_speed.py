@@ -20,12 +20,12 @@ message to the first reply token after compilation.
 from __future__ import annotations
 
 import argparse
-from importlib import metadata
 import json
 import os
 import platform
 import sys
 import time
+from importlib import metadata
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
