@@ -29,11 +29,11 @@ from importlib import metadata
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import src  # noqa: E402,F401,I001  (first: quiet imports, compat fixes)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import trax  # noqa: E402
 
-import src  # noqa: E402,F401
 from src import fast_lsh, ginconf, model  # noqa: E402
 from src.decoding import Decoder  # noqa: E402
 

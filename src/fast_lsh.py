@@ -24,6 +24,7 @@ import jax
 from jax import numpy as jnp
 from trax import fastmath
 from trax.layers.research import efficient_attention as ea
+from trax.layers.research import position_encodings as pe
 
 _ORIGINAL = ea.LSHSelfAttention._incremental_forward_unbatched
 _ORIGINAL_MEM = ea.LSHSelfAttention._use_predict_mem
@@ -180,15 +181,45 @@ def _incremental_forward_unbatched(
   )
 
 
+_ORIGINAL_AXIAL = pe.AxialPositionalEncoding.forward
+
+
+def _axial_forward(self, inputs):
+  """Axial position embedding of one new token, without the whole table.
+
+  In predict mode Trax builds the full `[max_len, d_model]` table every
+  token and slices one row out of it. For one token we look up the row's
+  coordinates instead: position p is `unravel_index(p, shape)`, and its
+  embedding is the concatenation of each axis' vector at its coordinate.
+  """
+  if self._mode != 'predict' or inputs.shape[1] != 1:
+    return _ORIGINAL_AXIAL(self, inputs)
+  position = self.state
+  parts = []
+  for axis, ax_emb in enumerate(self.weights):
+    size = self._shape[axis]
+    stride = 1
+    for later in self._shape[axis + 1 :]:
+      stride *= later
+    coord = (position // stride) % size
+    table = jnp.reshape(ax_emb, (size, ax_emb.shape[-1]))
+    parts.append(fastmath.dynamic_slice_in_dim(table, coord, 1, axis=0))
+  emb = jnp.concatenate(parts, -1)  # [1, d_model]
+  self.state = position + 1
+  return inputs + emb[None]
+
+
 def install():
   """Routes LSH attention's one-token predict step through `select_kv`."""
   ea.LSHSelfAttention._incremental_forward_unbatched = (
     _incremental_forward_unbatched
   )
   ea.LSHSelfAttention._use_predict_mem = _use_predict_mem
+  pe.AxialPositionalEncoding.forward = _axial_forward
 
 
 def uninstall():
   """Restores Trax's sorting step (for comparisons)."""
   ea.LSHSelfAttention._incremental_forward_unbatched = _ORIGINAL
   ea.LSHSelfAttention._use_predict_mem = _ORIGINAL_MEM
+  pe.AxialPositionalEncoding.forward = _ORIGINAL_AXIAL

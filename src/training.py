@@ -348,7 +348,7 @@ def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
     )
     raise
   progress.message(
-    f'done: step {loop.step}. Curves: tensorboard --logdir {out_dir} | '
-    f'checkpoint, tokenizer and gin config are in {out_dir}/'
+    f'done: step {loop.step}. Chat with it: python evaluate.py --model-dir '
+    f'{out_dir} | curves: tensorboard --logdir {out_dir}'
   )
   return loop
