@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 import trax  # noqa: E402
 
 from src import fast_lsh, ginconf, model  # noqa: E402
+from src import decoding  # noqa: E402
 from src.decoding import Decoder  # noqa: E402
 
 CONTEXT = 4160
@@ -60,7 +61,8 @@ GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
 
 
 def build(mode: str, length: int):
-  ginconf.parse(GIN, BINDINGS)
+  extra = decoding.predict_bindings(4) if mode == 'predict' else []
+  ginconf.parse(GIN, BINDINGS + tuple(extra))
   layer = model.reformer_lm(VOCAB, mode)
   layer.rng = jax.random.PRNGKey(0)  # Same weights for both contenders.
   layer.init(trax.shapes.ShapeDtype((1, length), np.int32))

@@ -35,6 +35,16 @@ def load_setup(model_dir: str, bindings=()) -> ginconf.GinSetup:
   return ginconf.parse(path, tuple(bindings))
 
 
+def predict_bindings(n_heads: int) -> list[str]:
+  """Gin bindings for decoding (they change speed, not results).
+
+  Training computes one head at a time to save memory
+  (`n_parallel_heads = 1`). A one-token step is tiny, and running all heads
+  together is ~1.5x faster (bench/decode_speed.py: 11.5 -> 7.8 ms/token).
+  """
+  return [f'LSHSelfAttention.n_parallel_heads = {int(n_heads)}']
+
+
 class Decoder:
   """A trained model in predict mode with its running state.
 
@@ -79,6 +89,8 @@ class Decoder:
     bindings = []
     if n_hashes is not None:
       bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
+    trained = load_setup(model_dir, bindings)
+    bindings += predict_bindings(trained.model['n_heads'])
     setup = load_setup(model_dir, bindings)
     tok = tokenizer.load(model_dir)
     layer = model.reformer_lm(tok.vocab_size, 'predict')

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 import trax
 
 from src import fast_lsh, ginconf, model
@@ -10,8 +11,15 @@ from src.decoding import Decoder
 from .conftest import MICRO, TINY_GIN
 
 
-def decode(n_tokens=40):
-  ginconf.parse(TINY_GIN, MICRO + ('LSHSelfAttention.n_hashes = 2',))
+def decode(parallel_heads, n_tokens=40):
+  ginconf.parse(
+    TINY_GIN,
+    MICRO
+    + (
+      'LSHSelfAttention.n_hashes = 2',
+      f'LSHSelfAttention.n_parallel_heads = {parallel_heads}',
+    ),
+  )
   layer = model.reformer_lm(60, 'predict')
   layer.rng = jax.random.PRNGKey(1)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
@@ -23,11 +31,12 @@ def decode(n_tokens=40):
   )
 
 
-def test_same_logits_as_trax_sort_and_no_sort_in_the_step():
-  fast = decode()
+@pytest.mark.parametrize('parallel_heads', [1, 2])
+def test_same_logits_as_trax_sort(parallel_heads):
+  fast = decode(parallel_heads)
   fast_lsh.uninstall()
   try:
-    slow = decode()
+    slow = decode(parallel_heads)
   finally:
     fast_lsh.install()
   np.testing.assert_array_equal(fast, slow)
