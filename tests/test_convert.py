@@ -1,0 +1,197 @@
+"""Importers into the line format and the exporter back to messages JSONL."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from src import chatformat, convert
+from src.errors import UserError
+
+
+def run(fmt, tmp_path, text, name='in.jsonl', strict=False, trim=False, **kw):
+  src = tmp_path / name
+  src.write_text(text, encoding='utf-8')
+  warnings = []
+  options = dict(
+    ai_roles=['gpt'],
+    user_roles=['human'],
+    ai_side='second',
+    user_prefix='User:',
+    ai_prefix='Bot:',
+  )
+  options.update(kw)
+  report = convert.convert(
+    fmt,
+    str(src),
+    str(tmp_path / 'out'),
+    convert.Options(strict=strict, trim=trim),
+    warn=warnings.append,
+    **options,
+  )
+  out = tmp_path / 'out' / (os.path.splitext(name)[0] + '.txt')
+  return report, warnings, chatformat.read_file(str(out))
+
+
+def roles_and_texts(convs):
+  return [[(t.role, t.text) for t in c.turns] for c in convs]
+
+
+MESSAGES = (
+  '\n'.join(
+    json.dumps(r)
+    for r in [
+      {
+        'messages': [
+          {'role': 'system', 'content': 'Be nice.'},
+          {'role': 'user', 'content': 'Hi\nthere'},
+          {'role': 'assistant', 'content': 'Hello!'},
+        ]
+      },
+      {'messages': [{'role': 'user', 'content': 'ok'}]},
+      {
+        'messages': [
+          {'role': 'wizard', 'content': 'x'},
+          {'role': 'assistant', 'content': 'y'},
+        ]
+      },
+      {
+        'messages': [
+          {'role': 'user', 'content': ''},
+          {'role': 'assistant', 'content': 'y'},
+        ]
+      },
+    ]
+  )
+  + '\n{"messages": [\n'
+)
+
+
+def test_messages_jsonl_with_malformed_records(tmp_path):
+  report, warnings, convs = run('messages', tmp_path, MESSAGES)
+  assert roles_and_texts(convs) == [
+    [('user', 'Hi |br| there'), ('ai', 'Hello!')]
+  ]
+  path = str(tmp_path / 'in.jsonl')
+  assert warnings == [
+    f'{path}:2: skipped: ends on a user turn (the AI must talk last; --trim '
+    'drops it)',
+    f"{path}:3: skipped: unknown role 'wizard'",
+    f'{path}:4: skipped: empty content',
+    f'{path}:5: skipped: bad JSON (Expecting value)',
+  ]
+  assert report.conversations == 1 and report.dropped_system == 1
+  assert sum(report.skipped.values()) == 4
+  assert 'skipped 4 records' in report.summary()
+
+
+def test_strict_stops_at_the_first_bad_record(tmp_path):
+  with pytest.raises(UserError, match=r'in.jsonl:2: ends on a user turn'):
+    run('messages', tmp_path, MESSAGES, strict=True)
+
+
+def test_round_trip_messages_to_lines_to_messages(tmp_path):
+  records = [
+    {
+      'messages': [
+        {'role': 'user', 'content': 'a\nb'},
+        {'role': 'assistant', 'content': 'c'},
+        {'role': 'user', 'content': 'd'},
+        {'role': 'assistant', 'content': 'e\nf'},
+      ]
+    },
+    {'messages': [{'role': 'assistant', 'content': 'I start.'}]},
+  ]
+  text = ''.join(json.dumps(r) + '\n' for r in records)
+  run('messages', tmp_path, text)
+  out = tmp_path / 'back.jsonl'
+  report = convert.to_messages(str(tmp_path / 'out'), str(out))
+  back = [json.loads(line) for line in out.read_text().splitlines()]
+  assert back == records and report.conversations == 2
+
+
+def test_sharegpt_with_configurable_roles(tmp_path):
+  data = [
+    {
+      'conversations': [
+        {'from': 'human', 'value': 'Hi'},
+        {'from': 'gpt', 'value': 'Hey'},
+        {'from': 'gpt', 'value': 'What is up?'},
+      ]
+    },
+    {'conversations': [{'from': 'robot', 'value': 'x'}]},
+  ]
+  report, warnings, convs = run(
+    'sharegpt', tmp_path, json.dumps(data), name='sg.json'
+  )
+  # Two AI messages in a row become one line joined with |br|.
+  assert roles_and_texts(convs) == [
+    [('user', 'Hi'), ('ai', 'Hey |br| What is up?')]
+  ]
+  assert warnings == [
+    f"{tmp_path / 'sg.json'}[1]: skipped: unknown role 'robot'"
+  ]
+
+
+def test_chatterbot_yaml_sides_and_trim(tmp_path):
+  text = (
+    'categories:\n- test\nconversations:\n- - Hello\n  - Hi\n'
+    '- - How are you?\n  - Fine.\n  - Good.\n'
+  )
+  _, warnings, convs = run('chatterbot', tmp_path, text, name='c.yml')
+  assert roles_and_texts(convs) == [[('user', 'Hello'), ('ai', 'Hi')]]
+  assert 'c.yml[1]: skipped: ends on a user turn' in warnings[0]
+  _, _, convs = run(
+    'chatterbot', tmp_path / '..', text, name='c2.yml', trim=True
+  )
+  assert len(convs) == 2
+  _, _, convs = run(
+    'chatterbot', tmp_path / '..', text, name='c3.yml', ai_side='first'
+  )
+  # The AI speaks first: only the odd-length list ends on the AI.
+  assert roles_and_texts(convs) == [
+    [('ai', 'How are you?'), ('user', 'Fine.'), ('ai', 'Good.')]
+  ]
+
+
+def test_transcript_prefixes_and_continuations(tmp_path):
+  text = (
+    'User: hello\nBot: hi there\nhow can I help?\n\nMe: wrong prefix\nBot: x\n'
+  )
+  _, warnings, convs = run('transcript', tmp_path, text, name='t.txt')
+  assert roles_and_texts(convs) == [
+    [('user', 'hello'), ('ai', 'hi there |br| how can I help?')]
+  ]
+  assert (
+    "t.txt:5: skipped: line starts with neither 'User:' nor 'Bot:'"
+    in (warnings[0])
+  )
+
+
+def test_installed_chatterbot_corpus_imports(tmp_path):
+  import chatterbot_corpus
+
+  root = os.path.dirname(chatterbot_corpus.__file__)
+  files = sorted(glob.glob(os.path.join(root, 'data', 'english', '*.yml')))
+  assert files
+  total = 0
+  for path in files:
+    report = convert.convert(
+      'chatterbot',
+      path,
+      str(tmp_path),
+      convert.Options(trim=True),
+      warn=lambda line: None,
+      ai_side='second',
+    )
+    total += report.conversations
+  assert total > 500
+  convs = chatformat.read_data(str(tmp_path))
+  assert len(convs) == total
+
+
+def test_never_overwrites(tmp_path):
+  run('messages', tmp_path, MESSAGES)
+  with pytest.raises(UserError, match='exists; choose another'):
+    run('messages', tmp_path, MESSAGES)
