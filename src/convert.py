@@ -2,7 +2,7 @@
 
   python -m src.convert messages   chats.jsonl      data/mine
   python -m src.convert sharegpt   sharegpt.json    data/mine
-  python -m src.convert chatterbot conversations.yml data/mine --ai-side second
+  python -m src.convert chatterbot a.yml b.yml data/mine --ai-side second
   python -m src.convert transcript log.txt data/mine --user-prefix "Me:"
   python -m src.convert to-messages data/           chats.jsonl
 
@@ -335,7 +335,9 @@ def main(argv=None):
     'format',
     choices=['messages', 'sharegpt', 'chatterbot', 'transcript', 'to-messages'],
   )
-  parser.add_argument('source', help='input file (to-messages: data folder)')
+  parser.add_argument(
+    'source', nargs='+', help='input file(s) (to-messages: one data folder)'
+  )
   parser.add_argument('out', help='output folder (to-messages: .jsonl file)')
   parser.add_argument(
     '--strict',
@@ -367,11 +369,16 @@ def main(argv=None):
   parser.add_argument('--ai-prefix', default='Bot:')
   args = parser.parse_args(argv)
   if args.format == 'to-messages':
-    report = to_messages(args.source, args.out)
-  else:
+    if len(args.source) != 1:
+      raise UserError('to-messages takes one data file or folder')
+    report = to_messages(args.source[0], args.out)
+    print(f'{args.format}: {report.summary()} -> {args.out}')
+    return 0
+  total = Report()
+  for source in args.source:
     report = convert(
       args.format,
-      args.source,
+      source,
       args.out,
       Options(trim=args.trim, strict=args.strict),
       ai_roles=args.ai_roles.split(','),
@@ -380,7 +387,15 @@ def main(argv=None):
       user_prefix=args.user_prefix,
       ai_prefix=args.ai_prefix,
     )
-  print(f'{args.format}: {report.summary()} -> {args.out}')
+    total.conversations += report.conversations
+    total.turns += report.turns
+    total.characters += report.characters
+    total.skipped.update(report.skipped)
+    total.dropped_system += report.dropped_system
+  print(
+    f'{args.format}: {len(args.source)} file(s): {total.summary()} -> '
+    f'{args.out}'
+  )
   return 0
 
 
