@@ -1,7 +1,10 @@
 """Jade V8: train a long-context Reformer chat model on your own chat logs.
 
-Importing the package silences library noise the user cannot act on and
-applies the Trax/JAX compatibility fixes (`src.compat`) once.
+Importing the package, once: silences library noise the user cannot act on
+(`src.quiet`), applies the Trax/JAX compatibility fixes (`src.compat`),
+routes Trax's checkpoint reading through the safe unpickler
+(`src.checkpoint`) and installs the faster one-token LSH decoding step
+(`src.fast_lsh`).
 """
 
 from src import quiet
