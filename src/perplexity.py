@@ -56,11 +56,14 @@ def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
   n_windows = -(-len(stream) // max_len)
   windows = range(n_windows)
   if show_progress:
+    name = os.path.basename(os.path.normpath(data))
+    # disable=None: a bar on a terminal, nothing when stderr is redirected.
     windows = tqdm(
       windows,
-      desc=f'perplexity {os.path.basename(data)}',
+      desc=f'perplexity {name}',
       unit='window',
       leave=False,
+      disable=None,
     )
   for w in windows:
     piece = stream[w * max_len : (w + 1) * max_len]
