@@ -47,20 +47,48 @@ def split_eval(
   return stream[:cut], stream[cut:]
 
 
+def ai_loss_mask(
+  stream: np.ndarray, ai_start_id: int, ai_end_id: int
+) -> np.ndarray:
+  """1 for the tokens of AI turns (text and end marker), 0 elsewhere.
+
+  The start marker itself gets 0: the chat session writes it, the model
+  never has to predict it. Markers are single ids that user text cannot
+  contain (the parser refuses it), so a running count of open AI turns
+  finds the turns.
+
+  Returns:
+    `[n] float32`.
+  """
+  is_start = (stream == ai_start_id).astype(np.int32)
+  is_end = (stream == ai_end_id).astype(np.int32)
+  open_turns = np.cumsum(is_start) - np.cumsum(is_end)
+  return ((open_turns + is_end - is_start) > 0).astype(np.float32)
+
+
 def pad_chunk(
-  tokens: np.ndarray, max_len: int, rng: np.random.Generator
+  tokens: np.ndarray,
+  max_len: int,
+  rng: np.random.Generator,
+  token_weights: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Pads `tokens` to `max_len`, a random share of the padding on the left.
 
+  Args:
+    tokens: `[n] int32`, n <= max_len.
+    max_len: The padded length.
+    rng: Draws the left share of the padding.
+    token_weights: `[n]` loss weights of the tokens (default all 1).
+
   Returns:
-    `([max_len] int32 ids, [max_len] float32 weights)`.
+    `([max_len] int32 ids, [max_len] float32 weights)`; padding weighs 0.
   """
   n = len(tokens)
   left = int(rng.integers(0, max_len - n + 1))
   ids = np.full([max_len], PAD_ID, np.int32)
   ids[left : left + n] = tokens
   weights = np.zeros([max_len], np.float32)
-  weights[left : left + n] = 1.0
+  weights[left : left + n] = 1.0 if token_weights is None else token_weights
   return ids, weights
 
 
@@ -73,11 +101,19 @@ class ChunkBatches:
   """
 
   def __init__(
-    self, stream: np.ndarray, max_len: int, batch_size: int, seed: int
+    self,
+    stream: np.ndarray,
+    max_len: int,
+    batch_size: int,
+    seed: int,
+    token_weights: np.ndarray | None = None,
   ):
+    """Args: as named; `token_weights` is `[n]`, aligned with `stream`
+    (e.g. `ai_loss_mask`), multiplied into the padding mask."""
     if len(stream) == 0:
       raise UserError('no tokens to train on; add conversations to the data')
     self.stream = np.asarray(stream, np.int32)
+    self.token_weights = token_weights
     self.max_len = max_len
     self.batch_size = batch_size
     self.seed = seed
@@ -86,6 +122,11 @@ class ChunkBatches:
 
   def chunk(self, index: int) -> np.ndarray:
     return self.stream[index * self.max_len : (index + 1) * self.max_len]
+
+  def chunk_weights(self, index: int) -> np.ndarray | None:
+    if self.token_weights is None:
+      return None
+    return self.token_weights[index * self.max_len : (index + 1) * self.max_len]
 
   def _order(self, epoch: int) -> np.ndarray:
     rng = np.random.default_rng([self.seed, epoch])
@@ -110,7 +151,9 @@ class ChunkBatches:
     ids, weights = [], []
     for index in self.chunk_ids(step):
       rng = np.random.default_rng([self.seed, epoch, int(index), 1])
-      i, w = pad_chunk(self.chunk(int(index)), self.max_len, rng)
+      i, w = pad_chunk(
+        self.chunk(int(index)), self.max_len, rng, self.chunk_weights(index)
+      )
       ids.append(i)
       weights.append(w)
     ids = np.stack(ids)

@@ -78,6 +78,11 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     False,
     'Shorten such runs to 3 characters instead of only warning.',
   ),
+  'ai-only-loss': (
+    False,
+    'Put loss only on AI turns (their text and end marker); user text and '
+    'markers still form the context.',
+  ),
 }
 
 EVAL_KEYS: dict[str, tuple[Any, str]] = {

@@ -216,11 +216,17 @@ def prepare(settings: Section, gin_bindings=(), log=print):
       'training data'
     )
   max_len = setup.max_len
+
+  def weights_for(part):
+    if not s['ai-only-loss']:
+      return None
+    return chunks.ai_loss_mask(part, tok.ai_start_id, tok.ai_end_id)
+
   train_batches = chunks.ChunkBatches(
-    train_stream, max_len, batch_size, s['seed']
+    train_stream, max_len, batch_size, s['seed'], weights_for(train_stream)
   )
   eval_batches = chunks.ChunkBatches(
-    eval_stream, max_len, batch_size, s['seed'] + 1
+    eval_stream, max_len, batch_size, s['seed'] + 1, weights_for(eval_stream)
   )
   if train_batches.n_chunks < batch_size:
     log(

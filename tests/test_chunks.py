@@ -73,3 +73,22 @@ def test_eval_split_cuts_after_a_turn_boundary():
   assert same_a is same_b
   with pytest.raises(UserError, match='eval-fraction'):
     chunks.split_eval(stream, 1.5, [end])
+
+
+def test_ai_only_loss_weights_are_exact():
+  start, end, eos = 3, 4, 1
+  #         user  user start  ai  ai  end  eos  start ai end
+  stream = np.array([7, 8, start, 9, 10, end, eos, start, 11, end], np.int32)
+  mask = chunks.ai_loss_mask(stream, start, end)
+  np.testing.assert_array_equal(mask, [0, 0, 0, 1, 1, 1, 0, 0, 1, 1])
+  b = chunks.ChunkBatches(
+    stream, max_len=12, batch_size=1, seed=0, token_weights=mask
+  )
+  ids, _, weights = b.batch(0)
+  left = int(np.flatnonzero(ids[0])[0])
+  expected = np.zeros(12, np.float32)
+  expected[left : left + 10] = mask
+  np.testing.assert_array_equal(weights[0], expected)
+  # Off by default: every real token weighs 1.
+  plain = chunks.ChunkBatches(stream, 12, 1, seed=0).batch(0)[2][0]
+  np.testing.assert_array_equal(plain, (ids[0] != 0).astype(np.float32))

@@ -267,3 +267,15 @@ def test_32k_model_trains_one_step(tmp_path):
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert checkpoint.latest_step(out) == 1
+
+
+def test_ai_only_loss_reaches_the_batches(tmp_path):
+  settings = train_settings(tmp_path / 'ai', **{'ai-only-loss': True})
+  run = training.prepare(settings, MICRO, log=lambda line: None)
+  tok = run['tokenizer']
+  ids, _, weights = run['train_batches'].batch(0)
+  assert set(weights[ids == tok.ai_start_id].tolist()) == {0.0}
+  assert set(weights[ids == tok.ai_end_id].tolist()) == {1.0}
+  assert 0 < weights.sum() < (ids != 0).sum()
+  eval_ids, _, eval_weights = run['eval_batches'].batch(0)
+  assert eval_weights.sum() < (eval_ids != 0).sum()
