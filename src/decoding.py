@@ -45,6 +45,26 @@ def predict_bindings(n_heads: int) -> list[str]:
   return [f'LSHSelfAttention.n_parallel_heads = {int(n_heads)}']
 
 
+def load_run(model_dir: str, mode: str, bindings=()):
+  """A run's gin setup, tokenizer and a `mode` model with its weights.
+
+  Every reader of a finished run (chat, perplexity) loads through here.
+
+  Returns:
+    `(setup, tokenizer, layer, step)`: the layer initialized for batch 1 and
+    the checkpoint's training step.
+  """
+  setup = load_setup(model_dir, bindings)
+  if mode == 'predict':
+    ginconf.add_bindings(predict_bindings(setup.model['n_heads']))
+  tok = tokenizer.load(model_dir)
+  layer = model.reformer_lm(tok.vocab_size, mode)
+  length = 1 if mode == 'predict' else setup.max_len
+  signature = trax.shapes.ShapeDtype((1, length), np.int32)
+  step = checkpoint.load_weights(model_dir, layer, signature)
+  return setup, tok, layer, step
+
+
 class Decoder:
   """A trained model in predict mode with its running state.
 
@@ -89,13 +109,7 @@ class Decoder:
     bindings = []
     if n_hashes is not None:
       bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
-    trained = load_setup(model_dir, bindings)
-    bindings += predict_bindings(trained.model['n_heads'])
-    setup = load_setup(model_dir, bindings)
-    tok = tokenizer.load(model_dir)
-    layer = model.reformer_lm(tok.vocab_size, 'predict')
-    signature = trax.shapes.ShapeDtype((1, 1), np.int32)
-    step = checkpoint.load_weights(model_dir, layer, signature)
+    setup, tok, layer, step = load_run(model_dir, 'predict', bindings)
     return cls(layer, setup.max_len, tok, step)
 
   def _pure_step(self, weights, state, tokens, rng):

@@ -114,6 +114,12 @@ def parse(path: str, bindings: tuple[str, ...] = ()) -> GinSetup:
   return GinSetup(path, gin.config_str(), model_settings, attention, name)
 
 
+def add_bindings(bindings) -> None:
+  """Adds code-made bindings to the parsed config (no clearing, no checks)."""
+  with gin.unlock_config():
+    gin.parse_config(list(bindings))
+
+
 def saved_text(out_dir: str) -> str | None:
   p = os.path.join(out_dir, MODEL_GIN)
   if not os.path.exists(p):

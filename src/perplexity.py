@@ -7,12 +7,10 @@ import os
 
 import jax
 import numpy as np
-import trax
 from tqdm import tqdm
 
-from src import chatformat, checkpoint, chunks, model
-from src.decoding import load_setup
-from src.tokenizer import load as load_tokenizer
+from src import chatformat, chunks
+from src.decoding import load_run
 
 
 def token_losses(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -33,8 +31,7 @@ def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
     dict with tokens, characters, loss (nats/token), perplexity and
     bits_per_char.
   """
-  setup = load_setup(model_dir)
-  tok = load_tokenizer(model_dir)
+  setup, tok, layer, _ = load_run(model_dir, 'eval')
   convs = chatformat.read_data(data, markers=tok.markers)
   stream = tok.encode_conversations(convs)
   n_chars = sum(
@@ -42,9 +39,6 @@ def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
     for t in chatformat.iter_turns(convs)
   )
   max_len = setup.max_len
-  layer = model.reformer_lm(tok.vocab_size, 'eval')
-  signature = trax.shapes.ShapeDtype((1, max_len), np.int32)
-  checkpoint.load_weights(model_dir, layer, signature)
   weights, state = layer.weights, layer.state
   rng = jax.random.PRNGKey(0)
 
