@@ -5,21 +5,27 @@ Importing the package, once: silences library noise the user cannot act on
 routes Trax's checkpoint reading through the safe unpickler
 (`src.checkpoint`) and installs the faster one-token LSH decoding step
 (`src.fast_lsh`).
+
+Tokenizing worker processes (`src.corpus`) set JADE_LIGHT_IMPORT=1: they
+need only sentencepiece and the parser, not Trax.
 """
 
-from src import quiet
+import os
 
-quiet.silence_libraries()
+if not os.environ.get('JADE_LIGHT_IMPORT'):
+  from src import quiet
 
-from src import compat  # noqa: E402
+  quiet.silence_libraries()
 
-compat.apply()
-quiet.silence_loggers()
+  from src import compat
 
-from src import checkpoint  # noqa: E402
+  compat.apply()
+  quiet.silence_loggers()
 
-checkpoint.install()
+  from src import checkpoint
 
-from src import fast_lsh  # noqa: E402
+  checkpoint.install()
 
-fast_lsh.install()
+  from src import fast_lsh
+
+  fast_lsh.install()

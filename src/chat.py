@@ -206,13 +206,26 @@ class ChatSession:
   # ---- files
 
   def conversation(self) -> chatformat.Conversation:
+    """The session as training data: empty replies are left out (the user
+    messages around one are joined with the line-break marker) and a last
+    unanswered user message is dropped, so the file always parses."""
+    merged: list[list] = []
+    for t in self.turns:
+      if not t.text.replace(self.markers.line_break, '').strip():
+        continue
+      if merged and merged[-1][0] == t.role:
+        merged[-1][1] += f' {self.markers.line_break} {t.text}'
+      else:
+        merged.append([t.role, t.text])
+    while merged and merged[-1][0] != chatformat.AI:
+      merged.pop()
     return chatformat.Conversation(
-      tuple(chatformat.Turn(t.role, t.text, '', 0) for t in self.turns)
+      tuple(chatformat.Turn(role, text, '', 0) for role, text in merged)
     )
 
   def save(self, path: str):
-    if not self.turns:
-      raise UserError('nothing to save yet: the conversation is empty')
+    if not self.conversation().turns:
+      raise UserError('nothing to save yet: no reply in this conversation')
     if os.path.exists(path):
       raise UserError(f'{path} exists; choose another file name')
     text = chatformat.format_conversation(self.conversation(), self.markers)

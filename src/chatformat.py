@@ -16,6 +16,9 @@ Rules (each violation is a `UserError` naming `file:line` and the fix):
 - A blank line ends a conversation; each conversation (and so the file)
   must end with an AI line.
 - Files are UTF-8 and not empty.
+- An AI line may start with `|noloss|` (before the start marker): the turn
+  stays in the context but carries no loss (a message that should not be
+  learned, e.g. `"weight": 0` in an imported messages file).
 
 Runs of one character repeated many times (`HIIIIIIIII`, `!!!!!!!!!`) make a
 model loop on them; they get a warning, or are shortened when asked.
@@ -32,6 +35,9 @@ from collections.abc import Iterator
 from src.errors import UserError
 
 USER, AI = 'user', 'ai'
+# Written before an AI line's start marker: keep the turn as context, do not
+# train on it. It is part of the file format only (never a token).
+NO_LOSS = '|noloss|'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,7 @@ class Turn:
   text: str
   path: str
   line: int
+  train: bool = True  # False: context only (an AI line with `|noloss|`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +133,8 @@ def parse_text(
   repeat_limit: int = 8,
   collapse: bool = False,
   warnings: list | None = None,
+  line_offset: int = 0,
+  allow_empty: bool = False,
 ) -> list[Conversation]:
   """Parses one file's text into conversations.
 
@@ -136,6 +145,9 @@ def parse_text(
     repeat_limit: Runs longer than this get a warning (0 disables).
     collapse: Shorten such runs instead of only warning.
     warnings: If given, warnings are appended here instead of printed.
+    line_offset: Lines of the file before `text` (when `text` is a piece of
+      a big file), added to every line number in messages.
+    allow_empty: Accept text without any conversation (a piece of a file).
 
   Returns:
     The conversations, in file order.
@@ -145,7 +157,7 @@ def parse_text(
   """
   start, end = markers.ai_start, markers.ai_end
   lines = text.splitlines()
-  if not any(line.strip() for line in lines):
+  if not allow_empty and not any(line.strip() for line in lines):
     raise UserError(
       f'{path}: the file is empty; add conversations or remove '
       'the file from the data folder'
@@ -166,12 +178,21 @@ def parse_text(
     conversations.append(Conversation(tuple(turns)))
     turns.clear()
 
-  for no, raw in enumerate(lines, 1):
+  for no, raw in enumerate(lines, line_offset + 1):
     line = raw.strip()
     if not line:
       close(no)
       continue
     where = f'{path}:{no}'
+    train = True
+    if line.startswith(NO_LOSS):
+      line = line[len(NO_LOSS) :].lstrip()
+      train = False
+      if not line.startswith(start):
+        raise UserError(
+          f'{where}: "{NO_LOSS}" marks an AI line as context only; write '
+          f'"{NO_LOSS} {start} message {end}"'
+        )
     n_start, n_end = line.count(start), line.count(end)
     if n_start == 0 and n_end == 0:
       role, body = USER, line
@@ -240,8 +261,8 @@ def parse_text(
           print(note, file=sys.stderr)
         else:
           warnings.append(note)
-    turns.append(Turn(role, body, path, no))
-  close(len(lines) + 1)
+    turns.append(Turn(role, body, path, no, train))
+  close(line_offset + len(lines) + 1)
   return conversations
 
 
@@ -280,7 +301,8 @@ def format_conversation(
   out = []
   for turn in conversation.turns:
     if turn.role == AI:
-      out.append(f'{markers.ai_start} {turn.text} {markers.ai_end}')
+      prefix = '' if turn.train else NO_LOSS + ' '
+      out.append(f'{prefix}{markers.ai_start} {turn.text} {markers.ai_end}')
     else:
       out.append(turn.text)
   return '\n'.join(out) + '\n'

@@ -15,55 +15,110 @@ from __future__ import annotations
 import numpy as np
 
 from src.errors import UserError
-from src.tokenizer import PAD_ID
+from src.tokenizer import PAD_ID, ROLE_AI, ROLE_AI_CONTEXT
 
 
-def split_eval(
-  stream: np.ndarray, fraction: float, boundary_ids
-) -> tuple[np.ndarray, np.ndarray]:
-  """Holds out the end of the stream, cut just after a turn boundary.
+class TokenView:
+  """Spans of a token stream (and its roles), read as one stream.
+
+  The training and held-out parts of a corpus are each a list of runs of
+  whole conversations; the stream is usually memory-mapped, so only the
+  chunks a batch needs are ever read.
+  """
+
+  def __init__(self, tokens, roles=None, spans=None):
+    """Args:
+    tokens: `[n]` ids (any integer dtype, e.g. a uint16 memmap).
+    roles: `[n]` uint8 roles (`tokenizer.ROLE_*`); None means all user.
+    spans: `[k, 2]` int64 `[start, end)` ranges; None means all of it.
+    """
+    self.tokens, self.roles = tokens, roles
+    if spans is None:
+      spans = np.asarray([[0, len(tokens)]], np.int64)
+    self.spans = np.asarray(spans, np.int64).reshape(-1, 2)
+    lengths = self.spans[:, 1] - self.spans[:, 0]
+    self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+
+  def __len__(self) -> int:
+    return int(self.offsets[-1])
+
+  def take(self, a: int, b: int):
+    """Positions `[a, b)` of the view.
+
+    Returns:
+      `([m] int32 ids, [m] uint8 roles)`, m = min(b, len) - a.
+    """
+    b = min(b, len(self))
+    i = int(np.searchsorted(self.offsets, a, 'right')) - 1
+    ranges = []
+    while a < b:
+      start = int(self.spans[i, 0] + a - self.offsets[i])
+      stop = int(min(self.spans[i, 1], self.spans[i, 0] + b - self.offsets[i]))
+      ranges.append((start, stop))
+      a += stop - start
+      i += 1
+    ids = [np.asarray(self.tokens[x:y], np.int32) for x, y in ranges]
+    ids = np.concatenate(ids) if ids else np.zeros([0], np.int32)
+    if self.roles is None:
+      return ids, np.zeros(ids.shape, np.uint8)
+    roles = [np.asarray(self.roles[x:y]) for x, y in ranges]
+    return ids, np.concatenate(roles) if roles else np.zeros([0], np.uint8)
+
+
+def _runs(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+  """`[k, 2]` spans of the maximal runs of conversations where mask is set."""
+  edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+  first, last = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1
+  return np.stack([starts[first], ends[last]], axis=1)
+
+
+def split_conversations(
+  conversation_ends: np.ndarray, fraction: float, seed: int
+):
+  """Holds out whole conversations, drawn at random, for evaluation.
 
   Args:
-    stream: `[n] int32` token stream.
-    fraction: Share of tokens to hold out (0 means evaluate on train data).
-    boundary_ids: Ids after which a cut may fall (AI end marker, EOS).
+    conversation_ends: `[n]` int64 end offset of each conversation.
+    fraction: Share of tokens to hold out, at least (0: none).
+    seed: Chooses the conversations.
 
   Returns:
-    `(train, eval)` streams, cut after the last boundary before the target
-    share. If the stream is too short to split, both are the whole stream.
+    `(train_spans, eval_spans, n_held)`: `[k, 2]` spans for `TokenView`;
+    `eval_spans` is None (evaluate on the training data) when nothing is
+    held out: fraction 0 or a single conversation.
   """
   if not 0 <= fraction < 1:
     raise UserError(
       f'eval-fraction {fraction} must be at least 0 and below 1 (e.g. 0.05)'
     )
-  n = len(stream)
-  target = int(round(n * (1 - fraction)))
-  if fraction == 0 or target >= n or target == 0:
-    return stream, stream
-  # The last boundary at or before the target, so at least `fraction` is
-  # held out and the held-out part starts with a whole turn.
-  before = np.flatnonzero(np.isin(stream[:target], list(boundary_ids)))
-  cut = int(before[-1]) + 1 if len(before) else target
-  return stream[:cut], stream[cut:]
+  ends = np.asarray(conversation_ends, np.int64)
+  starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+  everything = np.asarray([[0, ends[-1] if len(ends) else 0]], np.int64)
+  if fraction == 0 or len(ends) < 2:
+    return everything, None, 0
+  order = np.random.default_rng([seed, 7]).permutation(len(ends))
+  lengths = (ends - starts)[order]
+  k = int(np.searchsorted(np.cumsum(lengths), fraction * ends[-1])) + 1
+  k = min(k, len(ends) - 1)
+  held = np.zeros([len(ends)], bool)
+  held[order[:k]] = True
+  return _runs(~held, starts, ends), _runs(held, starts, ends), k
 
 
-def ai_loss_mask(
-  stream: np.ndarray, ai_start_id: int, ai_end_id: int
-) -> np.ndarray:
-  """1 for the tokens of AI turns (text and end marker), 0 elsewhere.
+def loss_weights(roles: np.ndarray, ai_only: bool) -> np.ndarray:
+  """Loss weight of each token from its role.
 
-  The start marker itself gets 0: the chat session writes it, the model
-  never has to predict it. Markers are single ids that user text cannot
-  contain (the parser refuses it), so a running count of open AI turns
-  finds the turns.
+  Every token is trained on except the text and end marker of `|noloss|`
+  AI turns; with `ai_only`, only the text and end marker of the other AI
+  turns are (user text, start markers and EOS are context). The start
+  marker always belongs to the context side: the chat session writes it.
 
   Returns:
     `[n] float32`.
   """
-  is_start = (stream == ai_start_id).astype(np.int32)
-  is_end = (stream == ai_end_id).astype(np.int32)
-  open_turns = np.cumsum(is_start) - np.cumsum(is_end)
-  return ((open_turns + is_end - is_start) > 0).astype(np.float32)
+  if ai_only:
+    return (roles == ROLE_AI).astype(np.float32)
+  return (roles != ROLE_AI_CONTEXT).astype(np.float32)
 
 
 def pad_chunk(
@@ -102,31 +157,35 @@ class ChunkBatches:
 
   def __init__(
     self,
-    stream: np.ndarray,
+    tokens,
     max_len: int,
     batch_size: int,
     seed: int,
-    token_weights: np.ndarray | None = None,
+    ai_only: bool = False,
   ):
-    """Args: as named; `token_weights` is `[n]`, aligned with `stream`
-    (e.g. `ai_loss_mask`), multiplied into the padding mask."""
-    if len(stream) == 0:
+    """Args: `tokens` is a `TokenView` or a `[n]` stream; `ai_only` puts
+    the loss on AI turns only (see `loss_weights`)."""
+    view = tokens if isinstance(tokens, TokenView) else TokenView(tokens)
+    if len(view) == 0:
       raise UserError('no tokens to train on; add conversations to the data')
-    self.stream = np.asarray(stream, np.int32)
-    self.token_weights = token_weights
+    self.view = view
+    self.ai_only = ai_only
     self.max_len = max_len
     self.batch_size = batch_size
     self.seed = seed
-    self.n_chunks = -(-len(stream) // max_len)
+    self.n_chunks = -(-len(view) // max_len)
     self.steps_per_epoch = max(1, self.n_chunks // batch_size)
 
-  def chunk(self, index: int) -> np.ndarray:
-    return self.stream[index * self.max_len : (index + 1) * self.max_len]
+  def chunk(self, index: int):
+    """`([m] int32 ids, [m] float32 loss weights)` of chunk `index`.
 
-  def chunk_weights(self, index: int) -> np.ndarray | None:
-    if self.token_weights is None:
-      return None
-    return self.token_weights[index * self.max_len : (index + 1) * self.max_len]
+    Chunks are cut at fixed offsets; every marker is one token, so a chunk
+    never starts inside a marker.
+    """
+    ids, roles = self.view.take(
+      index * self.max_len, (index + 1) * self.max_len
+    )
+    return ids, loss_weights(roles, self.ai_only)
 
   def _order(self, epoch: int) -> np.ndarray:
     rng = np.random.default_rng([self.seed, epoch])
@@ -151,9 +210,8 @@ class ChunkBatches:
     ids, weights = [], []
     for index in self.chunk_ids(step):
       rng = np.random.default_rng([self.seed, epoch, int(index), 1])
-      i, w = pad_chunk(
-        self.chunk(int(index)), self.max_len, rng, self.chunk_weights(index)
-      )
+      tokens, token_weights = self.chunk(int(index))
+      i, w = pad_chunk(tokens, self.max_len, rng, token_weights)
       ids.append(i)
       weights.append(w)
     ids = np.stack(ids)

@@ -57,8 +57,13 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
   ),
   'eval-fraction': (
     0.05,
-    'Fraction of the tokens (the end of the data, cut '
-    'at a turn boundary) held out for evaluation.',
+    'Share of the tokens held out for evaluation, as whole conversations '
+    'drawn at random (by seed); 0 evaluates on the training data.',
+  ),
+  'eval-data': (
+    None,
+    'A folder (or file) of conversations to evaluate on instead; then '
+    'nothing is held out of "data" and eval-fraction is not used.',
   ),
   'seed': (0, 'Seed for weights, padding split and chunk shuffling.'),
   'vocab-size': (

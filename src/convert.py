@@ -41,12 +41,15 @@ class Report:
     default_factory=collections.Counter
   )
   dropped_system: int = 0
+  context_only: int = 0  # AI turns kept as context only ("weight": 0).
 
   def summary(self) -> str:
     text = (
       f'{self.conversations} conversations, {self.turns} turns, '
       f'{self.characters} characters'
     )
+    if self.context_only:
+      text += f'; {self.context_only} AI turns as context only (weight 0)'
     if self.dropped_system:
       text += f'; {self.dropped_system} system messages dropped'
     if self.skipped:
@@ -78,14 +81,25 @@ def clean_message(text, markers: chatformat.Markers) -> str:
   return line
 
 
-def build(turns: list[tuple[str, str]], opts: Options) -> list[tuple]:
-  """Merges same-side runs, checks the ending; returns (role, text) turns."""
+def build(turns: list[tuple], opts: Options) -> list[tuple]:
+  """Merges same-side runs, checks the ending.
+
+  Args:
+    turns: `(role, text)` or `(role, text, train)` tuples.
+    opts: Markers, trimming.
+
+  Returns:
+    `(role, text, train)` turns. A merged turn is trained on only if all
+    its messages are (an explicit `"weight": 0` wins).
+  """
   merged: list[list] = []
-  for role, text in turns:
+  for role, text, *rest in turns:
+    train = rest[0] if rest else True
     if merged and merged[-1][0] == role:
       merged[-1][1] += f' {opts.markers.line_break} {text}'
+      merged[-1][2] = merged[-1][2] and train
     else:
-      merged.append([role, text])
+      merged.append([role, text, train])
   if opts.trim:
     while merged and merged[-1][0] == USER:
       merged.pop()
@@ -123,7 +137,11 @@ def from_messages(
       side = USER
     else:
       raise Skip(f'unknown role {role!r}')
-    turns.append((side, clean_message(message.get(text_key), opts.markers)))
+    weight = message.get('weight', 1)
+    if weight not in (0, 1) or isinstance(weight, bool):
+      raise Skip(f'weight {weight!r} is not 0 or 1')
+    text = clean_message(message.get(text_key), opts.markers)
+    turns.append((side, text, side == USER or weight == 1))
   return build(turns, opts)
 
 
@@ -246,16 +264,21 @@ def convert(
       warn(f'{where}: skipped: {e}')
       report.skipped[str(e).split(' (')[0]] += 1
       return
+    m = opts.markers
     lines = [
-      f'{opts.markers.ai_start} {text} {opts.markers.ai_end}'
+      (
+        ('' if train else chatformat.NO_LOSS + ' ')
+        + f'{m.ai_start} {text} {m.ai_end}'
+      )
       if role == AI
       else text
-      for role, text in built
+      for role, text, train in built
     ]
     blocks.append('\n'.join(lines))
     report.conversations += 1
     report.turns += len(built)
-    report.characters += sum(len(text) for _, text in built)
+    report.characters += sum(len(text) for _, text, _ in built)
+    report.context_only += sum(not train for _, _, train in built)
 
   if fmt in ('messages', 'sharegpt'):
     for where, record in read_records(source):
@@ -313,13 +336,16 @@ def to_messages(data: str, out_path: str, markers=None) -> Report:
   report = Report()
   with open(out_path, 'x', encoding='utf-8') as f:
     for conv in convs:
-      messages = [
-        {
+      messages = []
+      for t in conv.turns:
+        message = {
           'role': 'assistant' if t.role == AI else 'user',
           'content': t.text.replace(f' {markers.line_break} ', '\n'),
         }
-        for t in conv.turns
-      ]
+        if not t.train:
+          message['weight'] = 0
+          report.context_only += 1
+        messages.append(message)
       f.write(json.dumps({'messages': messages}, ensure_ascii=False) + '\n')
       report.conversations += 1
       report.turns += len(messages)
@@ -392,6 +418,7 @@ def main(argv=None):
     total.characters += report.characters
     total.skipped.update(report.skipped)
     total.dropped_system += report.dropped_system
+    total.context_only += report.context_only
   print(
     f'{args.format}: {len(args.source)} file(s): {total.summary()} -> '
     f'{args.out}'

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import os
 import tempfile
@@ -23,6 +24,8 @@ from src import chatformat
 from src.errors import UserError
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+# Token roles (see `Tokenizer.encode_with_roles`): what loss a token gets.
+ROLE_OTHER, ROLE_AI, ROLE_AI_CONTEXT = 0, 1, 2
 MODEL_FILE, INFO_FILE = 'tokenizer.model', 'tokenizer.json'
 
 
@@ -58,6 +61,7 @@ class Tokenizer:
   def __init__(self, model_proto: bytes, markers: chatformat.Markers):
     self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
     self.model_proto = model_proto
+    self.unsaved = None  # (requested vocab size, data fingerprint) if new.
     self.markers = markers
     self.ai_start_id = self.sp.piece_to_id(markers.ai_start)
     self.ai_end_id = self.sp.piece_to_id(markers.ai_end)
@@ -97,18 +101,68 @@ class Tokenizer:
     Returns:
       `[n_tokens] int32`.
     """
-    parts = []
+    return self.encode_with_roles(conversations)[0]
+
+  def encode_with_roles(self, conversations, num_threads: int = -1):
+    """Encodes conversations into one stream, with each token's role.
+
+    A user turn is its text; an AI turn is the start marker, its text and
+    the end marker; EOS follows each conversation. Roles: `ROLE_OTHER` for
+    user text, AI start markers and EOS; `ROLE_AI` for the text and end
+    marker of an AI turn; `ROLE_AI_CONTEXT` for those of a `|noloss|` turn.
+
+    Returns:
+      `([n] int32 ids, [n] uint8 roles, [n_conversations] int64 lengths)`.
+    """
+    texts, kinds, per_conv = [], [], []
     for conversation in conversations:
+      per_conv.append(len(conversation.turns))
       for turn in conversation.turns:
-        parts.append(np.asarray(self.encode_turn(turn), np.int32))
-      parts.append(np.asarray([EOS_ID], np.int32))
-    if not parts:
-      return np.zeros([0], np.int32)
-    return np.concatenate(parts)
+        texts.append(turn.text)
+        if turn.role != chatformat.AI:
+          kinds.append(ROLE_OTHER)
+        else:
+          kinds.append(ROLE_AI if turn.train else ROLE_AI_CONTEXT)
+    if not texts:
+      return (
+        np.zeros([0], np.int32),
+        np.zeros([0], np.uint8),
+        np.zeros([0], np.int64),
+      )
+    pieces = self.sp.encode(texts, num_threads=num_threads)
+    n_turns = len(pieces)
+    lens = np.fromiter(map(len, pieces), np.int64, n_turns)
+    flat = np.fromiter(
+      itertools.chain.from_iterable(pieces), np.int32, int(lens.sum())
+    )
+    kinds = np.asarray(kinds, np.uint8)
+    is_ai = (kinds != ROLE_OTHER).astype(np.int64)
+    per_conv = np.asarray(per_conv, np.int64)
+    last_turn = np.cumsum(per_conv) - 1
+    out_len = lens + 2 * is_ai
+    out_len[last_turn] += 1  # EOS.
+    starts = np.cumsum(out_len) - out_len
+    ids = np.empty([int(out_len.sum())], np.int32)
+    roles = np.zeros(ids.shape, np.uint8)
+    turn_of_token = np.repeat(np.arange(n_turns), lens)
+    within = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+    pos = (starts + is_ai)[turn_of_token] + within
+    ids[pos] = flat
+    roles[pos] = kinds[turn_of_token]
+    ai = np.flatnonzero(is_ai)
+    ids[starts[ai]] = self.ai_start_id
+    ids[starts[ai] + 1 + lens[ai]] = self.ai_end_id
+    roles[starts[ai] + 1 + lens[ai]] = kinds[ai]
+    ids[starts[last_turn] + out_len[last_turn] - 1] = EOS_ID
+    conv_lengths = np.add.reduceat(out_len, np.cumsum(per_conv) - per_conv)
+    return ids, roles, conv_lengths
 
 
 def train(conversations, vocab_size: int, markers: chatformat.Markers) -> bytes:
   """Trains a unigram sentencepiece model on the turns' texts.
+
+  For big corpora `conversations` is a sample (see `src.corpus`); the
+  trainer itself also keeps at most 2M sentences, drawn at random.
 
   Returns:
     The serialized model. The vocabulary may be smaller than `vocab_size`
@@ -149,6 +203,7 @@ def load_or_train(
   markers: chatformat.Markers,
   write: bool = True,
   log=print,
+  fingerprint: str | None = None,
 ) -> Tokenizer:
   """Loads the run's tokenizer, or trains and saves one.
 
@@ -158,15 +213,18 @@ def load_or_train(
 
   Args:
     out_dir: The run folder.
-    conversations: The parsed training data.
+    conversations: The parsed training data (or a function returning it).
     vocab_size: Requested vocabulary size.
     markers: The format's markers.
-    write: Save a newly trained tokenizer (False for dry runs).
+    write: Save a newly trained tokenizer now (else call `save` later).
     log: Where messages go.
+    fingerprint: Identifies the training data (default: a hash of the
+      conversations' turns); `conversations` may then be a sample of it.
   """
   model_path = os.path.join(out_dir, MODEL_FILE)
   info_path = os.path.join(out_dir, INFO_FILE)
-  fingerprint = data_fingerprint(conversations)
+  if fingerprint is None:
+    fingerprint = data_fingerprint(conversations)
   if os.path.exists(model_path):
     info = {}
     if os.path.exists(info_path):
@@ -193,21 +251,35 @@ def load_or_train(
       )
     with open(model_path, 'rb') as f:
       return Tokenizer(f.read(), markers)
+  if callable(conversations):  # A sample, drawn only when needed.
+    conversations = conversations()
   proto = train(conversations, vocab_size, markers)
   tok = Tokenizer(proto, markers)
+  tok.unsaved = (vocab_size, fingerprint)
   if write:
-    write_atomic(model_path, proto)
-    info = {
-      'requested_vocab_size': vocab_size,
-      'vocab_size': tok.vocab_size,
-      'markers': markers.all(),
-      'data_fingerprint': fingerprint,
-      'pad_id': PAD_ID,
-      'eos_id': EOS_ID,
-      'unk_id': UNK_ID,
-    }
-    write_atomic(info_path, json.dumps(info, indent=2).encode())
+    save(out_dir, tok)
   return tok
+
+
+def save(out_dir: str, tok: Tokenizer):
+  """Writes a newly trained tokenizer (no-op for one loaded from disk)."""
+  if tok.unsaved is None:
+    return
+  vocab_size, fingerprint = tok.unsaved
+  write_atomic(os.path.join(out_dir, MODEL_FILE), tok.model_proto)
+  info = {
+    'requested_vocab_size': vocab_size,
+    'vocab_size': tok.vocab_size,
+    'markers': tok.markers.all(),
+    'data_fingerprint': fingerprint,
+    'pad_id': PAD_ID,
+    'eos_id': EOS_ID,
+    'unk_id': UNK_ID,
+  }
+  write_atomic(
+    os.path.join(out_dir, INFO_FILE), json.dumps(info, indent=2).encode()
+  )
+  tok.unsaved = None
 
 
 def load(

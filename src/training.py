@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -16,7 +17,15 @@ import jax
 import numpy as np
 from trax.supervised import training as trax_training
 
-from src import chatformat, checkpoint, chunks, ginconf, model, tokenizer
+from src import (
+  chatformat,
+  checkpoint,
+  chunks,
+  corpus,
+  ginconf,
+  model,
+  tokenizer,
+)
 from src.config import Section
 from src.errors import UserError
 
@@ -192,41 +201,55 @@ def prepare(settings: Section, gin_bindings=(), log=print):
   out_dir = s['out-dir']
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise UserError(f'out-dir {out_dir!r} is a file; choose a folder name')
-  conversations = chatformat.read_data(
-    s['data'],
-    markers=markers,
-    repeat_limit=s['repeat-limit'],
-    collapse=s['collapse-repeats'],
-  )
   setup = ginconf.parse(s['gin'], tuple(gin_bindings))
   ginconf.check_same_as_saved(setup, out_dir)
   start_step = checkpoint.latest_step(out_dir)  # Reads only; may raise.
   devices = jax.local_device_count()
   batch_size = chunks.batch_size_for(devices, s['batch-size'])
-  tok = tokenizer.load_or_train(
-    out_dir, conversations, s['vocab-size'], markers, log=log
-  )
-  stream = tok.encode_conversations(conversations)
-  train_stream, eval_stream = chunks.split_eval(
-    stream, s['eval-fraction'], [tok.ai_end_id, tokenizer.EOS_ID]
-  )
-  if eval_stream is train_stream and s['eval-fraction'] > 0:  # Too small.
-    log(
-      'note: the data is too small to hold some out; evaluating on the '
-      'training data'
+  if s['eval-data'] is None and not 0 <= s['eval-fraction'] < 1:
+    raise UserError(
+      f'{s.source}: eval-fraction {s["eval-fraction"]} must be at least 0 '
+      'and below 1 (e.g. 0.05)'
     )
+  tok, train_corpus, eval_corpus = _prepare_data(s, markers, log)
   max_len = setup.max_len
-
-  def weights_for(part):
-    if not s['ai-only-loss']:
-      return None
-    return chunks.ai_loss_mask(part, tok.ai_start_id, tok.ai_end_id)
-
+  train_view = chunks.TokenView(train_corpus.tokens, train_corpus.roles)
+  if eval_corpus is not None:
+    eval_view = chunks.TokenView(eval_corpus.tokens, eval_corpus.roles)
+    held = (
+      f'held out: {s["eval-data"]} ({eval_corpus.n_conversations} '
+      f'conversations, {len(eval_view)} tokens)'
+    )
+  else:
+    train_spans, eval_spans, n_held = chunks.split_conversations(
+      train_corpus.conversation_ends, s['eval-fraction'], s['seed']
+    )
+    all_tokens = len(train_view)
+    train_view = chunks.TokenView(
+      train_corpus.tokens, train_corpus.roles, train_spans
+    )
+    if eval_spans is None:
+      eval_view = train_view
+      held = 'evaluating on the training data' + (
+        ' (a single conversation: nothing to hold out)'
+        if s['eval-fraction'] > 0
+        else ''
+      )
+    else:
+      eval_view = chunks.TokenView(
+        train_corpus.tokens, train_corpus.roles, eval_spans
+      )
+      held = (
+        f'held out: {n_held} of {train_corpus.n_conversations} '
+        f'conversations at random ({len(eval_view)} tokens, '
+        f'{100 * len(eval_view) / all_tokens:.1f}%)'
+      )
+  ai_only = s['ai-only-loss']
   train_batches = chunks.ChunkBatches(
-    train_stream, max_len, batch_size, s['seed'], weights_for(train_stream)
+    train_view, max_len, batch_size, s['seed'], ai_only
   )
   eval_batches = chunks.ChunkBatches(
-    eval_stream, max_len, batch_size, s['seed'] + 1, weights_for(eval_stream)
+    eval_view, max_len, batch_size, s['seed'] + 1, ai_only
   )
   if train_batches.n_chunks < batch_size:
     log(
@@ -235,7 +258,7 @@ def prepare(settings: Section, gin_bindings=(), log=print):
       'in a step; add data or lower max_len'
     )
   return {
-    'conversations': conversations,
+    'corpus': train_corpus,
     'tokenizer': tok,
     'gin': setup,
     'devices': devices,
@@ -243,11 +266,49 @@ def prepare(settings: Section, gin_bindings=(), log=print):
     'start_step': start_step,
     'train_batches': train_batches,
     'eval_batches': eval_batches,
-    'n_tokens': len(stream),
-    'n_train_tokens': len(train_stream),
-    'n_eval_tokens': len(eval_stream),
-    'eval_is_train': eval_stream is train_stream,
+    'n_tokens': len(train_corpus.tokens),
+    'n_train_tokens': len(train_view),
+    'n_eval_tokens': len(eval_view),
+    'eval_is_train': eval_view is train_view,
+    'held': held,
   }
+
+
+def _prepare_data(s: Section, markers, log):
+  """Tokenizer and token caches; out-dir is as before if anything fails."""
+  out_dir = s['out-dir']
+  existed = os.path.isdir(out_dir)
+  cache_root = os.path.join(out_dir, corpus.CACHE_DIR)
+  cache_existed = os.path.isdir(cache_root)
+  made = []
+  try:
+    options = {
+      'markers': markers,
+      'vocab_size': s['vocab-size'],
+      'repeat_limit': s['repeat-limit'],
+      'collapse': s['collapse-repeats'],
+      'log': log,
+    }
+    tok, train_corpus = corpus.prepare(s['data'], out_dir, **options)
+    made.append(train_corpus)
+    eval_corpus = None
+    if s['eval-data'] is not None:
+      _, eval_corpus = corpus.prepare(
+        s['eval-data'], out_dir, name='eval', tok=tok, **options
+      )
+      made.append(eval_corpus)
+    tokenizer.save(out_dir, tok)
+  except BaseException:
+    if not existed:
+      shutil.rmtree(out_dir, ignore_errors=True)
+    else:
+      for c in made:
+        if not c.hit:
+          shutil.rmtree(c.folder, ignore_errors=True)
+      if not cache_existed:
+        shutil.rmtree(cache_root, ignore_errors=True)
+    raise
+  return tok, train_corpus, eval_corpus
 
 
 def _write_text(path: str, text: str):
@@ -261,15 +322,13 @@ def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
   out_dir, total = s['out-dir'], s['steps']
   start = run['start_step']
   tok, setup = run['tokenizer'], run['gin']
-  held = (
-    'all used for training and evaluation'
-    if run['eval_is_train']
-    else f'{run["n_train_tokens"]} train, {run["n_eval_tokens"]} held out'
-  )
+  data = run['corpus']
   log(
-    f'data: {len(run["conversations"])} conversations, {run["n_tokens"]} '
-    f'tokens ({held}); vocabulary {tok.vocab_size}'
+    f'data: {data.n_conversations} conversations, {data.n_turns} turns, '
+    f'{run["n_tokens"]} tokens ({"cached" if data.hit else "tokenized"} in '
+    f'{os.path.relpath(data.folder)}); vocabulary {tok.vocab_size}'
   )
+  log(run['held'])
   log(
     f'model: {setup.path}, context {setup.max_len} tokens, '
     f'{setup.attention_name}; {run["devices"]} device(s) '

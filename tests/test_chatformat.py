@@ -139,3 +139,16 @@ def test_format_conversation_round_trips(conversations):
     assert [(t.role, t.text) for t in again[0].turns] == [
       (t.role, t.text) for t in conv.turns
     ]
+
+
+def test_noloss_marks_an_ai_turn_as_context_only():
+  convs = chatformat.parse_text(
+    'hi\n|noloss| |aigenerationstart| ok |endofgeneration|\n', 'f.txt'
+  )
+  turn = convs[0].turns[1]
+  assert turn.role == chatformat.AI and turn.text == 'ok' and not turn.train
+  assert convs[0].turns[0].train
+  again = chatformat.format_conversation(convs[0])
+  assert again == 'hi\n|noloss| |aigenerationstart| ok |endofgeneration|\n'
+  with pytest.raises(UserError, match=r'f.txt:2: "\|noloss\|" marks an AI'):
+    chatformat.parse_text('hi\n|noloss| hello\n', 'f.txt')

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from src import chunks
+from src import chatformat, chunks
 from src.errors import UserError
 
 
@@ -62,33 +62,73 @@ def test_batch_size_must_divide_across_devices():
     chunks.batch_size_for(8, 6)
 
 
-def test_eval_split_cuts_after_a_turn_boundary():
-  end = 9
-  stream = np.array([5, 5, end, 6, 6, 6, end, 7, 7, end, 1], np.int32)
-  train, held = chunks.split_eval(stream, 0.3, [end, 1])
-  assert len(train) + len(held) == len(stream)
-  assert train[-1] == end
-  np.testing.assert_array_equal(held, [7, 7, end, 1])
-  same_a, same_b = chunks.split_eval(stream, 0.0, [end])
-  assert same_a is same_b
+def test_eval_split_holds_out_whole_conversations():
+  ends = np.array([10, 30, 35, 60, 100, 120], np.int64)
+  train, held, k = chunks.split_conversations(ends, 0.2, seed=0)
+  starts = np.concatenate([[0], ends[:-1]])
+  bounds = set(starts) | set(ends)
+  for span in np.concatenate([train, held]):
+    assert span[0] in bounds and span[1] in bounds  # Whole conversations.
+  covered = np.zeros(120, int)
+  for a, b in np.concatenate([train, held]):
+    covered[a:b] += 1
+  np.testing.assert_array_equal(covered, 1)  # Disjoint and complete.
+  held_tokens = int((held[:, 1] - held[:, 0]).sum())
+  assert held_tokens >= 0.2 * 120 and k >= 1
+  # The seed chooses; the same seed chooses the same.
+  again = chunks.split_conversations(ends, 0.2, seed=0)[1]
+  np.testing.assert_array_equal(again, held)
+  # Nothing to hold out: fraction 0, or one conversation.
+  assert chunks.split_conversations(ends, 0.0, 0)[1] is None
+  assert chunks.split_conversations(ends[:1], 0.5, 0)[1] is None
   with pytest.raises(UserError, match='eval-fraction'):
-    chunks.split_eval(stream, 1.5, [end])
+    chunks.split_conversations(ends, 1.5, 0)
 
 
-def test_ai_only_loss_weights_are_exact():
-  start, end, eos = 3, 4, 1
-  #         user  user start  ai  ai  end  eos  start ai end
-  stream = np.array([7, 8, start, 9, 10, end, eos, start, 11, end], np.int32)
-  mask = chunks.ai_loss_mask(stream, start, end)
-  np.testing.assert_array_equal(mask, [0, 0, 0, 1, 1, 1, 0, 0, 1, 1])
-  b = chunks.ChunkBatches(
-    stream, max_len=12, batch_size=1, seed=0, token_weights=mask
+def test_token_view_reads_spans_as_one_stream():
+  tokens = np.arange(100, dtype=np.uint16)
+  roles = (np.arange(100) % 3).astype(np.uint8)
+  view = chunks.TokenView(tokens, roles, [[10, 20], [50, 55], [90, 100]])
+  assert len(view) == 25
+  ids, r = view.take(8, 17)
+  np.testing.assert_array_equal(ids, [18, 19, 50, 51, 52, 53, 54, 90, 91])
+  np.testing.assert_array_equal(r, roles[ids])
+  assert ids.dtype == np.int32
+  np.testing.assert_array_equal(view.take(15, 99)[0], range(90, 100))
+
+
+def test_loss_weights_are_exact(trained_tokenizer):
+  tok = trained_tokenizer
+  convs = chatformat.parse_text(
+    'hi there\n'
+    '|aigenerationstart| hello |endofgeneration|\n'
+    'who are you\n'
+    '|noloss| |aigenerationstart| a bot |endofgeneration|\n',
+    'x.txt',
   )
-  ids, _, weights = b.batch(0)
-  left = int(np.flatnonzero(ids[0])[0])
-  expected = np.zeros(12, np.float32)
-  expected[left : left + 10] = mask
-  np.testing.assert_array_equal(weights[0], expected)
-  # Off by default: every real token weighs 1.
-  plain = chunks.ChunkBatches(stream, 12, 1, seed=0).batch(0)[2][0]
-  np.testing.assert_array_equal(plain, (ids[0] != 0).astype(np.float32))
+  ids, roles, lengths = tok.encode_with_roles(convs)
+  np.testing.assert_array_equal(ids, tok.encode_conversations(convs))
+  assert lengths.tolist() == [len(ids)]
+  u1, a1 = tok.encode('hi there'), tok.encode('hello')
+  u2, a2 = tok.encode('who are you'), tok.encode('a bot')
+  s, e = tok.ai_start_id, tok.ai_end_id
+  assert ids.tolist() == u1 + [s] + a1 + [e] + u2 + [s] + a2 + [e, 1]
+  # Default: all tokens but the |noloss| turn's text and end marker.
+  default = [1] * (len(u1) + 1 + len(a1) + 1 + len(u2) + 1)
+  default += [0] * (len(a2) + 1) + [1]
+  ai_only = [0] * (len(u1) + 1) + [1] * (len(a1) + 1)
+  ai_only += [0] * (len(u2) + 1 + len(a2) + 1 + 1)
+  np.testing.assert_array_equal(chunks.loss_weights(roles, False), default)
+  np.testing.assert_array_equal(chunks.loss_weights(roles, True), ai_only)
+  # Through a batch: padding weighs 0, the rest as above.
+  view = chunks.TokenView(ids, roles)
+  n = len(ids)
+  for ai, expected in ((False, default), (True, ai_only)):
+    b = chunks.ChunkBatches(
+      view, max_len=n + 5, batch_size=1, seed=0, ai_only=ai
+    )
+    got_ids, _, weights = b.batch(0)
+    left = int(np.flatnonzero(got_ids[0])[0])
+    want = np.zeros(n + 5, np.float32)
+    want[left : left + n] = expected
+    np.testing.assert_array_equal(weights[0], want)

@@ -129,7 +129,13 @@ def test_bad_input_one_line_nonzero_exit_out_dir_untouched(
 ):
   out = copy_of(tiny_run['out'])
   before = snapshot(out)
-  base = {'out-dir': out, 'data': DATA, 'gin': TINY_GIN, 'steps': 100}
+  base = {
+    'out-dir': out,
+    'data': DATA,
+    'gin': TINY_GIN,
+    'steps': 100,
+    'vocab-size': 300,
+  }
   args = []
   if case == 'missing-config':
     args = ['--config', str(tmp_path / 'config.json')]

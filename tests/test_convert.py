@@ -98,7 +98,7 @@ def test_round_trip_messages_to_lines_to_messages(tmp_path):
         {'role': 'user', 'content': 'a\nb'},
         {'role': 'assistant', 'content': 'c'},
         {'role': 'user', 'content': 'd'},
-        {'role': 'assistant', 'content': 'e\nf'},
+        {'role': 'assistant', 'content': 'e\nf', 'weight': 0},
       ]
     },
     {'messages': [{'role': 'assistant', 'content': 'I start.'}]},
@@ -109,6 +109,31 @@ def test_round_trip_messages_to_lines_to_messages(tmp_path):
   report = convert.to_messages(str(tmp_path / 'out'), str(out))
   back = [json.loads(line) for line in out.read_text().splitlines()]
   assert back == records and report.conversations == 2
+  assert report.context_only == 1
+  # The weight-0 turn is context: in the file with |noloss|, no loss.
+  text = (tmp_path / 'out' / 'in.txt').read_text()
+  assert '|noloss| |aigenerationstart| e |br| f |endofgeneration|' in text
+
+
+def test_weight_must_be_0_or_1(tmp_path):
+  good = {
+    'messages': [
+      {'role': 'user', 'content': 'a'},
+      {'role': 'assistant', 'content': 'b', 'weight': 1},
+    ]
+  }
+  record = {
+    'messages': [
+      {'role': 'user', 'content': 'a'},
+      {'role': 'assistant', 'content': 'b', 'weight': 0.5},
+    ]
+  }
+  report, warnings, _ = run(
+    'messages', tmp_path, json.dumps(record) + '\n' + json.dumps(good) + '\n'
+  )
+  assert warnings == [
+    f'{tmp_path}/in.jsonl:1: skipped: weight 0.5 is not 0 or 1'
+  ]
 
 
 def test_sharegpt_with_configurable_roles(tmp_path):

@@ -71,6 +71,7 @@ def test_resume_continues_at_the_saved_step(tiny_run, copy_of):
     train_settings(out, steps=6), gin_bindings=MICRO, log=lines.append
   )
   assert any('resuming from the checkpoint at step 4' in x for x in lines)
+  assert any(x.startswith('data:') and '(cached in' in x for x in lines)
   assert loop.step == 6 and checkpoint.latest_step(out) == 6
   train = scalars(os.path.join(out, 'train'))
   assert [s for s, _ in train['metrics/loss']][-2:] == [5, 6]
@@ -279,3 +280,40 @@ def test_ai_only_loss_reaches_the_batches(tmp_path):
   assert 0 < weights.sum() < (ids != 0).sum()
   eval_ids, _, eval_weights = run['eval_batches'].batch(0)
   assert eval_weights.sum() < (eval_ids != 0).sum()
+
+
+def test_held_out_conversations_are_reported(tmp_path):
+  lines = []
+  run = training.prepare(
+    train_settings(tmp_path / 'a', **{'eval-fraction': 0.2}),
+    MICRO,
+    log=lines.append,
+  )
+  assert run['held'].startswith('held out: ')
+  assert 'of 13 conversations at random' in run['held']
+  n_train, n_eval = run['n_train_tokens'], run['n_eval_tokens']
+  assert n_train + n_eval == run['n_tokens'] and n_eval >= 0.2 * n_train / 0.8
+  # A separate folder: all of "data" trains, the folder evaluates.
+  held = tmp_path / 'held'
+  held.mkdir()
+  (held / 'x.txt').write_text(
+    'Hi\n|aigenerationstart| Hello there |endofgeneration|\n',
+    encoding='utf-8',
+  )
+  run = training.prepare(
+    train_settings(tmp_path / 'b', **{'eval-data': str(held)}),
+    MICRO,
+    log=lines.append,
+  )
+  assert run['n_train_tokens'] == run['n_tokens']
+  assert run['held'].startswith(f'held out: {held} (1 conversations')
+  assert run['eval_batches'].view is not run['train_batches'].view
+  # A broken held-out folder leaves no trace in a new out-dir.
+  (held / 'x.txt').write_text('Hi\n', encoding='utf-8')
+  with pytest.raises(UserError, match='x.txt:1: the conversation ends'):
+    training.prepare(
+      train_settings(tmp_path / 'c', **{'eval-data': str(held)}),
+      MICRO,
+      log=lines.append,
+    )
+  assert not (tmp_path / 'c').exists()

@@ -1,0 +1,145 @@
+"""Corpus preparation: pieces, the token cache, hits and invalidation."""
+
+import os
+
+import numpy as np
+import pytest
+
+from src import chatformat, corpus, tokenizer
+from src.errors import UserError
+
+MARKERS = chatformat.Markers()
+CONV = (
+  'hello number {i}\n'
+  '|aigenerationstart| hi {i}, how are you? |endofgeneration|\n'
+  'fine |br| thanks\n'
+  '|noloss| |aigenerationstart| good to hear {i} |endofgeneration|\n'
+)
+
+
+def write_data(folder, n=200, name='a.txt'):
+  os.makedirs(folder, exist_ok=True)
+  text = '\n'.join(CONV.format(i=i) for i in range(n))
+  path = os.path.join(folder, name)
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(text)
+  return path
+
+
+def prepare(data, out, **kw):
+  kw.setdefault('vocab_size', 120)
+  return corpus.prepare(str(data), str(out), markers=MARKERS, log=print, **kw)
+
+
+def test_tokens_match_direct_encoding_and_cache_is_reused(
+  tmp_path, monkeypatch
+):
+  data = tmp_path / 'data'
+  write_data(data)
+  tok, c = prepare(data, tmp_path / 'run')
+  assert not c.hit and c.n_conversations == 200 and c.n_turns == 800
+  convs = chatformat.read_data(str(data))
+  ids, roles, lengths = tok.encode_with_roles(convs)
+  np.testing.assert_array_equal(c.tokens, ids)
+  np.testing.assert_array_equal(c.roles, roles)
+  np.testing.assert_array_equal(c.conversation_ends, np.cumsum(lengths))
+  assert c.tokens.dtype == np.uint16 and isinstance(c.tokens, np.memmap)
+  assert os.path.exists(tmp_path / 'run' / tokenizer.MODEL_FILE)
+
+  # A second run reads no text: parsing would fail.
+  def no_parsing(*a, **k):
+    raise AssertionError('parsed again')
+
+  monkeypatch.setattr(chatformat, 'parse_text', no_parsing)
+  tok2, again = prepare(data, tmp_path / 'run')
+  assert again.hit and again.folder == c.folder
+  np.testing.assert_array_equal(again.tokens, ids)
+  assert tok2.model_proto == tok.model_proto
+
+
+def test_changed_data_or_tokenizer_makes_a_new_cache(tmp_path):
+  data, out = tmp_path / 'data', tmp_path / 'run'
+  path = write_data(data)
+  tok, first = prepare(data, out)
+  with open(path, 'a', encoding='utf-8') as f:
+    f.write('\nnew\n|aigenerationstart| line |endofgeneration|\n')
+  _, second = prepare(data, out)
+  assert not second.hit and second.folder != first.folder
+  assert second.n_conversations == 201
+  assert not os.path.exists(first.folder)  # The stale cache is removed.
+  # Another tokenizer (same data): another cache.
+  other = tokenizer.Tokenizer(
+    tokenizer.train(chatformat.read_data(str(data)), 90, MARKERS), MARKERS
+  )
+  _, third = prepare(data, out, tok=other, name='train')
+  assert not third.hit and third.folder != second.folder
+  # Other parse settings: another cache.
+  _, fourth = prepare(data, out, tok=other, collapse=True)
+  assert not fourth.hit and fourth.folder != third.folder
+
+
+def test_pieces_and_workers_give_the_same_stream(tmp_path, monkeypatch):
+  data = tmp_path / 'data'
+  write_data(data, n=300)
+  write_data(data, n=50, name='b.txt')
+  tok, whole = prepare(data, tmp_path / 'one')
+  monkeypatch.setattr(corpus, 'PIECE_BYTES', 1000)
+  monkeypatch.setattr(corpus, 'PARALLEL_MIN_BYTES', 0)
+  scanned = corpus.scan(chatformat.list_files(str(data)))
+  assert len(scanned.pieces) > 10
+  for piece in scanned.pieces:  # Each piece starts a conversation.
+    with open(piece.path, 'rb') as f:
+      f.seek(piece.start)
+      assert f.read(5) == b'hello'
+  _, parallel = prepare(data, tmp_path / 'two', tok=tok, workers=2)
+  np.testing.assert_array_equal(parallel.tokens, whole.tokens)
+  np.testing.assert_array_equal(parallel.roles, whole.roles)
+  np.testing.assert_array_equal(
+    parallel.conversation_ends, whole.conversation_ends
+  )
+
+
+def test_error_in_a_later_piece_names_the_file_line(tmp_path, monkeypatch):
+  data, out = tmp_path / 'data', tmp_path / 'run'
+  path = write_data(data, n=100)
+  with open(path, encoding='utf-8') as f:
+    lines = f.read().splitlines()
+  bad = 301  # A user line in conversation 76 (5 lines per conversation).
+  lines[bad - 1] = '|aigenerationstart| no end marker'
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write('\n'.join(lines))
+  monkeypatch.setattr(corpus, 'PIECE_BYTES', 1000)
+  for workers in (1, 2):
+    monkeypatch.setattr(corpus, 'PARALLEL_MIN_BYTES', 0)
+    with pytest.raises(UserError, match=f'a.txt:{bad}: .* has no'):
+      prepare(data, out, workers=workers)
+    assert not os.path.exists(out / corpus.CACHE_DIR) or not any(
+      n.startswith('train-') for n in os.listdir(out / corpus.CACHE_DIR)
+    )
+
+
+def test_tokenizer_trains_on_a_sample_of_big_corpora(tmp_path, monkeypatch):
+  data = tmp_path / 'data'
+  write_data(data, n=400)
+  monkeypatch.setattr(corpus, 'PIECE_BYTES', 2000)
+  monkeypatch.setattr(corpus, 'SAMPLE_BYTES', 6000)
+  seen = []
+  real_train = tokenizer.train
+
+  def spy(conversations, *a):
+    seen.append(len(conversations))
+    return real_train(conversations, *a)
+
+  monkeypatch.setattr(tokenizer, 'train', spy)
+  _, c = prepare(data, tmp_path / 'run', vocab_size=80)
+  assert c.n_conversations == 400
+  assert 0 < seen[0] < 100  # About 6000 of the ~37000 bytes.
+
+
+def test_empty_file_is_refused(tmp_path):
+  data = tmp_path / 'data'
+  write_data(data)
+  (data / 'empty.txt').write_text('\n  \n', encoding='utf-8')
+  with pytest.raises(UserError, match='empty.txt: the file is empty'):
+    prepare(data, tmp_path / 'run')
+  assert not os.path.exists(tmp_path / 'run' / tokenizer.MODEL_FILE)
