@@ -41,12 +41,13 @@ def generate(folder: str, gigabytes: float, files: int, seed: int = 0):
   )
   p = 1.0 / np.arange(1, len(words) + 1) ** 1.1
   p /= p.sum()
+  counts = rng.integers(2, 24, size=400_000)
+  drawn = words[rng.choice(len(words), int(counts.sum()), p=p)]
+  ends = np.cumsum(counts)
   pool = []
-  for n in rng.integers(2, 24, size=400_000):
-    sentence = ' '.join(words[rng.choice(len(words), n, p=p)])
-    pool.append(
-      sentence[0].upper() + sentence[1:] + rng.choice(['.', '?', '!'])
-    )
+  for end, n, mark in zip(ends, counts, rng.choice(['.', '?', '!'], 400_000)):
+    sentence = ' '.join(drawn[end - n : end])
+    pool.append(sentence[0].upper() + sentence[1:] + mark)
   pool = np.array(pool, dtype=object)
   for i in range(pool.size // 20):  # Some messages with line breaks.
     pool[i] = pool[i] + ' |br| ' + pool[-i - 1]

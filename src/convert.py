@@ -3,6 +3,7 @@
   python -m src.convert messages   chats.jsonl      data/mine
   python -m src.convert sharegpt   sharegpt.json    data/mine
   python -m src.convert chatterbot a.yml b.yml data/mine --ai-side second
+  python -m src.convert chatterbot english data/chatterbot-english --trim
   python -m src.convert transcript log.txt data/mine --user-prefix "Me:"
   python -m src.convert to-messages data/           chats.jsonl
 
@@ -192,6 +193,38 @@ def from_chatterbot(path: str, ai_side: str):
       for k, text in enumerate(conversation)
     ]
     yield f'{path}[{i}]', sides
+
+
+def chatterbot_files(source: str) -> list[str]:
+  """A YAML file; the `.yml` files of a folder; or a language name of the
+  installed `chatterbot-corpus` package (`english`, `spanish`, ...)."""
+  if os.path.isfile(source):
+    return [source]
+  folder = source
+  if not os.path.isdir(folder):
+    try:
+      import chatterbot_corpus
+    except ImportError:
+      raise UserError(
+        f'{source}: no such file or folder (and chatterbot-corpus is not '
+        'installed: pip install chatterbot-corpus)'
+      ) from None
+    root = os.path.join(os.path.dirname(chatterbot_corpus.__file__), 'data')
+    folder = os.path.join(root, source)
+    if not os.path.isdir(folder):
+      languages = ', '.join(sorted(os.listdir(root)))
+      raise UserError(
+        f'{source}: no such file or folder, nor a chatterbot-corpus '
+        f'language ({languages})'
+      )
+  files = sorted(
+    os.path.join(folder, n)
+    for n in os.listdir(folder)
+    if n.endswith(('.yml', '.yaml'))
+  )
+  if not files:
+    raise UserError(f'{folder}: no .yml files')
+  return files
 
 
 def from_transcript(path: str, user_prefix: str, ai_prefix: str):
@@ -400,8 +433,11 @@ def main(argv=None):
     report = to_messages(args.source[0], args.out)
     print(f'{args.format}: {report.summary()} -> {args.out}')
     return 0
+  sources = args.source
+  if args.format == 'chatterbot':
+    sources = [f for s in sources for f in chatterbot_files(s)]
   total = Report()
-  for source in args.source:
+  for source in sources:
     report = convert(
       args.format,
       source,
@@ -420,8 +456,7 @@ def main(argv=None):
     total.dropped_system += report.dropped_system
     total.context_only += report.context_only
   print(
-    f'{args.format}: {len(args.source)} file(s): {total.summary()} -> '
-    f'{args.out}'
+    f'{args.format}: {len(sources)} file(s): {total.summary()} -> {args.out}'
   )
   return 0
 

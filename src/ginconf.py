@@ -27,6 +27,7 @@ lr_schedule = gin.external_configurable(
   model.lr_schedule, module='jade', denylist=['total_steps']
 )
 optimizer = gin.external_configurable(model.optimizer, module='jade')
+output_loss = gin.external_configurable(model.output_loss, module='jade')
 
 MODEL_GIN = 'model.gin'  # The run's bindings, saved in out-dir.
 OPERATIVE_GIN = 'config.gin'  # What the run actually used (gin's view).

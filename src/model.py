@@ -11,6 +11,8 @@ import inspect
 import math
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import trax
 from trax import layers as tl
@@ -182,6 +184,161 @@ def loss_layer():
   return tl.WeightedCategoryCrossEntropy()
 
 
+def output_loss(chunk_size: int = 2048) -> int:
+  """How training computes the output layer and loss (gin: output_loss).
+
+  Args:
+    chunk_size: Positions (over batch x length) whose logits exist at once;
+      0 computes all `[batch, length, vocab]` logits as Trax does.
+
+  Returns:
+    The chunk size.
+  """
+  if chunk_size < 0:
+    raise UserError(
+      f'output_loss.chunk_size = {chunk_size} must be 0 (off) or positive; '
+      'fix it in the gin file'
+    )
+  return int(chunk_size)
+
+
+def chunked_cross_entropy(x, kernel, bias, targets, weights, chunk_size):
+  """Weighted cross-entropy of `x @ kernel + bias`, `chunk_size` rows at a time.
+
+  Equals `WeightedCategoryCrossEntropy` on the full logits, but only one
+  chunk's logits exist at a time, in the forward and (recomputed) in the
+  backward pass: memory is `chunk_size x vocab`, not `length x vocab`.
+
+  Args:
+    x: `[batch, length, d]` float activations.
+    kernel: `[d, vocab]`; bias: `[vocab]`.
+    targets: `[batch, length]` int32.
+    weights: `[batch, length]` float32 loss weights.
+    chunk_size: Rows per chunk.
+
+  Returns:
+    The weighted mean loss, a float32 scalar.
+  """
+  d = x.shape[-1]
+  x = x.reshape(-1, d)
+  t = targets.reshape(-1).astype(jnp.int32)
+  w = weights.reshape(-1).astype(jnp.float32)
+  n = x.shape[0]
+  c = max(1, min(chunk_size, n))
+  pad = (-n) % c
+  if pad:
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    t = jnp.pad(t, (0, pad))
+    w = jnp.pad(w, (0, pad))
+
+  @jax.checkpoint
+  def piece(xc, tc, wc, kernel, bias):
+    logits = xc @ kernel + bias
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    true = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+    return jnp.sum(wc * (lse - true))
+
+  def body(total, inputs):
+    return total + piece(*inputs, kernel, bias), None
+
+  total, _ = jax.lax.scan(
+    body,
+    jnp.zeros([], jnp.float32),
+    (x.reshape(-1, c, d), t.reshape(-1, c), w.reshape(-1, c)),
+  )
+  return total / jnp.sum(w)
+
+
+class OutputWeights(tl.Layer):
+  """Stands in for the model's output layer (its `Dense`) in training.
+
+  Passes the activations on together with the Dense layer's kernel and
+  bias, so `ChunkedLoss` can apply them chunk by chunk. Its weights *are*
+  the output layer's (read and written through), so the training model has
+  exactly the model's weight structure: checkpoints and the eval and
+  predict models are unchanged.
+  """
+
+  def __init__(self, head, dense_index: int | None):
+    """Args: `head` is a Dense, or a Serial with one Dense at `dense_index`
+    (Trax wraps it in shape checks)."""
+    super().__init__(n_in=1, n_out=3, name='OutputWeights')
+    self._head = head
+    self._index = dense_index
+
+  @property
+  def weights(self):
+    return self._head.weights
+
+  @weights.setter
+  def weights(self, weights):
+    self._head.weights = weights
+
+  @property
+  def state(self):
+    return self._head.state
+
+  @state.setter
+  def state(self, state):
+    self._head.state = state
+
+  def init_weights_and_state(self, input_signature):
+    self._head.init(input_signature)
+
+  def forward(self, x):
+    weights = self.weights
+    kernel, bias = weights if self._index is None else weights[self._index]
+    return x, kernel, bias
+
+
+def _dense_position(head):
+  """None if `head` is a Dense; the index of the only weighted sublayer if
+  it is a Dense inside weightless layers; else raises ValueError."""
+  if type(head).__name__ == 'Dense':
+    return None
+  names = [type(layer).__name__ for layer in head.sublayers]
+  if names.count('Dense') == 1 and all(
+    n in ('Dense', 'AssertShape') for n in names
+  ):
+    return names.index('Dense')
+  raise ValueError(f'not a Dense output layer: {names}')
+
+
+class ChunkedLoss(tl.Layer):
+  """`(activations, kernel, bias, targets, weights)` -> weighted mean loss,
+  via `chunked_cross_entropy`."""
+
+  def __init__(self, chunk_size: int):
+    super().__init__(n_in=5, n_out=1, name='ChunkedLoss')
+    self._chunk_size = chunk_size
+
+  def forward(self, inputs):
+    x, kernel, bias, targets, weights = inputs
+    return chunked_cross_entropy(
+      x, kernel, bias, targets, weights, self._chunk_size
+    )
+
+
+def training_model(model, chunk_size: int):
+  """`Serial(model', ChunkedLoss)` for training, or None.
+
+  `model'` is `model` with its output `Dense` replaced by `OutputWeights`
+  (same layers, same weights, nothing initialized again), so
+  `weights[0]` has the model's structure as Trax's Loop expects. None when
+  `chunk_size` is 0 or the model does not end in a plain Dense layer.
+  """
+  if not chunk_size:
+    return None
+  *body, head = model.sublayers
+  try:
+    index = _dense_position(head)
+  except ValueError:
+    return None
+  return tl.Serial(
+    tl.Serial(*body, OutputWeights(head, index)), ChunkedLoss(chunk_size)
+  )
+
+
 def metric_layers():
   return [tl.WeightedCategoryCrossEntropy(), tl.WeightedCategoryAccuracy()]
 
@@ -195,6 +352,11 @@ __all__ = [
   'init_model',
   'lsh_layers',
   'loss_layer',
+  'output_loss',
+  'chunked_cross_entropy',
+  'OutputWeights',
+  'ChunkedLoss',
+  'training_model',
   'metric_layers',
   '_defaults',
 ]

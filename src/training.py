@@ -15,6 +15,8 @@ import time
 
 import jax
 import numpy as np
+from trax import optimizers as trax_optimizers
+from trax.layers import base as trax_base
 from trax.supervised import training as trax_training
 
 from src import (
@@ -120,10 +122,32 @@ class JadeLoop(trax_training.Loop):
   only replace its stdout chatter and add perplexity next to every loss.
   """
 
-  def __init__(self, *args, progress: Progress, tokens_per_step, **kwargs):
+  def __init__(
+    self,
+    *args,
+    progress: Progress,
+    tokens_per_step,
+    loss_chunk_size: int = 0,
+    **kwargs,
+  ):
     self._progress = progress
     self._tokens_per_step = tokens_per_step
+    self._output_chunk = loss_chunk_size
     super().__init__(*args, **kwargs)
+
+  def _init_trainer(self, task):
+    """Trax's trainer, with the output layer and loss chunked (see
+    `model.training_model`): the `[batch, length, vocab]` logits never
+    exist in training, so large vocabularies fit."""
+    fused = model.training_model(self._model, self._output_chunk)
+    if (
+      fused is None
+      or self._use_memory_efficient_trainer
+      or trax_base.N_WEIGHTS_SHARDS > 1
+    ):
+      return super()._init_trainer(task)
+    task.optimizer.tree_init(fused.weights)
+    return trax_optimizers.Trainer(fused, task.optimizer, adasum=self._adasum)
 
   def _run_one_step(self, task_index, task_changed):
     loss, stats = super()._run_one_step(task_index, task_changed)
@@ -390,6 +414,7 @@ def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
     random_seed=s['seed'],
     progress=progress,
     tokens_per_step=lambda: last_tokens[0],
+    loss_chunk_size=ginconf.output_loss(),
   )
   if loop.step != start:
     raise UserError(

@@ -220,3 +220,15 @@ def test_never_overwrites(tmp_path):
   run('messages', tmp_path, MESSAGES)
   with pytest.raises(UserError, match='exists; choose another'):
     run('messages', tmp_path, MESSAGES)
+
+
+def test_chatterbot_language_name_finds_the_installed_corpus(tmp_path, capsys):
+  files = convert.chatterbot_files('english')
+  assert len(files) > 10 and all(f.endswith('.yml') for f in files)
+  with pytest.raises(UserError, match='nor a chatterbot-corpus language'):
+    convert.chatterbot_files('klingon')
+  out = tmp_path / 'en'
+  assert convert.main(['chatterbot', 'english', str(out), '--trim']) == 0
+  summary = capsys.readouterr().out.strip().splitlines()[-1]
+  assert summary.startswith(f'chatterbot: {len(files)} file(s): ')
+  assert len(chatformat.read_data(str(out))) > 1000

@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+from trax import layers as tl
 from trax.supervised import training as trax_training
 
 from src import chunks, ginconf, model
@@ -124,3 +125,60 @@ def test_one_training_step_per_gin_file(gin_file, bindings):
   # Cross-entropy on logits starts near ln(vocab); a log-prob loss such as
   # tl.CrossEntropyLoss on these logits would be negative.
   assert 0.5 * math.log(vocab) < losses[0] < 2 * math.log(vocab)
+
+
+def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
+  import jax
+  import jax.numpy as jnp
+
+  rng = np.random.default_rng(0)
+  b, length, d, vocab = 2, 37, 16, 50
+  x = jnp.asarray(rng.normal(size=(b, length, d)), jnp.float32)
+  kernel = jnp.asarray(rng.normal(size=(d, vocab)) * 0.3, jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(vocab,)) * 0.1, jnp.float32)
+  targets = jnp.asarray(rng.integers(0, vocab, (b, length)), jnp.int32)
+  weights = jnp.asarray(rng.integers(0, 2, (b, length)), jnp.float32)
+  full = tl.WeightedCategoryCrossEntropy()
+
+  def reference(x, kernel, bias):
+    return full((x @ kernel + bias, targets, weights))
+
+  def chunked(x, kernel, bias, size):
+    return model.chunked_cross_entropy(x, kernel, bias, targets, weights, size)
+
+  want = reference(x, kernel, bias)
+  grads_want = jax.grad(reference, argnums=(0, 1, 2))(x, kernel, bias)
+  for size in (1, 8, 30, 74, 1000):  # Uneven, exact and larger than n.
+    got = jax.jit(chunked, static_argnums=3)(x, kernel, bias, size)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    grads = jax.grad(chunked, argnums=(0, 1, 2))(x, kernel, bias, size)
+    for g, gw in zip(grads, grads_want):
+      np.testing.assert_allclose(g, gw, rtol=1e-4, atol=1e-6)
+
+
+def test_training_model_shares_the_models_weights():
+  m = model.init_model(40, 'train', 64)
+  fused = model.training_model(m, 16)
+  assert fused is not None
+  # weights[0] has the model's structure (what Trax's Loop hands to eval).
+  flat = jax_tree_leaves(fused.weights[0])
+  assert [w.shape for w in flat] == [
+    w.shape for w in jax_tree_leaves(m.weights)
+  ]
+  head = m.sublayers[-1]
+  zeros = jax_tree_map(np.zeros_like, head.weights)
+  fused.weights = (fused.weights[0][:-1] + (zeros,), fused.weights[1])
+  assert not any(np.any(w) for w in jax_tree_leaves(m.weights[-1]))
+  assert model.training_model(m, 0) is None
+
+
+def jax_tree_map(fn, tree):
+  import jax
+
+  return jax.tree_util.tree_map(fn, tree)
+
+
+def jax_tree_leaves(tree):
+  import jax
+
+  return jax.tree_util.tree_leaves(tree)
