@@ -26,6 +26,7 @@ from src import (
   corpus,
   ginconf,
   model,
+  preflight,
   tokenizer,
 )
 from src.config import Section
@@ -235,6 +236,9 @@ def prepare(settings: Section, gin_bindings=(), log=print):
       f'{s.source}: eval-fraction {s["eval-fraction"]} must be at least 0 '
       'and below 1 (e.g. 0.05)'
     )
+  memory, limit = preflight.check(
+    setup, s['vocab-size'], batch_size // devices, ginconf.output_loss()
+  )
   tok, train_corpus, eval_corpus = _prepare_data(s, markers, log)
   max_len = setup.max_len
   train_view = chunks.TokenView(train_corpus.tokens, train_corpus.roles)
@@ -295,6 +299,8 @@ def prepare(settings: Section, gin_bindings=(), log=print):
     'n_eval_tokens': len(eval_view),
     'eval_is_train': eval_view is train_view,
     'held': held,
+    'memory': memory,
+    'memory_limit': limit,
   }
 
 
@@ -356,7 +362,9 @@ def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
   log(
     f'model: {setup.path}, context {setup.max_len} tokens, '
     f'{setup.attention_name}; {run["devices"]} device(s) '
-    f'({jax.devices()[0].platform}), batch {run["batch_size"]}'
+    f'({jax.devices()[0].platform}), batch {run["batch_size"]}; memory '
+    f'estimate {preflight.gb(run["memory"].total)} per device of '
+    f'{preflight.gb(run["memory_limit"])}'
   )
   if start >= total:
     log(

@@ -14,7 +14,7 @@ sys.path.insert(0, ROOT)
 import src  # noqa: E402,F401  (applies the compat fixes once)
 from src import chatformat, config, tokenizer  # noqa: E402
 
-DATA = os.path.join(ROOT, 'data')
+DATA = os.path.join(ROOT, 'data', 'examples')
 TINY_GIN = os.path.join(ROOT, 'gin', 'tiny.gin')
 # Binds the tiny model even smaller so each step is a few milliseconds.
 MICRO = (

@@ -1,0 +1,321 @@
+"""Training speed and memory at long contexts: Jade V8 vs its peers.
+
+  python bench/train_speed.py                      # 8k-64k, all contenders
+  python bench/train_speed.py --lengths 32768 --contenders jade peer
+  python bench/train_speed.py --smoke              # tiny, one step each
+
+One process per (contender, length), run one after another. The model:
+causal LM, vocab 500, d_model 256, d_ff 1024, 4 layers, 4 heads of 64,
+LSH attention in every layer (chunk 64, 1 hash), reversible layers, axial
+positions, batch 1, float32, Adam, no dropout. Contenders:
+
+- jade: the project's real path: `training.train` with gin/tiny.gin plus
+  bindings for the architecture, a synthetic corpus through the data
+  pipeline, Trax's Loop (evaluation switched off);
+- peer: lucidrains' reformer-pytorch 1.4.4 (`pip install -r
+  bench/requirements.txt`, e.g. in its own venv: --peer-python), torch
+  threads = cores;
+- full: Trax's full-attention TransformerLM of the same size, until it runs
+  out of memory.
+
+Reported: tokens/s (median of the timed steps; the first steps, which
+compile, are reported separately), peak RSS of the process, and achieved
+FLOP/s = tokens/s x (6 x matmul weights + 3 x attention FLOPs per token),
+attention FLOPs per token = 4 x layers x heads x d_head x keys attended
+(LSH: 2 chunks of 64 = 128 keys; full attention: L/2 on average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB, D, D_FF, LAYERS, HEADS, D_HEAD, CHUNK = 500, 256, 1024, 4, 4, 64, 64
+
+
+def axial(length):
+  rows = 128 if length >= 16384 else 64
+  return (rows, length // rows)
+
+
+def matmul_weights(vocab=VOCAB):
+  per_layer = 4 * D * HEADS * D_HEAD + 2 * D * D_FF
+  return LAYERS * per_layer + D * vocab
+
+
+def flops_per_token(length, lsh=True, vocab=VOCAB):
+  keys = 2 * CHUNK if lsh else length / 2
+  attention = 4 * LAYERS * HEADS * D_HEAD * keys
+  return 6 * matmul_weights(vocab) + 3 * attention
+
+
+def peak_rss():
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---- contenders (each runs in its own process)
+
+
+def run_jade(length, steps, vocab):
+  sys.path.insert(0, ROOT)
+  sys.path.insert(0, os.path.join(ROOT, 'bench'))
+  from prepare_corpus import generate
+
+  from src import config, training
+
+  work = tempfile.mkdtemp(prefix='jade-bench-')
+  generate(os.path.join(work, 'data'), 0.004 * max(1, length // 8192), 1)
+  times = []
+
+  class Timed(training.JadeLoop):
+    def _run_one_step(self, task_index, task_changed):
+      t = time.perf_counter()
+      out = super()._run_one_step(task_index, task_changed)
+      import jax
+
+      jax.block_until_ready(out[0])
+      times.append(time.perf_counter() - t)
+      return out
+
+    def run_evals(self, summary_writers=None):
+      pass  # Training speed only.
+
+  training.JadeLoop = Timed
+  rows, cols = axial(length)
+  bindings = [
+    f'ReformerLM.max_len = {length}',
+    f'ReformerLM.d_model = {D}',
+    f'ReformerLM.d_ff = {D_FF}',
+    f'ReformerLM.n_layers = {LAYERS}',
+    f'ReformerLM.n_heads = {HEADS}',
+    f'ReformerLM.d_attention_key = {D_HEAD}',
+    f'ReformerLM.d_attention_value = {D_HEAD}',
+    'ReformerLM.dropout = 0.0',
+    f'ReformerLM.pos_axial_shape = ({rows}, {cols})',
+    f'ReformerLM.pos_d_axial_embs = ({D // 2}, {D // 2})',
+    f'LSHSelfAttention.chunk_len = {CHUNK}',
+    'LSHSelfAttention.n_hashes = 1',
+    f'LSHSelfAttention.n_buckets = {length // CHUNK}',
+    f'LSHSelfAttention.predict_mem_len = {length}',
+  ]
+  settings = config.from_values(
+    'train',
+    {
+      'data': os.path.join(work, 'data'),
+      'out-dir': os.path.join(work, 'run'),
+      'gin': os.path.join(ROOT, 'gin', 'tiny.gin'),
+      'steps': steps,
+      'eval-every': 10**6,
+      'checkpoint-every': 10**6,
+      'vocab-size': vocab,
+      'eval-fraction': 0.0,
+    },
+  )
+  training.train(settings, gin_bindings=bindings, log=lambda line: None)
+  return times
+
+
+def run_peer(length, steps, vocab):
+  import torch
+  from reformer_pytorch import ReformerLM
+
+  torch.set_num_threads(os.cpu_count())
+  torch.manual_seed(0)
+  model = ReformerLM(
+    num_tokens=vocab,
+    dim=D,
+    depth=LAYERS,
+    max_seq_len=length,
+    heads=HEADS,
+    dim_head=D_HEAD,
+    bucket_size=CHUNK,
+    n_hashes=1,
+    ff_mult=D_FF // D,
+    causal=True,
+    lsh_dropout=0.0,
+    ff_dropout=0.0,
+    post_attn_dropout=0.0,
+    layer_dropout=0.0,
+    axial_position_emb=True,
+    axial_position_shape=axial(length),
+    reverse_thres=0,  # Reversible layers at every length.
+  )
+  optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+  data = torch.randint(0, vocab, (1, length + 1))
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    logits = model(data[:, :-1])
+    loss = torch.nn.functional.cross_entropy(
+      logits.reshape(-1, vocab), data[:, 1:].reshape(-1)
+    )
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    times.append(time.perf_counter() - t)
+  return times
+
+
+def run_full(length, steps, vocab):
+  sys.path.insert(0, ROOT)
+  import src  # noqa: F401, I001  (quiet logs and the compat fixes first)
+  import numpy as np
+  import trax
+  from trax import layers as tl
+
+  model = trax.models.TransformerLM(
+    vocab,
+    d_model=D,
+    d_ff=D_FF,
+    n_layers=LAYERS,
+    n_heads=HEADS,
+    max_len=length,
+    dropout=0.0,
+    mode='train',
+  )
+  loss = tl.WeightedCategoryCrossEntropy()
+  with_loss = tl.Serial(model, loss)
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, vocab, (1, length)).astype(np.int32)
+  batch = (ids, ids, np.ones_like(ids, np.float32))
+  with_loss.init(trax.shapes.signature(batch))
+  optimizer = trax.optimizers.Adam(1e-4)
+  optimizer.tree_init(with_loss.weights)
+  trainer = trax.optimizers.Trainer(with_loss, optimizer)
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    out = trainer.one_step(batch, trax.fastmath.random.get_prng(0))
+    trax.fastmath.numpy.asarray(out[0]).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return times
+
+
+CONTENDERS = {'jade': run_jade, 'peer': run_peer, 'full': run_full}
+
+
+def child(args):
+  times = CONTENDERS[args.child](args.length, args.steps, args.vocab)
+  print(json.dumps({'times': times, 'peak_rss': peak_rss()}))
+
+
+def measure(name, length, steps, vocab, python, timeout):
+  cmd = [python, os.path.abspath(__file__), '--child', name]
+  cmd += ['--length', str(length), '--steps', str(steps)]
+  cmd += ['--vocab', str(vocab)]
+  t = time.time()
+  try:
+    r = subprocess.run(
+      cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+  except subprocess.TimeoutExpired:
+    return {'error': f'over {timeout} s'}
+  wall = time.time() - t
+  if r.returncode:
+    tail = (r.stderr.strip().splitlines() or ['?'])[-1]
+    if 'RESOURCE_EXHAUSTED' in r.stderr or 'Out of memory' in r.stderr:
+      tail = 'out of memory: ' + tail[:160]
+    if r.returncode in (-9, 137):
+      tail = 'killed (out of memory)'
+    return {'error': tail[:240], 'wall': wall}
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  times = out['times']
+  warm = 2 if len(times) > 3 else 1
+  timed = times[warm:] or times[-1:]
+  step = statistics.median(timed)
+  tokens_per_s = length / step
+  lsh = name != 'full'
+  return {
+    'tokens_per_s': tokens_per_s,
+    'step_s': step,
+    'first_steps_s': [round(x, 2) for x in times[:warm]],
+    'timed_steps': len(timed),
+    'peak_rss_gb': out['peak_rss'] / 1e9,
+    'gflops': tokens_per_s * flops_per_token(length, lsh, vocab) / 1e9,
+    'wall': wall,
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--child', choices=CONTENDERS)
+  parser.add_argument('--length', type=int, default=8192)
+  parser.add_argument('--steps', type=int, default=5)
+  parser.add_argument('--vocab', type=int, default=VOCAB)
+  parser.add_argument(
+    '--lengths', type=int, nargs='+', default=[8192, 16384, 32768, 65536]
+  )
+  parser.add_argument(
+    '--contenders', nargs='+', default=['jade', 'peer', 'full']
+  )
+  parser.add_argument('--peer-python', default=sys.executable)
+  parser.add_argument('--peak-gflops', type=float, default=None)
+  parser.add_argument('--timeout', type=int, default=1200)
+  parser.add_argument('--vocab-row', type=int, default=32000)
+  parser.add_argument('--smoke', action='store_true')
+  parser.add_argument('--json', default=None, help='write results here')
+  args = parser.parse_args()
+  if args.child:
+    return child(args)
+  if args.smoke:
+    args.lengths, args.steps, args.vocab_row = [1024], 2, 0
+  results = []
+  for length in args.lengths:
+    for name in args.contenders:
+      if name == 'full' and any(
+        r['name'] == 'full' and r['length'] < length and 'error' in r
+        for r in results
+      ):
+        continue  # Already out of memory at a shorter length.
+      python = args.peer_python if name == 'peer' else sys.executable
+      r = measure(name, length, args.steps, VOCAB, python, args.timeout)
+      r.update(name=name, length=length, vocab=VOCAB)
+      results.append(r)
+      print(json.dumps(r), flush=True)
+  if args.vocab_row:
+    r = measure('jade', 32768, args.steps, args.vocab_row, sys.executable, 3600)
+    r.update(name='jade', length=32768, vocab=args.vocab_row)
+    results.append(r)
+    print(json.dumps(r), flush=True)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(results, f, indent=2)
+  print_table(results, args.peak_gflops)
+
+
+def print_table(results, peak):
+  peer = {
+    r['length']: r for r in results if r['name'] == 'peer' and 'error' not in r
+  }
+  print(
+    '| contender | length | vocab | tokens/s | vs peer | peak RSS GB | '
+    'GFLOP/s | % of peak | compile+first steps s |'
+  )
+  print('|---|---|---|---|---|---|---|---|---|')
+  for r in results:
+    if 'error' in r:
+      print(
+        f'| {r["name"]} | {r["length"]} | {r["vocab"]} | {r["error"]} '
+        '| | | | | |'
+      )
+      continue
+    p = peer.get(r['length'])
+    ratio = f'{r["tokens_per_s"] / p["tokens_per_s"]:.2f}x' if p else ''
+    share = f'{100 * r["gflops"] / peak:.1f}%' if peak else ''
+    print(
+      f'| {r["name"]} | {r["length"]} | {r["vocab"]} | '
+      f'{r["tokens_per_s"]:.0f} | {ratio} | {r["peak_rss_gb"]:.2f} | '
+      f'{r["gflops"]:.1f} | {share} | {r["first_steps_s"]} |'
+    )
+
+
+if __name__ == '__main__':
+  main()

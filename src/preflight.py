@@ -1,0 +1,178 @@
+"""Memory pre-flight: will this run fit on a device? Checked before compiling.
+
+An estimate per device, in bytes, from the gin settings, the vocabulary and
+the per-device batch (float32 everywhere):
+
+- weights `P` (counted exactly from the model's shapes) are held as weights,
+  gradients, a new copy during the update, plus the optimizer's slots
+  (Adam: 2 per weight, Momentum: 1, SGD: 0, Adafactor: ~0.1);
+- activations of one step. The layers are reversible, so activations do
+  not grow with depth: the residual halves and their gradients
+  (`~12 B L d_model`), one layer's LSH attention (the chunked scores and
+  their gradients, `3 B H n_hashes L chunk (1 + before)`, plus the sorted
+  queries/keys/values, `~8 B H n_hashes L d_head`) and feed-forward
+  (`3 B L d_ff`, or one chunk of it);
+- logits: training computes them `output_loss.chunk_size` rows at a time
+  (`3 chunk V`; all `4 B L V` when chunking is off); evaluation makes the
+  full `2 B L V` (no gradients);
+- on CPU, the frameworks themselves (TensorFlow, JAX, Trax: `BASELINE`).
+
+The two fitted constants (`BASELINE`, `ACTIVATION_FACTOR`) come from peak
+RSS measured on CPU (1k-16k tokens with a small model, vocab 300 and 8000,
+and gin/reformer_32k.gin: all within 25%); tests/test_preflight.py checks
+the estimate against measured peaks within 35%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import trax
+
+from src import model
+from src.errors import UserError
+
+F32 = 4
+BASELINE = 1.5e9  # CPU: frameworks, compiled programs, data pipeline.
+ACTIVATION_FACTOR = 1.4  # XLA's temporaries beyond the tensors counted.
+SLOTS = {'Adam': 2.0, 'Momentum': 1.0, 'SGD': 0.0, 'Adafactor': 0.1}
+
+
+@dataclasses.dataclass
+class Estimate:
+  """Bytes per device, by part."""
+
+  weights: float
+  optimizer: float
+  activations: float
+  logits: float
+  baseline: float
+
+  @property
+  def total(self) -> float:
+    return (
+      self.weights + self.optimizer + self.activations + self.logits
+    ) + self.baseline
+
+  def parts(self) -> str:
+    parts = {
+      'weights+grads': self.weights,
+      'optimizer': self.optimizer,
+      'activations': self.activations,
+      'logits': self.logits,
+      'frameworks': self.baseline,
+    }
+    ordered = sorted(parts.items(), key=lambda kv: -kv[1])
+    return ', '.join(f'{k} {gb(v)}' for k, v in ordered if v)
+
+
+def gb(n: float) -> str:
+  return f'{n / 1e9:.1f} GB'
+
+
+def count_weights(vocab_size: int, max_len: int) -> int:
+  """Weights of the configured model, from shapes only (nothing computed)."""
+  m = model.reformer_lm(vocab_size, 'train')
+  sig = trax.shapes.ShapeDtype((1, max_len), np.int32)
+  weights, _ = m.weights_and_state_signature(sig, unsafe=True)
+  leaves = jax.tree_util.tree_leaves(weights)
+  return int(sum(int(np.prod(w.shape)) for w in leaves if hasattr(w, 'shape')))
+
+
+def optimizer_name() -> str:
+  from src import ginconf
+
+  try:
+    kind = ginconf.gin.query_parameter('jade.optimizer.kind')
+    return str(kind).strip('@').split('.')[-1]
+  except (ValueError, KeyError):
+    return 'Adam'
+
+
+def estimate(
+  setup,
+  vocab_size: int,
+  batch_per_device: int,
+  loss_chunk: int,
+  n_weights: int | None = None,
+  optimizer: str = 'Adam',
+  platform: str = 'cpu',
+) -> Estimate:
+  """The memory estimate for one device (see the module docstring)."""
+  m, a = setup.model, setup.attention
+  b, length = batch_per_device, setup.max_len
+  d, d_ff, heads = m['d_model'], m['d_ff'], m['n_heads']
+  d_head = max(m['d_attention_key'], m['d_attention_value'])
+  chunk = a.get('chunk_len') or 64
+  hashes = a.get('n_hashes') or 1
+  before = a.get('n_chunks_before', 1) or 0
+  if setup.attention_name not in ('LSHSelfAttention', 'PureLSHSelfAttention'):
+    chunk, hashes, before = length, 1, 0  # Full attention: L x L scores.
+  if n_weights is None:
+    n_weights = count_weights(vocab_size, length)
+  slots = SLOTS.get(optimizer, 2.0)
+  residual = 12 * b * length * d
+  attention = 3 * b * heads * hashes * length * chunk * (1 + before)
+  attention += 8 * b * heads * hashes * length * d_head
+  ff_chunk = m.get('ff_chunk_size') or 0
+  ff_rows = min(ff_chunk, b * length) if ff_chunk else b * length
+  feed_forward = 3 * ff_rows * d_ff
+  rows = b * length
+  if loss_chunk:
+    train_logits = 3 * min(loss_chunk, rows) * vocab_size
+  else:
+    train_logits = 4 * rows * vocab_size
+  eval_logits = 2 * rows * vocab_size
+  return Estimate(
+    weights=3 * n_weights * F32,
+    optimizer=slots * n_weights * F32,
+    activations=(residual + attention + feed_forward) * F32 * ACTIVATION_FACTOR,
+    logits=max(train_logits, eval_logits) * F32,
+    baseline=BASELINE if platform == 'cpu' else 0.0,
+  )
+
+
+def device_limit() -> tuple[float, str]:
+  """Memory one device can use: host RAM available on CPU, else the
+  accelerator's own memory."""
+  device = jax.local_devices()[0]
+  if device.platform == 'cpu':
+    import psutil
+
+    n = jax.local_device_count()
+    available = psutil.virtual_memory().available
+    return available / n, f'{n} CPU device(s) share {gb(available)} free RAM'
+  stats = device.memory_stats() or {}
+  limit = stats.get('bytes_limit')
+  if not limit:
+    return float('inf'), f'{device.platform} (memory size unknown)'
+  return float(limit), f'{device.device_kind} has {gb(limit)}'
+
+
+def check(setup, vocab_size: int, batch_per_device: int, loss_chunk: int):
+  """Raises a one-line UserError if the run will not fit; returns the
+  estimate and the limit otherwise."""
+  platform = jax.local_devices()[0].platform
+  est = estimate(
+    setup,
+    vocab_size,
+    batch_per_device,
+    loss_chunk,
+    optimizer=optimizer_name(),
+    platform=platform,
+  )
+  limit, where = device_limit()
+  if est.total > limit:
+    advice = (
+      'lower the per-device batch (batch-size), ReformerLM.max_len with '
+      'its pos_axial_shape, LSHSelfAttention.chunk_len or n_hashes, '
+      'vocab-size or output_loss.chunk_size, or use a lighter optimizer '
+      '(optimizer.kind)'
+    )
+    raise UserError(
+      f'{setup.path}: this run needs about {gb(est.total)} per device '
+      f'({est.parts()}) but {where}; {advice}'
+    )
+  return est, limit

@@ -1,0 +1,82 @@
+"""Memory pre-flight: refuses what cannot fit, matches measured peaks."""
+
+import subprocess
+import sys
+
+import pytest
+
+from src import ginconf, preflight
+from src.errors import UserError
+
+from .conftest import ROOT, TINY_GIN
+
+
+def long_bindings(length, axial):
+  return (
+    f'ReformerLM.max_len = {length}',
+    f'ReformerLM.pos_axial_shape = {axial}',
+    f'LSHSelfAttention.n_buckets = {length // 32}',
+    f'LSHSelfAttention.predict_mem_len = {length}',
+  )
+
+
+def test_refuses_an_impossible_config_and_accepts_a_small_one(monkeypatch):
+  setup = ginconf.parse(TINY_GIN)
+  monkeypatch.setattr(
+    preflight, 'device_limit', lambda: (4e9, 'the test device has 4.0 GB')
+  )
+  est, limit = preflight.check(setup, 300, 1, 2048)
+  assert est.total < limit
+  with pytest.raises(UserError) as e:
+    preflight.check(setup, 300, 512, 2048)  # 512 chunks per device.
+  message = str(e.value)
+  assert message.startswith(f'{TINY_GIN}: this run needs about ')
+  assert 'per device (activations ' in message  # Biggest part first.
+  assert 'but the test device has 4.0 GB; lower the per-device batch' in message
+  assert '\n' not in message
+  # A vocabulary of a million with unchunked logits: the logits dominate.
+  with pytest.raises(UserError, match=r'needs about .* \(logits '):
+    preflight.check(setup, 1_000_000, 1, 0)
+
+
+def test_chunked_logits_are_cheaper_than_full_ones():
+  setup = ginconf.parse(TINY_GIN, long_bindings(32768, (128, 256)))
+  full = preflight.estimate(setup, 32000, 1, 0, n_weights=10**6)
+  chunked = preflight.estimate(setup, 32000, 1, 2048, n_weights=10**6)
+  # Training logits drop to a chunk's; evaluation still makes full logits.
+  assert chunked.logits == 2 * 32768 * 32000 * 4 < full.logits
+
+
+MEASURE = """
+import resource, subprocess, sys
+r = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+sys.stderr.write(r.stderr[-3000:])
+print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+@pytest.mark.parametrize(
+  'length,axial', [(1024, (32, 32)), (16384, (128, 128))]
+)
+def test_estimate_is_within_35_percent_of_measured_peak(
+  length, axial, tmp_path
+):
+  out = str(tmp_path / 'run')
+  binds = long_bindings(length, axial)
+  args = [sys.executable, 'train.py', '--gin', TINY_GIN, '--out-dir', out]
+  args += ['--steps', '2', '--eval-every', '10', '--vocab-size', '300']
+  for b in binds:
+    args += ['--bind', b]
+  result = subprocess.run(
+    [sys.executable, '-c', MEASURE, *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  code, peak_kb = result.stdout.split()
+  assert code == '0', result.stderr
+  measured = int(peak_kb) * 1024
+  setup = ginconf.parse(TINY_GIN, binds)
+  estimate = preflight.estimate(setup, 300, 1, 2048).total
+  assert abs(estimate - measured) / measured < 0.35, (estimate, measured)
