@@ -141,6 +141,16 @@ def run_child(settings: dict) -> dict:
   return result
 
 
+def make_settings(data, out, args):
+  return {
+    'data': data,
+    'out-dir': out,
+    'gin': os.path.join(ROOT, 'gin', 'tiny.gin'),
+    'vocab-size': args.vocab_size,
+    'repeat-limit': 0,
+  }
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--gigabytes', type=float, default=1.0)
@@ -148,6 +158,9 @@ def main():
   parser.add_argument('--dir', default='/tmp/jade-corpus-bench')
   parser.add_argument('--vocab-size', type=int, default=8000)
   parser.add_argument('--keep', action='store_true', help='reuse the data')
+  parser.add_argument(
+    '--warm-only', action='store_true', help='only the cached run'
+  )
   args = parser.parse_args()
   data = os.path.join(args.dir, 'data')
   out = os.path.join(args.dir, 'run')
@@ -155,14 +168,16 @@ def main():
     t = time.time()
     generate(data, args.gigabytes, args.files)
     print(f'generated {args.gigabytes} GB in {time.time() - t:.0f} s: {data}')
+  if args.warm_only:
+    warm = run_child(make_settings(data, out, args))
+    print(json.dumps(warm, indent=2))
+    print(
+      f'cached run to first batch: {warm["first_batch_seconds"]:.1f} s '
+      f'({warm["import_seconds"]:.1f} s of it importing), hit={warm["hit"]}'
+    )
+    return
   subprocess.run(['rm', '-rf', out], check=True)
-  settings = {
-    'data': data,
-    'out-dir': out,
-    'gin': os.path.join(ROOT, 'gin', 'tiny.gin'),
-    'vocab-size': args.vocab_size,
-    'repeat-limit': 0,
-  }
+  settings = make_settings(data, out, args)
   cold = run_child(settings)
   warm = run_child(settings)
   mb = cold['bytes'] / 1e6

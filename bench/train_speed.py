@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -119,8 +120,13 @@ def run_jade(length, steps, vocab):
       'eval-fraction': 0.0,
     },
   )
-  training.train(settings, gin_bindings=bindings, log=lambda line: None)
-  return times
+  try:
+    training.train(settings, gin_bindings=bindings, log=lambda line: None)
+    with open(os.path.join(work, 'run', 'tokenizer.json')) as f:
+      vocab_used = json.load(f)['vocab_size']
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  return times, vocab_used
 
 
 def run_peer(length, steps, vocab):
@@ -161,7 +167,7 @@ def run_peer(length, steps, vocab):
     loss.backward()
     optimizer.step()
     times.append(time.perf_counter() - t)
-  return times
+  return times, vocab
 
 
 def run_full(length, steps, vocab):
@@ -196,15 +202,15 @@ def run_full(length, steps, vocab):
     out = trainer.one_step(batch, trax.fastmath.random.get_prng(0))
     trax.fastmath.numpy.asarray(out[0]).block_until_ready()
     times.append(time.perf_counter() - t)
-  return times
+  return times, vocab
 
 
 CONTENDERS = {'jade': run_jade, 'peer': run_peer, 'full': run_full}
 
 
 def child(args):
-  times = CONTENDERS[args.child](args.length, args.steps, args.vocab)
-  print(json.dumps({'times': times, 'peak_rss': peak_rss()}))
+  times, vocab = CONTENDERS[args.child](args.length, args.steps, args.vocab)
+  print(json.dumps({'times': times, 'vocab': vocab, 'peak_rss': peak_rss()}))
 
 
 def measure(name, length, steps, vocab, python, timeout):
@@ -233,7 +239,9 @@ def measure(name, length, steps, vocab, python, timeout):
   step = statistics.median(timed)
   tokens_per_s = length / step
   lsh = name != 'full'
+  vocab = out['vocab']  # The tokenizer's, which may be a little smaller.
   return {
+    'vocab': vocab,
     'tokens_per_s': tokens_per_s,
     'step_s': step,
     'first_steps_s': [round(x, 2) for x in times[:warm]],
@@ -277,12 +285,14 @@ def main():
         continue  # Already out of memory at a shorter length.
       python = args.peer_python if name == 'peer' else sys.executable
       r = measure(name, length, args.steps, VOCAB, python, args.timeout)
-      r.update(name=name, length=length, vocab=VOCAB)
+      r.setdefault('vocab', VOCAB)
+      r.update(name=name, length=length)
       results.append(r)
       print(json.dumps(r), flush=True)
   if args.vocab_row:
     r = measure('jade', 32768, args.steps, args.vocab_row, sys.executable, 3600)
-    r.update(name='jade', length=32768, vocab=args.vocab_row)
+    r.setdefault('vocab', args.vocab_row)
+    r.update(name='jade', length=32768)
     results.append(r)
     print(json.dumps(r), flush=True)
   if args.json:

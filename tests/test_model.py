@@ -157,7 +157,8 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
 
 
 def test_training_model_shares_the_models_weights():
-  m = model.init_model(40, 'train', 64)
+  setup = ginconf.parse(TINY_GIN)
+  m = model.init_model(40, 'train', setup.max_len)
   fused = model.training_model(m, 16)
   assert fused is not None
   # weights[0] has the model's structure (what Trax's Loop hands to eval).

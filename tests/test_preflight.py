@@ -8,7 +8,7 @@ import pytest
 from src import ginconf, preflight
 from src.errors import UserError
 
-from .conftest import ROOT, TINY_GIN
+from .conftest import DATA, ROOT, TINY_GIN
 
 
 def long_bindings(length, axial):
@@ -64,6 +64,7 @@ def test_estimate_is_within_35_percent_of_measured_peak(
   out = str(tmp_path / 'run')
   binds = long_bindings(length, axial)
   args = [sys.executable, 'train.py', '--gin', TINY_GIN, '--out-dir', out]
+  args += ['--data', DATA]
   args += ['--steps', '2', '--eval-every', '10', '--vocab-size', '300']
   for b in binds:
     args += ['--bind', b]
@@ -80,3 +81,22 @@ def test_estimate_is_within_35_percent_of_measured_peak(
   setup = ginconf.parse(TINY_GIN, binds)
   estimate = preflight.estimate(setup, 300, 1, 2048).total
   assert abs(estimate - measured) / measured < 0.35, (estimate, measured)
+
+
+def test_weight_count_is_close_to_the_models():
+  import jax
+  import numpy as np
+  import trax
+
+  from src import model
+
+  setup = ginconf.parse(TINY_GIN)
+  m = model.reformer_lm(300, 'train')
+  sig = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
+  weights, _ = m.weights_and_state_signature(sig, unsafe=True)
+  exact = sum(
+    int(np.prod(w.shape))
+    for w in jax.tree_util.tree_leaves(weights)
+    if hasattr(w, 'shape')
+  )
+  assert abs(preflight.count_weights(setup, 300) - exact) < 0.2 * exact
