@@ -202,7 +202,9 @@ def output_loss(chunk_size: int = 2048) -> int:
   return int(chunk_size)
 
 
-def chunked_cross_entropy(x, kernel, bias, targets, weights, chunk_size):
+def chunked_cross_entropy(
+  x, kernel, bias, targets, weights, chunk_size, with_accuracy=False
+):
   """Weighted cross-entropy of `x @ kernel + bias`, `chunk_size` rows at a time.
 
   Equals `WeightedCategoryCrossEntropy` on the full logits, but only one
@@ -215,9 +217,11 @@ def chunked_cross_entropy(x, kernel, bias, targets, weights, chunk_size):
     targets: `[batch, length]` int32.
     weights: `[batch, length]` float32 loss weights.
     chunk_size: Rows per chunk.
+    with_accuracy: Also return the weighted accuracy (evaluation).
 
   Returns:
-    The weighted mean loss, a float32 scalar.
+    The weighted mean loss, a float32 scalar; with `with_accuracy`, the
+    pair (loss, accuracy) as `WeightedCategoryAccuracy` computes it.
   """
   d = x.shape[-1]
   x = x.reshape(-1, d)
@@ -236,17 +240,26 @@ def chunked_cross_entropy(x, kernel, bias, targets, weights, chunk_size):
     logits = xc @ kernel + bias
     lse = jax.nn.logsumexp(logits, axis=-1)
     true = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-    return jnp.sum(wc * (lse - true))
+    loss = jnp.sum(wc * (lse - true))
+    if not with_accuracy:
+      return loss, jnp.zeros([], jnp.float32)
+    hits = (jnp.argmax(logits, axis=-1) == tc).astype(jnp.float32)
+    return loss, jnp.sum(wc * hits)
 
-  def body(total, inputs):
-    return total + piece(*inputs, kernel, bias), None
+  def body(totals, inputs):
+    loss, hits = piece(*inputs, kernel, bias)
+    return (totals[0] + loss, totals[1] + hits), None
 
-  total, _ = jax.lax.scan(
+  zero = jnp.zeros([], jnp.float32)
+  (loss, hits), _ = jax.lax.scan(
     body,
-    jnp.zeros([], jnp.float32),
+    (zero, zero),
     (x.reshape(-1, c, d), t.reshape(-1, c), w.reshape(-1, c)),
   )
-  return total / jnp.sum(w)
+  total = jnp.sum(w)
+  if with_accuracy:
+    return loss / total, hits / total
+  return loss / total
 
 
 class OutputWeights(tl.Layer):
@@ -319,6 +332,36 @@ class ChunkedLoss(tl.Layer):
     )
 
 
+class ChunkedMetrics(tl.Layer):
+  """`(activations, kernel, bias, targets, weights)` -> (loss, accuracy),
+  chunked like `ChunkedLoss`, for evaluation."""
+
+  def __init__(self, chunk_size: int):
+    super().__init__(n_in=5, n_out=2, name='ChunkedMetrics')
+    self._chunk_size = chunk_size
+
+  def forward(self, inputs):
+    x, kernel, bias, targets, weights = inputs
+    return chunked_cross_entropy(
+      x, kernel, bias, targets, weights, self._chunk_size, with_accuracy=True
+    )
+
+
+def metrics_model(eval_model, chunk_size: int):
+  """`Serial(eval_model', ChunkedMetrics)`: evaluation without full logits
+  (see `training_model`); None when chunking does not apply."""
+  if not chunk_size:
+    return None
+  *body, head = eval_model.sublayers
+  try:
+    index = _dense_position(head)
+  except ValueError:
+    return None
+  return tl.Serial(
+    tl.Serial(*body, OutputWeights(head, index)), ChunkedMetrics(chunk_size)
+  )
+
+
 def training_model(model, chunk_size: int):
   """`Serial(model', ChunkedLoss)` for training, or None.
 
@@ -357,6 +400,8 @@ __all__ = [
   'OutputWeights',
   'ChunkedLoss',
   'training_model',
+  'ChunkedMetrics',
+  'metrics_model',
   'metric_layers',
   '_defaults',
 ]

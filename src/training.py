@@ -150,6 +150,24 @@ class JadeLoop(trax_training.Loop):
     task.optimizer.tree_init(fused.weights)
     return trax_optimizers.Trainer(fused, task.optimizer, adasum=self._adasum)
 
+  def _init_evaluator(self, eval_task):
+    """Trax's evaluator, with loss and accuracy computed from chunked logits
+    (`model.metrics_model`); `eval_task.metrics` are the same two."""
+    fused = model.metrics_model(self._eval_model, self._output_chunk)
+    if (
+      fused is None
+      or self._use_memory_efficient_trainer
+      or trax_base.N_WEIGHTS_SHARDS > 1
+    ):
+      return super()._init_evaluator(eval_task)
+    return trax_training._Evaluator(
+      weights=self._for_n_devices(fused.weights[1]),
+      state=self._for_n_devices(fused.state[1]),
+      metrics_fn=trax_training._accelerate_model_with_metrics(
+        fused, self.n_devices
+      ),
+    )
+
   def _run_one_step(self, task_index, task_changed):
     loss, stats = super()._run_one_step(task_index, task_changed)
     lr = float(self._tasks[task_index].learning_rate(self.step))

@@ -154,6 +154,14 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
     grads = jax.grad(chunked, argnums=(0, 1, 2))(x, kernel, bias, size)
     for g, gw in zip(grads, grads_want):
       np.testing.assert_allclose(g, gw, rtol=1e-4, atol=1e-6)
+    # Evaluation: loss and accuracy from chunks equal Trax's metrics.
+    loss, accuracy = model.chunked_cross_entropy(
+      x, kernel, bias, targets, weights, size, with_accuracy=True
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    logits = x @ kernel + bias
+    acc_want = tl.WeightedCategoryAccuracy()((logits, targets, weights))
+    np.testing.assert_allclose(accuracy, acc_want, rtol=1e-6)
 
 
 def test_training_model_shares_the_models_weights():
