@@ -12,9 +12,8 @@ the per-device batch (float32 everywhere):
   their gradients, `3 B H n_hashes L chunk (1 + before)`, plus the sorted
   queries/keys/values, `~8 B H n_hashes L d_head`) and feed-forward
   (`3 B L d_ff`, or one chunk of it);
-- logits: training computes them `output_loss.chunk_size` rows at a time
-  (`3 chunk V`; all `4 B L V` when chunking is off); evaluation makes the
-  full `2 B L V` (no gradients);
+- logits: training and evaluation compute them `output_loss.chunk_size`
+  rows at a time (`3 chunk V`; all `4 B L V` when chunking is off);
 - on CPU, the frameworks themselves (TensorFlow, JAX, Trax: `BASELINE`).
 
 The two fitted constants (`BASELINE`, `ACTIVATION_FACTOR`) come from peak
@@ -133,16 +132,15 @@ def estimate(
   ff_rows = min(ff_chunk, b * length) if ff_chunk else b * length
   feed_forward = 3 * ff_rows * d_ff
   rows = b * length
-  if loss_chunk:
-    train_logits = 3 * min(loss_chunk, rows) * vocab_size
+  if loss_chunk:  # Training and evaluation both chunk their logits.
+    logits = 3 * min(loss_chunk, rows) * vocab_size
   else:
-    train_logits = 4 * rows * vocab_size
-  eval_logits = 2 * rows * vocab_size
+    logits = 4 * rows * vocab_size
   return Estimate(
     weights=3 * n_weights * F32,
     optimizer=slots * n_weights * F32,
     activations=(residual + attention + feed_forward) * F32 * ACTIVATION_FACTOR,
-    logits=max(train_logits, eval_logits) * F32,
+    logits=logits * F32,
     baseline=BASELINE if platform == 'cpu' else 0.0,
   )
 
