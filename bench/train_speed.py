@@ -65,7 +65,7 @@ def peak_rss():
 # ---- contenders (each runs in its own process)
 
 
-def run_jade(length, steps, vocab):
+def run_jade(length, steps, vocab, with_eval=False):
   sys.path.insert(0, ROOT)
   sys.path.insert(0, os.path.join(ROOT, 'bench'))
   from prepare_corpus import generate
@@ -86,8 +86,10 @@ def run_jade(length, steps, vocab):
       times.append(time.perf_counter() - t)
       return out
 
-    def run_evals(self, summary_writers=None):
-      pass  # Training speed only.
+    if not with_eval:
+
+      def run_evals(self, summary_writers=None):
+        pass  # Training speed only.
 
   training.JadeLoop = Timed
   rows, cols = axial(length)
@@ -118,6 +120,7 @@ def run_jade(length, steps, vocab):
       'checkpoint-every': 10**6,
       'vocab-size': vocab,
       'eval-fraction': 0.0,
+      'eval-batches': 1,
     },
   )
   try:
@@ -209,12 +212,17 @@ CONTENDERS = {'jade': run_jade, 'peer': run_peer, 'full': run_full}
 
 
 def child(args):
-  times, vocab = CONTENDERS[args.child](args.length, args.steps, args.vocab)
+  kwargs = {'with_eval': True} if args.eval else {}
+  times, vocab = CONTENDERS[args.child](
+    args.length, args.steps, args.vocab, **kwargs
+  )
   print(json.dumps({'times': times, 'vocab': vocab, 'peak_rss': peak_rss()}))
 
 
-def measure(name, length, steps, vocab, python, timeout):
+def measure(name, length, steps, vocab, python, timeout, with_eval=False):
   cmd = [python, os.path.abspath(__file__), '--child', name]
+  if with_eval:
+    cmd.append('--eval')
   cmd += ['--length', str(length), '--steps', str(steps)]
   cmd += ['--vocab', str(vocab)]
   t = time.time()
@@ -269,6 +277,11 @@ def main():
   parser.add_argument('--timeout', type=int, default=1200)
   parser.add_argument('--vocab-row', type=int, default=32000)
   parser.add_argument('--smoke', action='store_true')
+  parser.add_argument(
+    '--eval',
+    action='store_true',
+    help='jade: keep the evaluation at steps 1 and last (peak RSS)',
+  )
   parser.add_argument('--json', default=None, help='write results here')
   args = parser.parse_args()
   if args.child:
@@ -284,13 +297,17 @@ def main():
       ):
         continue  # Already out of memory at a shorter length.
       python = args.peer_python if name == 'peer' else sys.executable
-      r = measure(name, length, args.steps, VOCAB, python, args.timeout)
+      r = measure(
+        name, length, args.steps, VOCAB, python, args.timeout, args.eval
+      )
       r.setdefault('vocab', VOCAB)
       r.update(name=name, length=length)
       results.append(r)
       print(json.dumps(r), flush=True)
   if args.vocab_row:
-    r = measure('jade', 32768, args.steps, args.vocab_row, sys.executable, 3600)
+    r = measure(
+      'jade', 32768, args.steps, args.vocab_row, sys.executable, 3600, args.eval
+    )
     r.setdefault('vocab', args.vocab_row)
     r.update(name='jade', length=32768)
     results.append(r)
