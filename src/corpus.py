@@ -252,7 +252,7 @@ def cache_key(digest: str, tok, parse_kwargs: dict) -> str:
   return h.hexdigest()[:20]
 
 
-def _open(folder: str, meta: dict, n_bytes: int) -> Corpus:
+def _open(folder: str, meta: dict, n_bytes: int, hit: bool) -> Corpus:
   n = meta['tokens']
   if n:
     tokens = np.memmap(
@@ -264,7 +264,7 @@ def _open(folder: str, meta: dict, n_bytes: int) -> Corpus:
   else:
     tokens, roles = np.zeros([0], np.int32), np.zeros([0], np.uint8)
   ends = np.load(os.path.join(folder, 'conversations.npy'))
-  return Corpus(tokens, roles, ends, folder, True, meta['turns'], n_bytes)
+  return Corpus(tokens, roles, ends, folder, hit, meta['turns'], n_bytes)
 
 
 def _read_meta(folder: str) -> dict | None:
@@ -367,6 +367,7 @@ def prepare(
   collapse: bool = False,
   tok: tokenizer.Tokenizer | None = None,
   workers: int | None = None,
+  save_tokenizer: bool = True,
   log=print,
 ):
   """Prepares `data` (a file or folder) for training, reusing the cache.
@@ -383,6 +384,8 @@ def prepare(
     tok: Use this tokenizer (e.g. for a held-out folder) instead of the
       run's own (loaded from out-dir, or trained on a sample of `data`).
     workers: Processes for tokenizing (default: the CPU count).
+    save_tokenizer: Save a newly trained tokenizer once the corpus is
+      ready (False: the caller saves it, e.g. after a held-out corpus).
     log: Where messages go.
 
   Returns:
@@ -407,8 +410,9 @@ def prepare(
   folder = os.path.join(cache_root, f'{name}-{key}')
   meta = _read_meta(folder)
   if meta is not None:
-    tokenizer.save(out_dir, tok)
-    return tok, _open(folder, meta, scanned.n_bytes)
+    if save_tokenizer:
+      tokenizer.save(out_dir, tok)
+    return tok, _open(folder, meta, scanned.n_bytes, hit=True)
   if workers is None:
     workers = os.cpu_count() or 1
   if scanned.n_bytes < PARALLEL_MIN_BYTES:
@@ -428,7 +432,6 @@ def prepare(
     if old.startswith(f'{name}-'):
       shutil.rmtree(os.path.join(cache_root, old), ignore_errors=True)
   os.replace(tmp, folder)
-  tokenizer.save(out_dir, tok)
-  corpus = _open(folder, meta, scanned.n_bytes)
-  corpus.hit = False
-  return tok, corpus
+  if save_tokenizer:
+    tokenizer.save(out_dir, tok)
+  return tok, _open(folder, meta, scanned.n_bytes, hit=False)

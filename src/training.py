@@ -335,6 +335,7 @@ def _prepare_data(s: Section, markers, log):
       'vocab_size': s['vocab-size'],
       'repeat_limit': s['repeat-limit'],
       'collapse': s['collapse-repeats'],
+      'save_tokenizer': False,  # Saved below, once every corpus is ready.
       'log': log,
     }
     tok, train_corpus = corpus.prepare(s['data'], out_dir, **options)

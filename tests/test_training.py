@@ -317,3 +317,12 @@ def test_held_out_conversations_are_reported(tmp_path):
       log=lines.append,
     )
   assert not (tmp_path / 'c').exists()
+  # Nor in an existing one: no tokenizer, no cache is left behind.
+  (tmp_path / 'd').mkdir()
+  with pytest.raises(UserError, match='x.txt:1: the conversation ends'):
+    training.prepare(
+      train_settings(tmp_path / 'd', **{'eval-data': str(held)}),
+      MICRO,
+      log=lines.append,
+    )
+  assert os.listdir(tmp_path / 'd') == []
