@@ -266,7 +266,7 @@ class OutputWeights(tl.Layer):
   """Stands in for the model's output layer (its `Dense`) in training.
 
   Passes the activations on together with the Dense layer's kernel and
-  bias, so `ChunkedLoss` can apply them chunk by chunk. Its weights *are*
+  bias, so `ChunkedOutput` can apply them chunk by chunk. Its weights *are*
   the output layer's (read and written through), so the training model has
   exactly the model's weight structure: checkpoints and the eval and
   predict models are unchanged.
@@ -317,53 +317,34 @@ def _dense_position(head):
   raise ValueError(f'not a Dense output layer: {names}')
 
 
-class ChunkedLoss(tl.Layer):
-  """`(activations, kernel, bias, targets, weights)` -> weighted mean loss,
-  via `chunked_cross_entropy`."""
+class ChunkedOutput(tl.Layer):
+  """`(activations, kernel, bias, targets, weights)` -> the weighted mean
+  loss (training) or (loss, accuracy) (evaluation), via
+  `chunked_cross_entropy`."""
 
-  def __init__(self, chunk_size: int):
-    super().__init__(n_in=5, n_out=1, name='ChunkedLoss')
+  def __init__(self, chunk_size: int, with_accuracy: bool = False):
+    super().__init__(
+      n_in=5, n_out=2 if with_accuracy else 1, name='ChunkedOutput'
+    )
     self._chunk_size = chunk_size
+    self._with_accuracy = with_accuracy
 
   def forward(self, inputs):
     x, kernel, bias, targets, weights = inputs
     return chunked_cross_entropy(
-      x, kernel, bias, targets, weights, self._chunk_size
+      x,
+      kernel,
+      bias,
+      targets,
+      weights,
+      self._chunk_size,
+      with_accuracy=self._with_accuracy,
     )
 
 
-class ChunkedMetrics(tl.Layer):
-  """`(activations, kernel, bias, targets, weights)` -> (loss, accuracy),
-  chunked like `ChunkedLoss`, for evaluation."""
-
-  def __init__(self, chunk_size: int):
-    super().__init__(n_in=5, n_out=2, name='ChunkedMetrics')
-    self._chunk_size = chunk_size
-
-  def forward(self, inputs):
-    x, kernel, bias, targets, weights = inputs
-    return chunked_cross_entropy(
-      x, kernel, bias, targets, weights, self._chunk_size, with_accuracy=True
-    )
-
-
-def metrics_model(eval_model, chunk_size: int):
-  """`Serial(eval_model', ChunkedMetrics)`: evaluation without full logits
-  (see `training_model`); None when chunking does not apply."""
-  if not chunk_size:
-    return None
-  *body, head = eval_model.sublayers
-  try:
-    index = _dense_position(head)
-  except ValueError:
-    return None
-  return tl.Serial(
-    tl.Serial(*body, OutputWeights(head, index)), ChunkedMetrics(chunk_size)
-  )
-
-
-def training_model(model, chunk_size: int):
-  """`Serial(model', ChunkedLoss)` for training, or None.
+def chunked_model(model, chunk_size: int, with_accuracy: bool = False):
+  """`Serial(model', ChunkedOutput)`: training (loss) or evaluation (loss,
+  accuracy) without the full `[batch, length, vocab]` logits; or None.
 
   `model'` is `model` with its output `Dense` replaced by `OutputWeights`
   (same layers, same weights, nothing initialized again), so
@@ -378,7 +359,8 @@ def training_model(model, chunk_size: int):
   except ValueError:
     return None
   return tl.Serial(
-    tl.Serial(*body, OutputWeights(head, index)), ChunkedLoss(chunk_size)
+    tl.Serial(*body, OutputWeights(head, index)),
+    ChunkedOutput(chunk_size, with_accuracy),
   )
 
 
@@ -398,10 +380,8 @@ __all__ = [
   'output_loss',
   'chunked_cross_entropy',
   'OutputWeights',
-  'ChunkedLoss',
-  'training_model',
-  'ChunkedMetrics',
-  'metrics_model',
+  'ChunkedOutput',
+  'chunked_model',
   'metric_layers',
   '_defaults',
 ]

@@ -136,29 +136,28 @@ class JadeLoop(trax_training.Loop):
     self._output_chunk = loss_chunk_size
     super().__init__(*args, **kwargs)
 
+  def _chunked(self, model_, with_accuracy: bool):
+    """`model.chunked_model` for this Loop, or None where Trax's own path
+    must be used (no chunking, memory-efficient trainer, sharded weights)."""
+    if self._use_memory_efficient_trainer or trax_base.N_WEIGHTS_SHARDS > 1:
+      return None
+    return model.chunked_model(model_, self._output_chunk, with_accuracy)
+
   def _init_trainer(self, task):
-    """Trax's trainer, with the output layer and loss chunked (see
-    `model.training_model`): the `[batch, length, vocab]` logits never
-    exist in training, so large vocabularies fit."""
-    fused = model.training_model(self._model, self._output_chunk)
-    if (
-      fused is None
-      or self._use_memory_efficient_trainer
-      or trax_base.N_WEIGHTS_SHARDS > 1
-    ):
+    """Trax's trainer, with the output layer and loss chunked: the
+    `[batch, length, vocab]` logits never exist in training, so large
+    vocabularies fit."""
+    fused = self._chunked(self._model, with_accuracy=False)
+    if fused is None:
       return super()._init_trainer(task)
     task.optimizer.tree_init(fused.weights)
     return trax_optimizers.Trainer(fused, task.optimizer, adasum=self._adasum)
 
   def _init_evaluator(self, eval_task):
-    """Trax's evaluator, with loss and accuracy computed from chunked logits
-    (`model.metrics_model`); `eval_task.metrics` are the same two."""
-    fused = model.metrics_model(self._eval_model, self._output_chunk)
-    if (
-      fused is None
-      or self._use_memory_efficient_trainer
-      or trax_base.N_WEIGHTS_SHARDS > 1
-    ):
+    """Trax's evaluator, with loss and accuracy computed from chunked
+    logits; `eval_task.metrics` are the same two."""
+    fused = self._chunked(self._eval_model, with_accuracy=True)
+    if fused is None:
       return super()._init_evaluator(eval_task)
     return trax_training._Evaluator(
       weights=self._for_n_devices(fused.weights[1]),

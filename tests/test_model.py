@@ -164,10 +164,10 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
     np.testing.assert_allclose(accuracy, acc_want, rtol=1e-6)
 
 
-def test_training_model_shares_the_models_weights():
+def test_chunked_model_shares_the_models_weights():
   setup = ginconf.parse(TINY_GIN)
   m = model.init_model(40, 'train', setup.max_len)
-  fused = model.training_model(m, 16)
+  fused = model.chunked_model(m, 16)
   assert fused is not None
   # weights[0] has the model's structure (what Trax's Loop hands to eval).
   flat = jax_tree_leaves(fused.weights[0])
@@ -178,7 +178,7 @@ def test_training_model_shares_the_models_weights():
   zeros = jax_tree_map(np.zeros_like, head.weights)
   fused.weights = (fused.weights[0][:-1] + (zeros,), fused.weights[1])
   assert not any(np.any(w) for w in jax_tree_leaves(m.weights[-1]))
-  assert model.training_model(m, 0) is None
+  assert model.chunked_model(m, 0) is None
 
 
 def jax_tree_map(fn, tree):
