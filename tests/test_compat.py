@@ -6,6 +6,9 @@ is removed from `src.compat.apply()`.
 
 import importlib
 import inspect
+import os
+import subprocess
+import sys
 import warnings
 from unittest import mock
 
@@ -21,7 +24,7 @@ from trax.supervised import training as trax_training
 
 from src import compat, ginconf, model
 
-from .conftest import MICRO, TINY_GIN
+from .conftest import DATA, MICRO, ROOT, TINY_GIN
 
 
 def test_all_fixes_applied_once():
@@ -34,9 +37,10 @@ def test_all_fixes_applied_once():
     'on_cpu_uncommitted',
     'tree_unflatten_arrays',
     'tensorflow_off_accelerators',
+    'tensorflow_on_demand',
   ]
   compat.apply()
-  assert len(compat.APPLIED) == 8
+  assert len(compat.APPLIED) == 9
 
 
 def test_fast_trax_import_assert_shape_skips_inspect_stack(monkeypatch):
@@ -139,6 +143,97 @@ def test_tensorflow_is_kept_off_accelerators():
   import tensorflow as tf
 
   with mock.patch.object(tf.config, 'set_visible_devices') as hide:
-    compat._hide_accelerators_from_tensorflow()
+    compat._hide_accelerators_from_tensorflow(tf)
   hide.assert_any_call([], 'GPU')
   hide.assert_any_call([], 'TPU')
+
+
+TRAIN_THEN_REPORT = """
+import runpy, sys
+sys.argv = ['train.py', *sys.argv[1:]]
+try:
+  runpy.run_path('train.py', run_name='__main__')
+except SystemExit as exit:
+  if exit.code:
+    raise
+from src import compat
+print('tensorflow loaded:', compat.tensorflow_loaded())
+"""
+
+
+def _events(folder):
+  from tensorboard.backend.event_processing import event_accumulator
+
+  acc = event_accumulator.EventAccumulator(folder)
+  acc.Reload()
+  return acc
+
+
+def test_training_never_loads_tensorflow(tmp_path):
+  out = str(tmp_path / 'run')
+  args = ['--data', DATA, '--gin', TINY_GIN, '--out-dir', out]
+  args += ['--steps', '2', '--eval-every', '1', '--vocab-size', '300']
+  for b in MICRO:
+    args += ['--bind', b]
+  result = subprocess.run(
+    [sys.executable, '-c', TRAIN_THEN_REPORT, *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'tensorflow loaded: False' in result.stdout
+  # The event files were still written, by the stand-in's SummaryWriter.
+  train = _events(os.path.join(out, 'train'))
+  assert [e.step for e in train.Scalars('metrics/loss')] == [1, 2]
+  assert 'gin_config' in train.Tags()['tensors']
+  gin_text = train.Tensors('gin_config')[0].tensor_proto.string_val[0]
+  assert b'ReformerLM.n_layers' in gin_text
+  assert _events(os.path.join(out, 'eval')).Scalars('metrics/loss')
+
+
+USE_TENSORFLOW = """
+import sys
+import numpy as np
+import src
+from src import compat
+import tensorflow as tf
+from trax import fastmath, jaxboard
+assert not compat.tensorflow_loaded()
+assert int(tf.constant(3).numpy()) == 3  # The real TensorFlow, loaded now.
+assert compat.tensorflow_loaded()
+assert fastmath.backend('tensorflow-numpy')['name'] == 'tensorflow-numpy'
+writer = jaxboard.SummaryWriter(sys.argv[1])
+writer.scalar('number', 2.5, 1)
+writer.image('picture', np.zeros((4, 4, 3)), 1)  # Trax's own method.
+writer.close()
+print('ok')
+"""
+
+
+def test_tensorflow_loads_on_first_use(tmp_path):
+  result = subprocess.run(
+    [sys.executable, '-c', USE_TENSORFLOW, str(tmp_path)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.stdout.strip() == 'ok', result.stderr[-2000:]
+  events = _events(str(tmp_path))
+  assert events.Scalars('number')[0].value == 2.5
+  assert events.Images('picture')[0].width == 4
+
+
+def test_local_gfile_renames_like_tensorflow(tmp_path):
+  gfile = compat._LocalGFile
+  src, dst = str(tmp_path / 'a'), str(tmp_path / 'b')
+  with gfile.GFile(src, 'w') as f:
+    f.write('new')
+  with gfile.GFile(dst, 'w') as f:
+    f.write('old')
+  with pytest.raises(FileExistsError):
+    gfile.rename(src, dst)
+  gfile.rename(src, dst, overwrite=True)
+  assert not gfile.exists(src) and open(dst).read() == 'new'
