@@ -69,7 +69,7 @@ def peak_rss():
 # ---- contenders (each runs in its own process)
 
 
-def run_jade(length, steps, vocab, with_eval=False):
+def run_jade(length, steps, vocab, with_eval=False, binds=()):
   sys.path.insert(0, ROOT)
   sys.path.insert(0, os.path.join(ROOT, 'bench'))
   from prepare_corpus import generate
@@ -112,6 +112,7 @@ def run_jade(length, steps, vocab, with_eval=False):
     'LSHSelfAttention.n_hashes = 1',
     f'LSHSelfAttention.n_buckets = {length // CHUNK}',
     f'LSHSelfAttention.predict_mem_len = {length}',
+    *binds,
   ]
   settings = config.from_values(
     'train',
@@ -227,14 +228,20 @@ TUNED_ENV = {
 
 def child(args):
   kwargs = {'with_eval': True} if args.eval else {}
+  if args.child == 'jade':
+    kwargs['binds'] = args.bind
   times, vocab = CONTENDERS[args.child](
     args.length, args.steps, args.vocab, **kwargs
   )
   print(json.dumps({'times': times, 'vocab': vocab, 'peak_rss': peak_rss()}))
 
 
-def measure(name, length, steps, vocab, python, timeout, with_eval=False):
+def measure(
+  name, length, steps, vocab, python, timeout, with_eval=False, binds=()
+):
   cmd = [python, os.path.abspath(__file__), '--child', name]
+  for b in binds if name == 'jade' else ():
+    cmd += ['--bind', b]
   if with_eval:
     cmd.append('--eval')
   cmd += ['--length', str(length), '--steps', str(steps)]
@@ -304,6 +311,13 @@ def main():
     help='jade: keep the evaluation at steps 1 and last (peak RSS)',
   )
   parser.add_argument('--json', default=None, help='write results here')
+  parser.add_argument(
+    '--bind',
+    action='append',
+    default=[],
+    metavar='GIN',
+    help='jade: an extra gin binding, e.g. "output_loss.chunk_size = 512"',
+  )
   args = parser.parse_args()
   if args.child:
     return child(args)
@@ -319,7 +333,14 @@ def main():
         continue  # Already out of memory at a shorter length.
       python = args.peer_python if 'peer' in name else sys.executable
       r = measure(
-        name, length, args.steps, VOCAB, python, args.timeout, args.eval
+        name,
+        length,
+        args.steps,
+        VOCAB,
+        python,
+        args.timeout,
+        args.eval,
+        args.bind,
       )
       r.setdefault('vocab', VOCAB)
       r.update(name=name, length=length)
@@ -327,7 +348,14 @@ def main():
       print(json.dumps(r), flush=True)
   if args.vocab_row:
     r = measure(
-      'jade', 32768, args.steps, args.vocab_row, sys.executable, 3600, args.eval
+      'jade',
+      32768,
+      args.steps,
+      args.vocab_row,
+      sys.executable,
+      3600,
+      args.eval,
+      args.bind,
     )
     r.setdefault('vocab', args.vocab_row)
     r.update(name='jade', length=32768)

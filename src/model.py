@@ -184,7 +184,7 @@ def loss_layer():
   return tl.WeightedCategoryCrossEntropy()
 
 
-def output_loss(chunk_size: int = 2048) -> int:
+def output_loss(chunk_size: int = 512) -> int:
   """How training computes the output layer and loss (gin: output_loss).
 
   Args:

@@ -148,17 +148,27 @@ def test_tensorflow_is_kept_off_accelerators():
   hide.assert_any_call([], 'TPU')
 
 
-TRAIN_THEN_REPORT = """
+RUN_THEN_REPORT = """
 import runpy, sys
-sys.argv = ['train.py', *sys.argv[1:]]
+sys.argv = sys.argv[1:]
 try:
-  runpy.run_path('train.py', run_name='__main__')
+  runpy.run_path(sys.argv[0], run_name='__main__')
 except SystemExit as exit:
   if exit.code:
     raise
 from src import compat
 print('tensorflow loaded:', compat.tensorflow_loaded())
 """
+
+
+def _run_then_report(*args):
+  return subprocess.run(
+    [sys.executable, '-c', RUN_THEN_REPORT, *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
 
 
 def _events(folder):
@@ -169,21 +179,20 @@ def _events(folder):
   return acc
 
 
-def test_training_never_loads_tensorflow(tmp_path):
+def test_training_and_chat_never_load_tensorflow(tmp_path):
   out = str(tmp_path / 'run')
-  args = ['--data', DATA, '--gin', TINY_GIN, '--out-dir', out]
+  args = ['train.py', '--data', DATA, '--gin', TINY_GIN, '--out-dir', out]
   args += ['--steps', '2', '--eval-every', '1', '--vocab-size', '300']
   for b in MICRO:
     args += ['--bind', b]
-  result = subprocess.run(
-    [sys.executable, '-c', TRAIN_THEN_REPORT, *args],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  result = _run_then_report(*args)
   assert result.returncode == 0, result.stderr[-2000:]
   assert 'tensorflow loaded: False' in result.stdout
+  chat = _run_then_report(
+    'evaluate.py', '--model-dir', out, '--prompt', 'Hi', '--max-new-tokens', '3'
+  )
+  assert chat.returncode == 0, chat.stderr[-2000:]
+  assert 'tensorflow loaded: False' in chat.stdout
   # The event files were still written, by the stand-in's SummaryWriter.
   train = _events(os.path.join(out, 'train'))
   assert [e.step for e in train.Scalars('metrics/loss')] == [1, 2]

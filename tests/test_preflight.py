@@ -79,7 +79,7 @@ def test_estimate_is_within_35_percent_of_measured_peak(
   assert code == '0', result.stderr
   measured = int(peak_kb) * 1024
   setup = ginconf.parse(TINY_GIN, binds)
-  estimate = preflight.estimate(setup, 300, 1, 2048).total
+  estimate = preflight.estimate(setup, 300, 1, 512).total
   assert abs(estimate - measured) / measured < 0.35, (estimate, measured)
 
 
