@@ -327,19 +327,17 @@ class _OnDemand(types.ModuleType):
     if attr == '__path__' and spec and spec.submodule_search_locations is None:
       # `from module import name` asks whether the module is a package.
       raise AttributeError(attr)
-    if os.environ.get('JADE_TRACE_TF'):
-      print(f'loading {self.__name__} for {attr}', file=sys.stdout)
     return getattr(load_on_demand(self.__name__), attr)
 
 
 def load_on_demand(name: str) -> types.ModuleType:
   """Imports the real module behind an `_OnDemand` stand-in (fix 10).
 
-  TensorFlow comes first, with all its stand-ins out of the way, so that its
-  own imports see only real modules.
+  TensorFlow's own stand-ins are replaced first, whichever module is asked
+  for: every other stand-in is built on TensorFlow, and TensorFlow's imports
+  must see only real modules. `JADE_TRACE_TF=1` prints where a load starts.
   """
-  stand_in = _STAND_INS.pop(name, None)
-  if stand_in is None:
+  if name not in _STAND_INS:
     return importlib.import_module(name)
   if os.environ.get('JADE_TRACE_TF'):
     import traceback
@@ -347,21 +345,16 @@ def load_on_demand(name: str) -> types.ModuleType:
     traceback.print_stack(limit=12, file=sys.stdout)
   from src import quiet
 
-  family = [n for n in _STAND_INS if n.split('.')[0] == 'tensorflow']
-  if name.split('.')[0] == 'tensorflow' or family:
-    family = [name, *family] if name.startswith('tensorflow') else family
-    stand_ins = {n: _STAND_INS.pop(n, stand_in) for n in family}
-    for n in stand_ins:
-      del sys.modules[n]
-    with quiet.native_stderr_muted():
-      tf = importlib.import_module('tensorflow')
-    _hide_accelerators_from_tensorflow(tf)
-    for n, module in stand_ins.items():
-      module.__dict__.update(importlib.import_module(n).__dict__)
-  if name in sys.modules and sys.modules[name] is stand_in:
-    del sys.modules[name]
-    with quiet.native_stderr_muted():
-      stand_in.__dict__.update(importlib.import_module(name).__dict__)
+  names = [n for n in _STAND_INS if n.split('.')[0] == 'tensorflow']
+  names += [name] if name not in names else []
+  for n in names:
+    sys.modules.pop(n, None)
+  with quiet.native_stderr_muted():
+    for n in names:  # In `_STAND_INS` order: a package before its modules.
+      real = importlib.import_module(n)
+      if n == 'tensorflow':
+        _hide_accelerators_from_tensorflow(real)
+      _STAND_INS.pop(n).__dict__.update(real.__dict__)
   return sys.modules[name]
 
 
