@@ -6,6 +6,14 @@ followed by the AI start marker; the model then writes until it emits the
 AI end marker or reaches `max_new_tokens`. Only the new tokens of a turn are
 fed to the decoder. When the next turn would not fit in the context, the
 oldest turns are dropped (whole turns only) and the rest is read again once.
+
+A context starts the way a conversation starts in training. There, every
+conversation follows the EOS that ends the one before it in the packed
+stream, and windows fall at random offsets (`chunks`), so "EOS, then a user
+turn" is what a conversation start looks like to the model. A chat context
+is therefore `[pad, EOS, first user turn, ...]`: the decoder puts the pad
+(training shifts inputs right, so position 0 always sees it) and the
+session the EOS (`START`).
 """
 
 from __future__ import annotations
@@ -73,6 +81,10 @@ class _StopFlag:
     self.stop = True
 
 
+# Fed before the first turn of every context (see the module docstring).
+START = [tokenizer.EOS_ID]
+
+
 class ChatSession:
   """One conversation with a `Decoder`."""
 
@@ -105,13 +117,20 @@ class ChatSession:
     self.out.write(text + '\n')
     self.out.flush()
 
+  def _feed(self, ids):
+    """Feeds `ids`, after the start of a context if it is empty."""
+    if self.used() == 0:
+      ids = START + list(ids)
+    return self.decoder.feed(ids)
+
   def _make_room(self, needed: int):
     """Drops the oldest turns until `needed` more tokens fit; re-reads."""
-    start = 1 if self.used() == 0 else 0  # The leading pad token.
+    lead = 1 + len(START)  # The decoder's pad and the session's start.
+    start = lead if self.used() == 0 else 0
     if self.used() + start + needed <= self.decoder.max_len:
       return
     kept = list(self.turns)
-    while kept and 1 + sum(len(t.ids) for t in kept) + needed > (
+    while kept and lead + sum(len(t.ids) for t in kept) + needed > (
       self.decoder.max_len
     ):
       kept.pop(0)
@@ -126,7 +145,7 @@ class ChatSession:
     self.turns = kept
     self.decoder.reset()
     if ids:
-      self.decoder.feed(ids)
+      self._feed(ids)
 
   def user_ids(self, text: str) -> tuple[str, list[int]]:
     """Encodes a user message as the training data does."""
@@ -146,8 +165,8 @@ class ChatSession:
     if not ids:
       return None
     s = self.settings
-    # Besides the message: pad, start marker, the reply, end marker.
-    room = self.decoder.max_len - s.max_new_tokens - 3
+    # Besides the message: pad, START, start marker, reply, end marker.
+    room = self.decoder.max_len - s.max_new_tokens - 3 - len(START)
     if len(ids) > room:
       self._say(
         f'(your message is {len(ids)} tokens; the context holds '
@@ -157,7 +176,7 @@ class ChatSession:
       text = self.tok.decode(ids)
     self._make_room(len(ids) + 1 + s.max_new_tokens + 1)
     self.turns.append(Turn(chatformat.USER, text, ids))
-    logits = self.decoder.feed(ids + [self.tok.ai_start_id])
+    logits = self._feed(ids + [self.tok.ai_start_id])
     recent = [i for t in self.turns for i in t.ids][-s.repetition_window :]
     reply_ids: list[int] = []
     shown = ''
@@ -242,13 +261,14 @@ class ChatSession:
       ids = self.tok.encode_turn(turn)
       turns.append(Turn(turn.role, turn.text, ids))
     self.reset()
-    budget = self.decoder.max_len - self.settings.max_new_tokens - 64 - 1
+    budget = self.decoder.max_len - self.settings.max_new_tokens - 64
+    budget -= 1 + len(START)
     while turns and sum(len(t.ids) for t in turns) > budget:
       turns.pop(0)
     ids = [i for t in turns for i in t.ids]
     self.turns = turns
     if ids:
-      self.decoder.feed(ids)
+      self._feed(ids)
     self._say(f'(loaded {len(turns)} turns, {len(ids)} tokens, from {path})')
 
   # ---- commands

@@ -83,6 +83,19 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     False,
     'Shorten such runs to 3 characters instead of only warning.',
   ),
+  'windows': (
+    'moving',
+    '"moving": every epoch re-packs the conversations in a new random '
+    'order and cuts windows at a new random offset, so text is seen at a '
+    'different position each time; "fixed": one grid in file order (the '
+    'old behaviour, for comparison).',
+  ),
+  'pad-fraction': (
+    0.1,
+    'A moving window holds between (1 - pad-fraction) x and 1 x the '
+    'context in tokens (random); the rest is padding, split at random '
+    'between its two ends.',
+  ),
   'ai-only-loss': (
     False,
     'Put loss only on AI turns (their text and end marker); user text and '

@@ -217,6 +217,16 @@ def _check_run_settings(s: Section):
       raise UserError(
         f'{s.source}: train.{key} must be at least 1 (got {s[key]})'
       )
+  if s['windows'] not in chunks.WINDOWS:
+    raise UserError(
+      f'{s.source}: train.windows {s["windows"]!r} is not "moving" or '
+      '"fixed"; use "moving" (the default)'
+    )
+  if not 0 <= s['pad-fraction'] < 1:
+    raise UserError(
+      f'{s.source}: train.pad-fraction {s["pad-fraction"]} must be at '
+      f'least 0 and below 1 (the default is {chunks.PAD_FRACTION})'
+    )
   if s['vocab-size'] < 16:
     raise UserError(
       f'{s.source}: train.vocab-size {s["vocab-size"]} is too '
@@ -258,9 +268,17 @@ def prepare(settings: Section, gin_bindings=(), log=print):
   )
   tok, train_corpus, eval_corpus = _prepare_data(s, markers, log)
   max_len = setup.max_len
-  train_view = chunks.TokenView(train_corpus.tokens, train_corpus.roles)
+  train_view = chunks.TokenView(
+    train_corpus.tokens,
+    train_corpus.roles,
+    chunks.conversation_spans(train_corpus.conversation_ends),
+  )
   if eval_corpus is not None:
-    eval_view = chunks.TokenView(eval_corpus.tokens, eval_corpus.roles)
+    eval_view = chunks.TokenView(
+      eval_corpus.tokens,
+      eval_corpus.roles,
+      chunks.conversation_spans(eval_corpus.conversation_ends),
+    )
     held = (
       f'held out: {s["eval-data"]} ({eval_corpus.n_conversations} '
       f'conversations, {len(eval_view)} tokens)'
@@ -289,12 +307,16 @@ def prepare(settings: Section, gin_bindings=(), log=print):
         f'conversations at random ({len(eval_view)} tokens, '
         f'{100 * len(eval_view) / all_tokens:.1f}%)'
       )
-  ai_only = s['ai-only-loss']
+  window_options = {
+    'ai_only': s['ai-only-loss'],
+    'pad_fraction': s['pad-fraction'],
+    'windows': s['windows'],
+  }
   train_batches = chunks.ChunkBatches(
-    train_view, max_len, batch_size, s['seed'], ai_only
+    train_view, max_len, batch_size, s['seed'], **window_options
   )
   eval_batches = chunks.ChunkBatches(
-    eval_view, max_len, batch_size, s['seed'] + 1, ai_only
+    eval_view, max_len, batch_size, s['seed'] + 1, **window_options
   )
   if train_batches.n_chunks < batch_size:
     log(

@@ -1,6 +1,7 @@
 """Chatting with a trained model: decoding, the session, evaluate.py."""
 
 import io
+import itertools
 import os
 import signal
 
@@ -93,8 +94,8 @@ def test_reply_stops_at_end_marker_and_closes_the_turn(decoder, monkeypatch):
   s = session(decoder)
   assert s.reply('Good morning!') == 'morning'
   assert s.turns[-1].ids == [tok.ai_start_id] + word + [tok.ai_end_id]
-  # Pad, the user's tokens, the start marker, reply, end marker: all fed.
-  fed = 1 + len(tok.encode('Good morning!')) + 1 + len(word) + 1
+  # Pad, EOS, the user's tokens, start marker, reply, end marker: all fed.
+  fed = 2 + len(tok.encode('Good morning!')) + 1 + len(word) + 1
   assert decoder.position == fed
   assert s.out.getvalue() == 'morning\n'
 
@@ -121,7 +122,13 @@ def test_second_turn_does_not_recompile(decoder):
   assert decoder.traces == traces == 1
 
 
-def test_stdin_repl_with_commands_and_save(decoder, tmp_path):
+def test_stdin_repl_with_commands_and_save(decoder, tmp_path, monkeypatch):
+  tok = decoder.tokenizer
+  # Replies that do not depend on what the tiny model learned.
+  reply = itertools.cycle(tok.encode('fine') + [tok.ai_end_id])
+  monkeypatch.setattr(
+    sampling, 'next_token', lambda *args, **kwargs: next(reply)
+  )
   out = io.StringIO()
   s = session(decoder, out=out, temperature=0.0)
   saved = tmp_path / 'chat.txt'
@@ -176,6 +183,27 @@ def test_reset_and_load(decoder, tmp_path):
   assert decoder.position <= decoder.max_len
 
 
+def test_a_chat_context_starts_like_a_conversation_in_training(
+  decoder, monkeypatch
+):
+  """[pad, EOS, user turn, start marker]: in training every conversation
+  follows the EOS of the one before it."""
+  fed = []
+  step = decoder._step
+  monkeypatch.setattr(decoder, '_step', lambda i: fed.append(i) or step(i))
+  s = session(decoder, temperature=0.0, max_new_tokens=3)
+  s.reply('Hello')
+  tok = decoder.tokenizer
+  hello = tok.encode('Hello')
+  assert fed[: 3 + len(hello)] == [0, 1, *hello, tok.ai_start_id]
+  fed.clear()
+  s.reply('Again')  # Later turns follow on, with no second start.
+  assert fed[: len(tok.encode('Again'))] == tok.encode('Again')
+  fed.clear()
+  s.load(os.path.join(DATA, '01_greetings.txt'))
+  assert fed[:2] == [0, 1] and fed.count(1) == 1
+
+
 def test_context_overflow_drops_whole_oldest_turns(decoder):
   s = session(decoder, temperature=0.0, max_new_tokens=12)
   for i in range(12):
@@ -184,8 +212,8 @@ def test_context_overflow_drops_whole_oldest_turns(decoder):
   text = s.out.getvalue()
   assert 'context full: dropped the' in text
   assert s.turns[0].role == 'user'
-  # What is in context is exactly the kept turns (plus the leading pad).
-  assert decoder.position == 1 + sum(len(t.ids) for t in s.turns)
+  # In context: exactly the kept turns, after the leading pad and EOS.
+  assert decoder.position == 2 + sum(len(t.ids) for t in s.turns)
 
 
 def test_overlong_input_is_cut_not_crashed(decoder):

@@ -7,9 +7,34 @@ from src import chatformat, chunks
 from src.errors import UserError
 
 
-def test_shapes_padding_and_weights_with_odd_max_len():
+def _convs(lengths, first=3):
+  """A stream of conversations whose tokens are all distinct, and its view."""
+  ends = np.cumsum(lengths).astype(np.int64)
+  stream = np.arange(first, first + ends[-1], dtype=np.int32)
+  view = chunks.TokenView(stream, None, chunks.conversation_spans(ends))
+  return stream, ends, view
+
+
+def _real(ids, weights):
+  """Each row's real tokens; checks padding is only at the two ends."""
+  out = []
+  for row, w in zip(ids, weights):
+    nz = np.flatnonzero(w)
+    assert np.all(row[w == 0] == 0)
+    assert nz[-1] - nz[0] + 1 == len(nz)  # Contiguous.
+    out.append(row[w > 0])
+  return out
+
+
+def _epoch_windows(b, epoch):
+  """The real tokens of every window of an epoch, in stream order."""
+  view, starts, lengths, _ = b.layout(epoch)
+  return [view.take(int(a), int(a + n))[0] for a, n in zip(starts, lengths)]
+
+
+def test_fixed_windows_shapes_padding_and_weights_with_odd_max_len():
   stream = np.arange(3, 3 + 23, dtype=np.int32)  # 23 tokens, max_len 7.
-  b = chunks.ChunkBatches(stream, max_len=7, batch_size=2, seed=0)
+  b = chunks.ChunkBatches(stream, 7, 2, seed=0, windows='fixed')
   assert b.n_chunks == 4 and b.steps_per_epoch == 2
   inputs, targets, weights = b.batch(0)
   assert inputs.shape == targets.shape == weights.shape == (2, 7)
@@ -18,16 +43,71 @@ def test_shapes_padding_and_weights_with_odd_max_len():
   seen = []
   for step in range(2):  # One epoch covers all four chunks.
     ids, _, w = b.batch(step)
-    for row, wrow in zip(ids, w):
-      real = row[wrow == 1]
-      assert np.all(row[wrow == 0] == 0)
-      # Real tokens are contiguous: padding only at the two ends.
-      nz = np.flatnonzero(wrow)
-      assert nz[-1] - nz[0] + 1 == len(nz)
-      seen.append(tuple(real))
+    seen += [tuple(r) for r in _real(ids, w)]
   assert sorted(seen) == sorted(
     tuple(stream[i : i + 7]) for i in range(0, 23, 7)
   )
+
+
+def test_moving_windows_change_offset_and_order_every_epoch():
+  lengths = np.random.default_rng(0).integers(5, 40, size=60)
+  stream, ends, view = _convs(lengths)
+  b = chunks.ChunkBatches(view, 64, 2, seed=4, pad_fraction=0.2)
+  offsets = []  # Where the first token of each conversation lands.
+  for epoch in range(6):
+    windows = _epoch_windows(b, epoch)
+    offsets.append(
+      [
+        next(
+          int(i[0]) for i in (np.flatnonzero(w == t) for w in windows) if i.size
+        )
+        for t in stream[np.concatenate([[0], ends[:3]])]
+      ]
+    )
+    assert all(0 < len(w) <= 64 for w in windows)
+    # Every window after the first holds 64 * (1 - 0.2) tokens or more
+    # (the last one: whatever is left).
+    assert all(len(w) >= 52 for w in windows[1:-1])
+  # A conversation lands at a different place of its window each epoch.
+  for k in range(4):
+    assert len({o[k] for o in offsets}) >= 5
+  starts0 = b.grid(0)[0]
+  assert not np.array_equal(starts0, b.grid(1)[0])
+  assert not np.all(starts0 % 64 == 0)
+
+
+def test_every_conversation_whole_and_once_per_epoch():
+  lengths = np.random.default_rng(1).integers(3, 150, size=80)  # Some > 64.
+  stream, ends, view = _convs(lengths)
+  starts = np.concatenate([[0], ends[:-1]])
+  b = chunks.ChunkBatches(view, 64, 4, seed=2, pad_fraction=0.3)
+  for epoch in range(4):
+    packed = np.concatenate(_epoch_windows(b, epoch))
+    # Every token exactly once.
+    assert sorted(packed.tolist()) == stream.tolist()
+    # Each conversation is contiguous and in its own order.
+    where = np.empty(len(stream) + 3, np.int64)
+    where[packed] = np.arange(len(packed))
+    for a, e in zip(starts, ends):
+      pos = where[stream[a:e]]
+      np.testing.assert_array_equal(pos, np.arange(pos[0], pos[0] + e - a))
+  order = [np.concatenate(_epoch_windows(b, e))[:50] for e in range(3)]
+  assert not np.array_equal(order[0], order[1])
+
+
+def test_padding_has_the_configured_share():
+  stream, ends, view = _convs([50] * 400)
+  for fraction in (0.0, 0.1, 0.4):
+    b = chunks.ChunkBatches(view, 100, 8, seed=0, pad_fraction=fraction)
+    ids, _, w = b.batch(3)
+    inner = _epoch_windows(b, 0)[1:-1]
+    real = np.array([len(x) for x in inner])
+    assert real.max() <= 100 and real.min() >= 100 * (1 - fraction)
+    if fraction:  # Uniform lengths: mean padding is half the maximum.
+      mean_pad = 100 - real.mean()
+      assert 0.35 * fraction * 100 < mean_pad < 0.65 * fraction * 100
+    else:
+      assert real.min() == 100
 
 
 def test_padding_split_is_random_and_seeded():
@@ -41,16 +121,42 @@ def test_padding_split_is_random_and_seeded():
   np.testing.assert_array_equal(b.batch(5)[0], b.batch(5)[0])
 
 
-def test_each_device_row_gets_a_different_chunk_every_step():
-  stream = np.arange(1, 1 + 64 * 40, dtype=np.int32)
-  b = chunks.ChunkBatches(stream, max_len=64, batch_size=8, seed=1)
-  for step in range(20):
-    ids = b.chunk_ids(step)
-    assert len(set(ids.tolist())) == 8
-  # Epochs are seeded permutations: every chunk once per epoch (5 steps).
-  epoch = np.concatenate([b.chunk_ids(s) for s in range(5)])
-  assert sorted(epoch.tolist()) == list(range(40))
-  assert not np.array_equal(b.chunk_ids(0), b.chunk_ids(5))
+def test_resume_at_any_step_reproduces_the_batches():
+  lengths = np.random.default_rng(3).integers(3, 90, size=70)
+  _, _, view = _convs(lengths)
+  a = chunks.ChunkBatches(view, 32, 2, seed=9)
+  first = [a.batch(s) for s in range(200)]  # Many epochs, in order.
+  for step in (0, 1, 57, 130, 199, 75):  # Fresh objects, any order.
+    b = chunks.ChunkBatches(view, 32, 2, seed=9)
+    got = next(b.iterate(step))
+    for x, y in zip(got, first[step]):
+      np.testing.assert_array_equal(x, y)
+
+
+def test_each_device_row_gets_a_different_window_every_step():
+  lengths = np.random.default_rng(5).integers(3, 60, size=100)
+  stream, _, view = _convs(lengths)
+  b = chunks.ChunkBatches(view, 64, 8, seed=1)
+  epoch_steps = []
+  for step in range(40):
+    ids, _, w = b.batch(step)
+    rows = [tuple(r) for r in _real(ids, w)]
+    assert len(set(rows)) == 8
+    assert len(set(b.chunk_ids(step).tolist())) == 8
+    epoch_steps.append(b.locate(step)[0])
+  # The windows of one epoch's full batches are distinct windows.
+  n0 = epoch_steps.count(0)
+  used = np.concatenate([b.chunk_ids(s) for s in range(n0)])
+  assert len(set(used.tolist())) == len(used) == n0 * 8
+  assert not np.array_equal(b.chunk_ids(0), b.chunk_ids(n0))
+
+
+def test_bad_window_settings_are_errors():
+  stream = np.ones(10, np.int32)
+  with pytest.raises(UserError, match='pad-fraction 1.0'):
+    chunks.ChunkBatches(stream, 8, 1, 0, pad_fraction=1.0)
+  with pytest.raises(UserError, match='windows .sliding. is not one of'):
+    chunks.ChunkBatches(stream, 8, 1, 0, windows='sliding')
 
 
 def test_batch_size_must_divide_across_devices():
@@ -66,9 +172,9 @@ def test_eval_split_holds_out_whole_conversations():
   ends = np.array([10, 30, 35, 60, 100, 120], np.int64)
   train, held, k = chunks.split_conversations(ends, 0.2, seed=0)
   starts = np.concatenate([[0], ends[:-1]])
-  bounds = set(starts) | set(ends)
+  whole = set(zip(starts.tolist(), ends.tolist()))
   for span in np.concatenate([train, held]):
-    assert span[0] in bounds and span[1] in bounds  # Whole conversations.
+    assert tuple(span.tolist()) in whole  # Whole conversations.
   covered = np.zeros(120, int)
   for a, b in np.concatenate([train, held]):
     covered[a:b] += 1
@@ -95,6 +201,10 @@ def test_token_view_reads_spans_as_one_stream():
   np.testing.assert_array_equal(r, roles[ids])
   assert ids.dtype == np.int32
   np.testing.assert_array_equal(view.take(15, 99)[0], range(90, 100))
+  np.testing.assert_array_equal(view.take(11, 14)[0], [51, 52, 53])
+  back = view.reordered(np.array([2, 0, 1]))
+  np.testing.assert_array_equal(back.take(8, 13)[0], [98, 99, 10, 11, 12])
+  assert len(view.take(30, 40)[0]) == 0
 
 
 def test_loss_weights_are_exact(trained_tokenizer):
@@ -124,9 +234,7 @@ def test_loss_weights_are_exact(trained_tokenizer):
   view = chunks.TokenView(ids, roles)
   n = len(ids)
   for ai, expected in ((False, default), (True, ai_only)):
-    b = chunks.ChunkBatches(
-      view, max_len=n + 5, batch_size=1, seed=0, ai_only=ai
-    )
+    b = chunks.ChunkBatches(view, n + 5, 1, seed=0, ai_only=ai, windows='fixed')
     got_ids, _, weights = b.batch(0)
     left = int(np.flatnonzero(got_ids[0])[0])
     want = np.zeros(n + 5, np.float32)
