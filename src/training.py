@@ -7,6 +7,7 @@ and any earlier run in out-dir are all checked before the first write.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -31,6 +32,10 @@ from src import (
 )
 from src.config import Section
 from src.errors import UserError
+
+# The run's resolved `train` settings, saved in out-dir as a config file
+# (`python train.py --config OUT_DIR/settings.json` repeats the run).
+SETTINGS_FILE = 'settings.json'
 
 # Trax's Loop prints its own step lines and blank separators to stdout; our
 # JadeLoop prints a progress line and one line per evaluation instead. Trax
@@ -415,6 +420,10 @@ def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
   if start:
     log(f'resuming from the checkpoint at step {start} in {out_dir}')
   _write_text(os.path.join(out_dir, ginconf.MODEL_GIN), setup.text)
+  _write_text(
+    os.path.join(out_dir, SETTINGS_FILE),
+    json.dumps({'train': dict(s.values)}, indent=2) + '\n',
+  )
 
   train_batches, eval_batches = run['train_batches'], run['eval_batches']
   last_tokens = [0.0]

@@ -1,0 +1,154 @@
+"""Does the model chat? Greedy replies to training and held-out prompts.
+
+  python bench/chat_quality.py RUN_DIR [DATA] [--prompts 200] [--markdown]
+
+(a) Training prompts: the first user turn of each training conversation
+    (DATA: the run's own data by default, without its held-out
+    conversations), answered greedily from a fresh context; a hit is a
+    reply equal (case, spacing and final punctuation aside) to one of the
+    answers that prompt has in the data.
+(b) Held-out prompts: the first user turn of each held-out conversation;
+    the share of replies that end with the end marker within 64 tokens and
+    the share with a loop (a word 4-gram that occurs twice).
+Prints the figures and a sample transcript (`--markdown`: as a table for
+BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+
+def normalize(text: str) -> str:
+  text = re.sub(r'\s+', ' ', text.lower()).strip()
+  return text.rstrip('.!?').strip()
+
+
+def has_loop(text: str, n: int = 4) -> bool:
+  words = text.split()
+  grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+  return len(grams) != len(set(grams))
+
+
+def split(run_dir: str, data: str | None):
+  """(training conversations, held-out conversations) as the run split
+  them (whole conversations, by seed and eval-fraction)."""
+  from src import chatformat, chunks, memorization, tokenizer
+
+  settings = memorization.run_settings(run_dir, data)
+  tok = tokenizer.load(run_dir)
+  convs = chatformat.read_data(settings['data'], markers=tok.markers)
+  if settings['eval-data'] is not None:
+    held = chatformat.read_data(settings['eval-data'], markers=tok.markers)
+    return convs, held
+  lengths = [len(tok.encode_conversations([c])) for c in convs]
+  ends = np.cumsum(lengths)
+  _, held_spans, _ = chunks.split_conversations(
+    ends, settings['eval-fraction'], settings['seed']
+  )
+  if held_spans is None:
+    return convs, []
+  held_ends = set(held_spans[:, 1].tolist())
+  train = [c for c, e in zip(convs, ends) if int(e) not in held_ends]
+  return train, [c for c, e in zip(convs, ends) if int(e) in held_ends]
+
+
+def first_exchanges(convs):
+  """prompt -> set of normalized answers, for conversations that open with
+  a user turn followed by an AI turn."""
+  answers = collections.defaultdict(set)
+  shown = {}
+  for c in convs:
+    t = c.turns
+    if len(t) >= 2 and t[0].role == 'user' and t[1].role == 'ai':
+      answers[t[0].text].add(normalize(t[1].text))
+      shown.setdefault(t[0].text, t[1].text)
+  return answers, shown
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('run_dir')
+  parser.add_argument('data', nargs='?', default=None)
+  parser.add_argument('--prompts', type=int, default=200)
+  parser.add_argument('--show', type=int, default=8)
+  parser.add_argument('--markdown', action='store_true')
+  args = parser.parse_args(argv)
+  import io
+
+  from src import chat, decoding, sampling
+
+  train, held = split(args.run_dir, args.data)
+  answers, shown = first_exchanges(train)
+  rng = np.random.default_rng(0)
+  prompts = sorted(answers)
+  if len(prompts) > args.prompts:
+    prompts = [
+      prompts[i] for i in rng.choice(len(prompts), args.prompts, False)
+    ]
+  held_prompts = [
+    c.turns[0].text for c in held if c.turns and c.turns[0].role == 'user'
+  ][: args.prompts]
+  decoder = decoding.Decoder.load(args.run_dir)
+  settings = sampling.SamplingSettings(temperature=0.0, max_new_tokens=64)
+  session = chat.ChatSession(decoder, settings, out=io.StringIO())
+
+  def answer(prompt):
+    session.reset()
+    reply = session.reply(prompt, stream=False) or ''
+    ended = len(session.turns[-1].ids) - 2 < settings.max_new_tokens
+    return reply, ended
+
+  t0 = time.time()
+  hits, samples = 0, []
+  for p in prompts:
+    reply, _ = answer(p)
+    hit = normalize(reply) in answers[p]
+    hits += hit
+    samples.append((p, reply, shown[p], hit))
+  ended = loops = 0
+  held_samples = []
+  for p in held_prompts:
+    reply, end = answer(p)
+    ended += end
+    loops += has_loop(reply)
+    held_samples.append((p, reply))
+  seconds = time.time() - t0
+  n, m = len(prompts), max(len(held_prompts), 1)
+  lines = [
+    f'training prompts: {hits}/{n} greedy replies equal a training answer '
+    f'({100 * hits / max(n, 1):.1f}%)',
+    f'held-out prompts: {ended}/{len(held_prompts)} end within 64 tokens '
+    f'({100 * ended / m:.1f}%), {loops} with a 4-gram loop '
+    f'({100 * loops / m:.1f}%)',
+    f'({seconds:.0f} s, step {decoder.step})',
+  ]
+  print('\n'.join(lines))
+  if args.markdown:
+    print('\n| prompt (training) | reply | trained answer |\n|-|-|-|')
+    for p, r, a, hit in samples[: args.show]:
+      print(f'| {p} | {r} {"✓" if hit else ""} | {a} |')
+    print('\n| prompt (held out) | reply |\n|-|-|')
+    for p, r in held_samples[: args.show]:
+      print(f'| {p} | {r} |')
+  else:
+    for p, r, a, hit in samples[: args.show]:
+      print(f'  you> {p}\n  jade> {r}    [{"hit" if hit else a}]')
+    for p, r in held_samples[: args.show]:
+      print(f'  you> {p}\n  jade> {r}    [held out]')
+  return 0
+
+
+if __name__ == '__main__':
+  from src.cli import run_main
+
+  sys.exit(run_main(main))
