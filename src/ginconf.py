@@ -20,7 +20,7 @@ import tokenize
 import trax
 
 import gin
-from src import model
+from src import model, safegin
 from src.errors import UserError
 
 lr_schedule = gin.external_configurable(
@@ -60,6 +60,33 @@ def _one_line(e: Exception) -> str:
   return ' '.join(str(e).split())
 
 
+def _parse(text: str, where: str, line_numbers: bool = True):
+  """`gin.parse_config(text)`; errors become one `UserError` line."""
+  try:
+    gin.parse_config(text)
+  except (
+    ValueError,
+    SyntaxError,
+    KeyError,
+    TypeError,
+    NameError,
+    AttributeError,
+    ImportError,
+    tokenize.TokenError,
+  ) as e:
+    gin.clear_config()
+    message = _one_line(e)
+    pattern = r' ?In (?:file "[^"]*"|bindings string),? line (\d+)'
+    found = re.search(pattern, message)
+    line = getattr(e, 'lineno', None) or (found and found.group(1))
+    message = re.sub(pattern + '.*$', '', message).rstrip('. ')
+    if line and line_numbers:
+      where = f'{where}:{line}'
+    raise UserError(
+      f'{where}: {message}; check the spelling against gin/reformer_32k.gin'
+    ) from None
+
+
 def parse(path: str, bindings: tuple[str, ...] = ()) -> GinSetup:
   """Parses a gin file (clearing earlier gin state) and checks it.
 
@@ -76,29 +103,21 @@ def parse(path: str, bindings: tuple[str, ...] = ()) -> GinSetup:
       f'gin file {path!r} not found; set "gin" in config.json '
       '(or --gin) to a file in gin/'
     )
-  gin.clear_config()
   try:
-    gin.parse_config_files_and_bindings([path], list(bindings))
-  except (
-    ValueError,
-    SyntaxError,
-    KeyError,
-    TypeError,
-    NameError,
-    AttributeError,
-    ImportError,
-    tokenize.TokenError,
-  ) as e:
-    gin.clear_config()
-    message = _one_line(e)
-    found = re.search(r'In file "[^"]*", line (\d+)', message)
-    line = getattr(e, 'lineno', None) or (found and found.group(1))
-    message = re.sub(r' In file "[^"]*", line \d+.*$', '', message)
-    message = message.rstrip('. ')
-    where = f'{path}:{line}' if line else path
+    with open(path, encoding='utf-8') as f:
+      text = f.read()
+  except (OSError, UnicodeDecodeError) as e:
     raise UserError(
-      f'{where}: {message}; check the spelling against gin/reformer_32k.gin'
+      f'{path}: cannot be read ({_one_line(e)}); save it as UTF-8 text'
     ) from None
+  # Read as data first: no import, include or call ever reaches gin.
+  safegin.check(text, path)
+  for binding in bindings:
+    safegin.check(binding, '--bind')
+  gin.clear_config()
+  _parse(text, path)
+  for binding in bindings:
+    _parse(binding, f'--bind "{binding}"', line_numbers=False)
   try:
     bound = gin.get_bindings('trax.models.ReformerLM')
   except ValueError:
