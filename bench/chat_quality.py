@@ -39,29 +39,6 @@ def has_loop(text: str, n: int = 4) -> bool:
   return len(grams) != len(set(grams))
 
 
-def split(run_dir: str, data: str | None):
-  """(training conversations, held-out conversations) as the run split
-  them (whole conversations, by seed and eval-fraction)."""
-  from src import chatformat, chunks, memorization, tokenizer
-
-  settings = memorization.run_settings(run_dir, data)
-  tok = tokenizer.load(run_dir)
-  convs = chatformat.read_data(settings['data'], markers=tok.markers)
-  if settings['eval-data'] is not None:
-    held = chatformat.read_data(settings['eval-data'], markers=tok.markers)
-    return convs, held
-  lengths = [len(tok.encode_conversations([c])) for c in convs]
-  ends = np.cumsum(lengths)
-  _, held_spans, _ = chunks.split_conversations(
-    ends, settings['eval-fraction'], settings['seed']
-  )
-  if held_spans is None:
-    return convs, []
-  held_ends = set(held_spans[:, 1].tolist())
-  train = [c for c, e in zip(convs, ends) if int(e) not in held_ends]
-  return train, [c for c, e in zip(convs, ends) if int(e) in held_ends]
-
-
 def first_exchanges(convs):
   """prompt -> set of normalized answers, for conversations that open with
   a user turn followed by an AI turn."""
@@ -85,9 +62,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
   import io
 
-  from src import chat, decoding, sampling
+  from src import chat, decoding, memorization, sampling
 
-  train, held = split(args.run_dir, args.data)
+  train, held = memorization.split(args.run_dir, args.data)
   answers, shown = first_exchanges(train)
   rng = np.random.default_rng(0)
   prompts = sorted(answers)

@@ -44,6 +44,49 @@ def run_settings(run_dir: str, data: str | None = None) -> config.Section:
   return config.from_values('train', values, path)
 
 
+def split(run_dir: str, data: str | None = None):
+  """`(training, held-out)` conversations as the run split them (whole
+  conversations, by its seed and eval-fraction, or its eval-data)."""
+  from src import chatformat, chunks, tokenizer
+
+  settings = run_settings(run_dir, data)
+  tok = tokenizer.load(run_dir)
+  convs = chatformat.read_data(settings['data'], markers=tok.markers)
+  if settings['eval-data'] is not None:
+    held = chatformat.read_data(settings['eval-data'], markers=tok.markers)
+    return convs, held
+  lengths = [len(tok.encode_conversations([c])) for c in convs]
+  ends = np.cumsum(lengths)
+  _, held_spans, _ = chunks.split_conversations(
+    ends, settings['eval-fraction'], settings['seed']
+  )
+  if held_spans is None:
+    return convs, []
+  held_ends = set(held_spans[:, 1].tolist())
+  train = [c for c, e in zip(convs, ends) if int(e) not in held_ends]
+  return train, [c for c, e in zip(convs, ends) if int(e) in held_ends]
+
+
+def held_out_loss(run_dir: str, data: str | None = None) -> float | None:
+  """The `evaluate.py --perplexity` loss of the run's held-out
+  conversations (the same procedure whatever the training windows)."""
+  import tempfile
+
+  from src import chatformat, tokenizer
+
+  _, held = split(run_dir, data)
+  if not held:
+    return None
+  markers = tokenizer.load(run_dir).markers
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, 'held-out.txt')
+    with open(path, 'w', encoding='utf-8') as f:
+      f.write(
+        '\n'.join(chatformat.format_conversation(c, markers) for c in held)
+      )
+    return perplexity.evaluate(run_dir, path, show_progress=False)['loss']
+
+
 def final_training_loss(run_dir: str) -> float | None:
   """The last `training/loss` TensorBoard logged (mean of the last steps)."""
   from tensorboard.backend.event_processing import event_accumulator
@@ -99,6 +142,7 @@ def measure(run_dir: str, data=None, last_steps: int = 64) -> dict:
   shifted = window_losses(run_dir, data, last_steps)
   scored = perplexity.evaluate(run_dir, settings['data'], show_progress=False)
   train_loss = final_training_loss(run_dir)
+  held = held_out_loss(run_dir, data)
   base = shifted[0]
   return {
     'run': run_dir,
@@ -108,6 +152,7 @@ def measure(run_dir: str, data=None, last_steps: int = 64) -> dict:
     'shift_ratio': {k: v / base for k, v in shifted.items() if k},
     'data_loss': scored['loss'],
     'final_train_loss': train_loss,
+    'held_out_loss': held,
     'data_vs_train': (scored['loss'] / train_loss if train_loss else math.nan),
   }
 
@@ -122,7 +167,12 @@ def summary(result: dict) -> str:
     + f' (worst shift {100 * worst:.1f}% off); data loss '
     f'{result["data_loss"]:.3f} vs final training loss '
     f'{result["final_train_loss"]:.3f} '
-    f'({100 * (result["data_vs_train"] - 1):+.1f}%)'
+    f'({100 * (result["data_vs_train"] - 1):+.1f}%); held-out loss '
+    + (
+      f'{result["held_out_loss"]:.3f}'
+      if result['held_out_loss'] is not None
+      else 'none (nothing held out)'
+    )
   )
 
 
