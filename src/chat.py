@@ -102,6 +102,16 @@ class ChatSession:
     self.turns: list[Turn] = []
     self.rng = np.random.default_rng(settings.seed)
     self.flag = _StopFlag()
+    self.check_settings()
+
+  def check_settings(self):
+    """Settings that need the model: a reply must fit in the context."""
+    most = self.decoder.max_len // 2
+    if self.settings.max_new_tokens > most:
+      raise UserError(
+        f'max_new_tokens {self.settings.max_new_tokens} is more than half '
+        f'the context ({self.decoder.max_len} tokens); use at most {most}'
+      )
 
   # ---- conversation state
 
@@ -116,6 +126,19 @@ class ChatSession:
   def _say(self, text: str):
     self.out.write(text + '\n')
     self.out.flush()
+
+  def recover(self):
+    """Rebuilds the context from the finished turns after a reply or a
+    command was cut short (Ctrl-C while feeding, an error): an unanswered
+    user message is dropped and the rest is read again, with Ctrl-C held
+    off meanwhile."""
+    while self.turns and self.turns[-1].role == chatformat.USER:
+      self.turns.pop()
+    with self.flag.armed():
+      self.decoder.reset()
+      ids = [i for t in self.turns for i in t.ids]
+      if ids:
+        self._feed(ids)
 
   def _feed(self, ids):
     """Feeds `ids`, after the start of a context if it is empty."""
@@ -148,7 +171,10 @@ class ChatSession:
       self._feed(ids)
 
   def user_ids(self, text: str) -> tuple[str, list[int]]:
-    """Encodes a user message as the training data does."""
+    """Encodes a user message as the training data does (bytes that are
+    not UTF-8, e.g. from a pipe, become U+FFFD or '?')."""
+    text = text.encode('utf-8', 'replace').decode('utf-8')
+    text = text.replace('\0', ' ')
     br = f' {self.markers.line_break} '
     text = br.join(part.strip() for part in text.splitlines() if part.strip())
     return text, self.tok.encode(text)
@@ -184,6 +210,11 @@ class ChatSession:
     with self.flag.armed() as flag:
       while len(reply_ids) < s.max_new_tokens and not flag.stop:
         logits = np.array(logits, np.float64)
+        if not np.isfinite(logits).all():
+          raise UserError(
+            'the model computes NaN/inf: its weights are broken (a training '
+            'run that diverged?); retrain with a lower learning rate'
+          )
         logits[banned] = -np.inf  # Never inside a reply.
         token = sampling.next_token(logits, s, self.rng, recent)
         if token in (self.tok.ai_end_id, tokenizer.EOS_ID):
@@ -248,14 +279,23 @@ class ChatSession:
     if os.path.exists(path):
       raise UserError(f'{path} exists; choose another file name')
     text = chatformat.format_conversation(self.conversation(), self.markers)
-    with open(path, 'x', encoding='utf-8') as f:
-      f.write(text)
+    try:
+      with open(path, 'x', encoding='utf-8') as f:
+        f.write(text)
+    except OSError as e:
+      raise UserError(
+        f'{path}: cannot write it ({e.strerror}); choose a file in a folder '
+        'that exists'
+      ) from None
     self._say(f'(saved {len(self.turns)} turns to {path})')
 
   def load(self, path: str):
     if not os.path.isfile(path):
       raise UserError(f'{path}: no such file')
-    convs = chatformat.read_file(path, markers=self.markers)
+    try:
+      convs = chatformat.read_file(path, markers=self.markers)
+    except OSError as e:
+      raise UserError(f'{path}: cannot read it ({e.strerror})') from None
     turns = []
     for turn in chatformat.iter_turns(convs):
       ids = self.tok.encode_turn(turn)
@@ -297,7 +337,13 @@ class ChatSession:
     elif name == '/set':
       if len(args) != 2:
         raise UserError('usage: /set NAME VALUE (see /show for the names)')
+      old = dataclasses.replace(self.settings)
       self.settings.set(args[0], args[1])
+      try:
+        self.check_settings()
+      except UserError:
+        self.settings = old
+        raise
       if args[0].replace('-', '_') == 'seed':
         self.rng = np.random.default_rng(self.settings.seed)
       self._say(f'({args[0]} = {args[1]})')
@@ -339,17 +385,21 @@ def run_repl(session: ChatSession, interactive: bool, stdin=None):
     line = line.strip()
     if not line:
       continue
-    if line.startswith('/'):
-      try:
+    try:
+      if line.startswith('/'):
         if not session.command(line):
           break
-      except UserError as e:
-        session._say(f'error: {e}')
-      continue
-    if interactive:
-      session.out.write('jade> ')
-      session.out.flush()
-    session.reply(line)
+        continue
+      if interactive:
+        session.out.write('jade> ')
+        session.out.flush()
+      session.reply(line)
+    except UserError as e:
+      session._say(f'error: {e}')
+      session.recover()
+    except KeyboardInterrupt:
+      session._say('\n(interrupted: the context is read again)')
+      session.recover()
   if interactive:
     session.out.write('\n')
 

@@ -8,6 +8,7 @@ then a draw from the given NumPy generator.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class SamplingSettings:
     kind = type(getattr(self, name))
     try:
       parsed = kind(float(value)) if kind is int else kind(value)
-    except ValueError:
+    except (ValueError, OverflowError):
       raise UserError(
         f'{name} needs a {kind.__name__}, not {value!r}'
       ) from None
@@ -57,6 +58,18 @@ class SamplingSettings:
     setattr(self, name, parsed)
 
   def check(self):
+    for name in ('temperature', 'top_p', 'repetition_penalty'):
+      if not math.isfinite(getattr(self, name)):
+        raise UserError(f'{name} must be a finite number')
+    if self.temperature > 100 or self.repetition_penalty > 100:
+      raise UserError('temperature and repetition_penalty go up to 100')
+    if not 0 <= self.seed < 2**63:
+      raise UserError('seed must be 0 or more (below 2**63)')
+    if self.repetition_window > 1 << 20 or self.max_new_tokens > 1 << 20:
+      raise UserError(
+        'repetition_window and max_new_tokens go up to 1048576 (the '
+        'context length bounds max_new_tokens further)'
+      )
     if self.temperature < 0:
       raise UserError('temperature must be 0 (greedy) or more')
     if self.top_k < 0:

@@ -298,3 +298,73 @@ def test_perplexity_is_exp_of_mean_token_loss(tiny_run):
   assert report['tokens'] == len(stream) == count
   assert report['perplexity'] == pytest.approx(np.exp(total / count), rel=1e-4)
   assert report['bits_per_char'] > 0
+
+
+def test_the_chat_never_dies_on_input(decoder, tmp_path, monkeypatch):
+  """Each of these was a traceback or an exit; now an error line, and the
+  session goes on with its context."""
+  tok = decoder.tokenizer
+  reply = itertools.cycle(tok.encode('ok') + [tok.ai_end_id])
+  monkeypatch.setattr(
+    sampling, 'next_token', lambda *args, **kwargs: next(reply)
+  )
+  out = io.StringIO()
+  s = session(decoder, out=out)
+  lines = [
+    'Hello',
+    f'/save {tmp_path}/no/such/folder/chat.txt',
+    '/set temperature nan',
+    '/set top_k 1e30',
+    '/set max_new_tokens 1e12',
+    '/set max_new_tokens 100',  # More than half the 128-token context.
+    '/set seed -1',
+    '/load /proc',
+    'caf\udce9 \x00 bytes',  # A lone surrogate: undecodable input.
+    'Bye',
+  ]
+  chat.run_repl(s, interactive=False, stdin=io.StringIO('\n'.join(lines)))
+  text = out.getvalue()
+  assert 'cannot write it' in text
+  assert 'temperature must be a finite number' in text
+  assert 'max_new_tokens go up to 1048576' in text
+  assert 'more than half the context' in text
+  assert 'seed must be 0 or more' in text
+  assert s.settings.max_new_tokens == 6 and s.settings.temperature == 0.8
+  assert [t.role for t in s.turns] == ['user', 'ai'] * 3
+  assert decoder.position == 2 + sum(len(t.ids) for t in s.turns)
+
+
+def test_ctrl_c_while_feeding_keeps_the_session(decoder, monkeypatch):
+  tok = decoder.tokenizer
+  monkeypatch.setattr(
+    sampling, 'next_token', scripted(tok.encode('ok') + [tok.ai_end_id])
+  )
+  s = session(decoder)
+  s.reply('Hello')
+  kept = list(s.turns)
+  step, calls = decoder._step, []
+
+  def interrupted(i):
+    calls.append(i)
+    if len(calls) == 3:
+      raise KeyboardInterrupt
+    return step(i)
+
+  monkeypatch.setattr(decoder, '_step', interrupted)
+  chat.run_repl(s, interactive=False, stdin=io.StringIO('a long message\n'))
+  assert 'interrupted' in s.out.getvalue()
+  assert s.turns == kept  # The cut message is dropped, the rest kept.
+  assert decoder.position == 2 + sum(len(t.ids) for t in kept)
+
+
+def test_a_nan_model_is_reported_not_crashed(decoder, monkeypatch):
+  monkeypatch.setattr(
+    decoder, 'feed', lambda ids: np.full([decoder_vocab(decoder)], np.nan)
+  )
+  s = session(decoder)
+  with pytest.raises(UserError, match='NaN/inf: its weights are broken'):
+    s.reply('Hello')
+
+
+def decoder_vocab(decoder):
+  return decoder.tokenizer.vocab_size
