@@ -7,10 +7,12 @@ and any earlier run in out-dir are all checked before the first write.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -28,6 +30,7 @@ from src import (
   ginconf,
   model,
   preflight,
+  runlock,
   tokenizer,
 )
 from src.config import Section
@@ -121,6 +124,43 @@ class Progress:
     self.stream.flush()
 
 
+class StopRequested(Exception):
+  """Raised after a training step when SIGTERM or SIGINT arrived in it."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+class StopSignals:
+  """SIGTERM (a preemptible VM being taken away) and SIGINT (Ctrl-C) during
+  training: the current step finishes, then the run saves and stops. A
+  second Ctrl-C stops at once, without saving."""
+
+  def __init__(self):
+    self.signum: int | None = None
+
+  def _handler(self, signum, frame):
+    del frame
+    if self.signum is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.signum = signum
+
+  @contextlib.contextmanager
+  def installed(self):
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        previous[sig] = signal.signal(sig, self._handler)
+      except ValueError:  # Not the main thread: leave signals alone.
+        pass
+    try:
+      yield self
+    finally:
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 class JadeLoop(trax_training.Loop):
   """Trax's Loop with our console output (progress line, eval lines).
 
@@ -134,9 +174,11 @@ class JadeLoop(trax_training.Loop):
     progress: Progress,
     tokens_per_step,
     loss_chunk_size: int = 0,
+    signals: StopSignals | None = None,
     **kwargs,
   ):
     self._progress = progress
+    self._signals = signals or StopSignals()
     self._tokens_per_step = tokens_per_step
     self._output_chunk = loss_chunk_size
     super().__init__(*args, **kwargs)
@@ -176,6 +218,8 @@ class JadeLoop(trax_training.Loop):
     loss, stats = super()._run_one_step(task_index, task_changed)
     lr = float(self._tasks[task_index].learning_rate(self.step))
     self._progress.step_done(self.step, loss, lr, self._tokens_per_step())
+    if self._signals.signum is not None:
+      raise StopRequested(self._signals.signum)
     return loss, stats
 
   def _log_step(self, msg, stdout=True):
@@ -391,7 +435,22 @@ def _write_text(path: str, text: str):
 
 
 def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
-  """Trains (or resumes) a run as configured; returns the finished Loop."""
+  """Trains (or resumes) a run as configured; returns the finished Loop.
+
+  The out-dir is locked for the run (`runlock`): one run per out-dir."""
+  out_dir = settings['out-dir']
+  if not out_dir.strip():
+    raise UserError(
+      f'{settings.source}: train.out-dir is empty; name a folder for the '
+      'run (e.g. "runs/mine")'
+    )
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise UserError(f'out-dir {out_dir!r} is a file; choose a folder name')
+  with runlock.held(out_dir, log):
+    return _train(settings, gin_bindings, log)
+
+
+def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
   s = settings
   run = prepare(s, gin_bindings, log=log)
   out_dir, total = s['out-dir'], s['steps']
@@ -486,12 +545,28 @@ def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
     f'{n_weights:,} weights; training steps {start + 1}..{total}; '
     f'TensorBoard: tensorboard --logdir {out_dir}'
   )
+  signals = loop._signals
   try:
-    loop.run(total - start)
-  except KeyboardInterrupt:
+    with signals.installed():
+      loop.run(total - start)
+  except StopRequested as stop:
+    loop.save_checkpoint('model')
+    name = signal.Signals(stop.signum).name
     progress.message(
-      f'interrupted at step {loop.step}; the last checkpoint is at step '
-      f'{checkpoint.latest_step(out_dir)}. Run the same command to resume.'
+      f'{name}: stopped after step {loop.step}; checkpoint saved in '
+      f'{out_dir}. Run the same command to resume.'
+    )
+    raise SystemExit(128 + stop.signum) from None
+  except KeyboardInterrupt:
+    saved = checkpoint.latest_step(out_dir)
+    progress.message(
+      f'interrupted at step {loop.step}; '
+      + (
+        f'the last checkpoint is at step {saved}. Run the same command to '
+        'resume.'
+        if saved
+        else 'no checkpoint was saved yet.'
+      )
     )
     raise
   progress.message(

@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -326,3 +327,72 @@ def test_held_out_conversations_are_reported(tmp_path):
       log=lines.append,
     )
   assert os.listdir(tmp_path / 'd') == []
+
+
+@pytest.mark.parametrize(
+  'signum',
+  [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+)
+def test_a_stop_signal_saves_and_the_run_resumes(tmp_path, signum):
+  """What a preemptible VM (SIGTERM) or Ctrl-C (SIGINT) does: the step in
+  progress finishes, a checkpoint is written, the exit code says which."""
+  out = str(tmp_path / 'run')
+  args = micro_args(out, 100000) + ['--checkpoint-every', '100000']
+  proc = subprocess.Popen(
+    [sys.executable, *args],
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+  )
+  try:
+    for line in proc.stdout:
+      if line.startswith('step 1: eval'):
+        break
+    time.sleep(1.0)
+    proc.send_signal(signum)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 128 + signum
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  name = signal.Signals(signum).name
+  assert f'{name}: stopped after step' in rest, rest
+  saved = checkpoint.latest_step(out)
+  assert saved >= 1 and f'after step {saved};' in rest
+  result = run_script(micro_args(out, saved + 2))
+  assert result.returncode == 0, result.stderr
+  assert f'resuming from the checkpoint at step {saved}' in result.stdout
+  assert checkpoint.latest_step(out) == saved + 2
+
+
+def test_one_run_per_out_dir(tiny_run, copy_of, tmp_path):
+  from src import runlock
+
+  folder = copy_of(tiny_run['out'])
+  lock = os.path.join(folder, runlock.LOCK_FILE)
+  # A live holder on this host (this test process): refused, untouched.
+  with open(lock, 'w') as f:
+    json.dump({'pid': os.getpid(), 'host': socket.gethostname()}, f)
+  before = sorted(os.listdir(folder))
+  with pytest.raises(UserError, match=f'pid {os.getpid()} on'):
+    training.train(train_settings(folder, steps=6), gin_bindings=MICRO)
+  assert sorted(os.listdir(folder)) == before
+  # A holder that is gone: taken over with a note, and released at the end.
+  dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+  dead.wait()
+  with open(lock, 'w') as f:
+    json.dump({'pid': dead.pid, 'host': socket.gethostname()}, f)
+  lines = []
+  loop = training.train(
+    train_settings(folder, steps=6), gin_bindings=MICRO, log=lines.append
+  )
+  assert loop.step == 6 and not os.path.exists(lock)
+  assert any('taking over the lock of a run that is gone' in x for x in lines)
+  # A new out-dir that fails its checks leaves nothing behind.
+  new = tmp_path / 'new'
+  with pytest.raises(UserError):
+    training.train(train_settings(new, data=str(tmp_path / 'nope')))
+  assert not new.exists()
+  with pytest.raises(UserError, match='out-dir is empty'):
+    training.train(train_settings(''))
