@@ -11,10 +11,16 @@ dtypes, `ShapeDtype`, plain containers) and refuses anything else with a
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import hashlib
 import io
+import json
 import os
 import pickle
+import re
+import shutil
+import sys
 
 from src.errors import UserError
 
@@ -147,13 +153,20 @@ def load_weights(model_dir: str, layer, input_signature):
   import numpy as np
   from trax import layers as tl
 
-  meta = read_meta(model_dir)
-  if meta is None:
+  _, folder, problem = verify(model_dir)
+  if folder is None:
     raise UserError(
       f'{os.path.join(model_dir, CHECKPOINT)}: missing; train a model '
       f'into {model_dir!r} first (python train.py --out-dir {model_dir})'
     )
-  path = os.path.join(model_dir, WEIGHTS)
+  if problem:
+    print(
+      f'note: the checkpoint in {model_dir} is damaged ({problem}); using '
+      f'the intact one in {folder}',
+      file=sys.stderr,
+    )
+  meta = read_meta(folder)
+  path = os.path.join(folder, WEIGHTS)
   if not os.path.exists(path):
     raise UserError(f'{path}: missing; the checkpoint is incomplete')
   try:
@@ -177,6 +190,190 @@ def load_weights(model_dir: str, layer, input_signature):
       f'{path}: has {len(flat)} weight arrays, the model in {model_dir} '
       f'needs {expected}; the checkpoint and its model.gin do not match'
     )
+  if not all(np.isfinite(w).all() for w in flat if w.dtype.kind not in 'iub'):
+    raise UserError(
+      f'{path}: the weights contain NaN/inf (the training run diverged); '
+      'train again with a lower learning rate (lr_schedule.peak)'
+    )
   weights, _ = tl.unflatten_weights_and_state(flat, (), sig, weights_only=True)
   layer.weights = jax.tree_util.tree_map(jax.numpy.asarray, weights)
   return int(meta['step'])
+
+
+# ---- Whole-or-absent checkpoints -------------------------------------------
+#
+# Trax writes a checkpoint as three files, each through a temporary file and
+# a rename, one after another; a kill between the renames leaves files of two
+# different steps. After Trax has written them, `seal` records their sizes
+# and SHA-256 in `model.manifest.json` (written last, atomically) and links
+# them, with the manifest, into `checkpoints/step-N/` (hard links: no extra
+# disk; Trax's next save replaces the top-level files, not these). The last
+# `keep` snapshots are kept. `verify` checks the top-level set against its
+# manifest; a damaged or mixed set falls back to the newest intact
+# snapshot, and `restore` copies that one back before training resumes.
+
+MANIFEST = 'model.manifest.json'
+SNAPSHOTS = 'checkpoints'
+_SLOTS = re.compile(r'^model\.opt_slots\d+\.npy\.gz$')
+
+
+def checkpoint_files(folder: str) -> list[str]:
+  """Names of the checkpoint files present in `folder`."""
+  try:
+    names = os.listdir(folder)
+  except OSError:
+    return []
+  slots = sorted(n for n in names if _SLOTS.match(n))
+  return [n for n in (CHECKPOINT, WEIGHTS) if n in names] + slots
+
+
+def _sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, 'rb') as f:
+    while block := f.read(1 << 22):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _write_json(path: str, obj):
+  tmp = f'{path}.tmp-{os.getpid()}'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    json.dump(obj, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def snapshots(out_dir: str) -> list[tuple[int, str]]:
+  """`(step, folder)` of the kept snapshots, newest first."""
+  root = os.path.join(out_dir, SNAPSHOTS)
+  found = []
+  for name in os.listdir(root) if os.path.isdir(root) else []:
+    m = re.fullmatch(r'step-(\d+)', name)
+    if m:
+      found.append((int(m.group(1)), os.path.join(root, name)))
+  return sorted(found, reverse=True)
+
+
+def seal(out_dir: str, step: int, keep: int = 2):
+  """Records the checkpoint Trax just wrote (see above) and keeps `keep`."""
+  files = checkpoint_files(out_dir)
+  manifest = {
+    'step': int(step),
+    'files': {
+      n: {
+        'size': os.path.getsize(os.path.join(out_dir, n)),
+        'sha256': _sha256(os.path.join(out_dir, n)),
+      }
+      for n in files
+    },
+  }
+  root = os.path.join(out_dir, SNAPSHOTS)
+  os.makedirs(root, exist_ok=True)
+  for name in os.listdir(root):  # Left by a run killed while sealing.
+    if name.startswith('.tmp-step-'):
+      shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+  tmp = os.path.join(root, f'.tmp-step-{step}-{os.getpid()}')
+  os.makedirs(tmp)
+  for n in files:
+    try:
+      os.link(os.path.join(out_dir, n), os.path.join(tmp, n))
+    except OSError:  # A file system without hard links.
+      shutil.copy2(os.path.join(out_dir, n), os.path.join(tmp, n))
+  _write_json(os.path.join(tmp, MANIFEST), manifest)
+  final = os.path.join(root, f'step-{step}')
+  shutil.rmtree(final, ignore_errors=True)
+  os.replace(tmp, final)
+  _write_json(os.path.join(out_dir, MANIFEST), manifest)
+  for _, old in snapshots(out_dir)[max(keep, 1) :]:
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check(folder: str) -> tuple[dict | None, str]:
+  """`(manifest, '')` if `folder` holds an intact checkpoint, else
+  `(None, what is wrong)`."""
+  path = os.path.join(folder, MANIFEST)
+  try:
+    with open(path, encoding='utf-8') as f:
+      manifest = json.load(f)
+    files = manifest['files']
+    int(manifest['step'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None, f'{path} is missing or damaged'
+  if set(files) != set(checkpoint_files(folder)) or CHECKPOINT not in files:
+    return None, 'its files are not the ones the manifest lists'
+  for name, want in files.items():
+    p = os.path.join(folder, name)
+    if os.path.getsize(p) != want.get('size'):
+      return None, f'{name} has {os.path.getsize(p)} bytes, not {want["size"]}'
+    if _sha256(p) != want.get('sha256'):
+      return None, f'{name} does not match its checksum'
+  return manifest, ''
+
+
+def verify(out_dir: str):
+  """Finds the checkpoint to resume from or read.
+
+  Returns:
+    `(step, folder, problem)`: `folder` holds an intact checkpoint of
+    `step` (out-dir itself, or a snapshot when the top-level one is
+    damaged, then `problem` says what is wrong with it); `(0, None, '')`
+    when there is no checkpoint. A run written before manifests existed
+    (no manifest, no snapshots) is returned as it is.
+
+  Raises:
+    UserError: the checkpoint is damaged and no intact snapshot is kept.
+  """
+  top = checkpoint_files(out_dir)
+  kept = snapshots(out_dir)
+  has_manifest = os.path.exists(os.path.join(out_dir, MANIFEST))
+  if not top and not kept and not has_manifest:
+    return 0, None, ''
+  if not has_manifest and not kept:  # An older run: nothing to verify.
+    if CHECKPOINT not in top:
+      raise UserError(
+        f'{os.path.join(out_dir, CHECKPOINT)}: missing while {top[0]} is '
+        'there; the checkpoint is incomplete. Delete the model.* files to '
+        'start over'
+      )
+    return latest_step(out_dir), out_dir, ''
+  manifest, problem = _check(out_dir)
+  if manifest is not None:
+    return int(manifest['step']), out_dir, ''
+  for step, folder in kept:
+    if _check(folder)[0] is not None:
+      return step, folder, problem
+  raise UserError(
+    f'{out_dir}: the checkpoint is damaged ({problem}) and no intact '
+    f'earlier one is kept in {SNAPSHOTS}/; restore the folder from a '
+    'backup or train into a new out-dir'
+  )
+
+
+def restore(out_dir: str, folder: str):
+  """Copies the intact checkpoint in `folder` (a snapshot) back to the top
+  level of `out_dir`, manifest last; stray files of the damaged set go."""
+  for n in checkpoint_files(out_dir):
+    if n not in checkpoint_files(folder):
+      os.remove(os.path.join(out_dir, n))
+  for n in checkpoint_files(folder):
+    tmp = os.path.join(out_dir, f'.{n}.restore-{os.getpid()}')
+    shutil.copy2(os.path.join(folder, n), tmp)
+    os.replace(tmp, os.path.join(out_dir, n))
+  with open(os.path.join(folder, MANIFEST), encoding='utf-8') as f:
+    _write_json(os.path.join(out_dir, MANIFEST), json.load(f))
+
+
+def discard(out_dir: str, step: int) -> int:
+  """Takes back the checkpoint of `step` (found bad after it was saved):
+  the newest earlier intact snapshot becomes the checkpoint again, or, if
+  there is none, the checkpoint files go. Returns the step now saved."""
+  shutil.rmtree(os.path.join(out_dir, SNAPSHOTS, f'step-{step}'), True)
+  for earlier, folder in snapshots(out_dir):
+    if earlier < step and _check(folder)[0] is not None:
+      restore(out_dir, folder)
+      return earlier
+  for n in checkpoint_files(out_dir) + [MANIFEST]:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(os.path.join(out_dir, n))
+  return 0

@@ -49,6 +49,11 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     200,
     'Save a checkpoint every N steps (and at the last step).',
   ),
+  'keep-checkpoints': (
+    2,
+    'Intact checkpoints kept in out-dir/checkpoints/ (hard links, no extra '
+    'disk for the newest); a damaged latest one falls back to these.',
+  ),
   'batch-size': (
     0,
     'Chunks per step across all devices; 0 means one '

@@ -167,3 +167,11 @@ def check_same_as_saved(setup: GinSetup, out_dir: str):
 
 def operative_text() -> str:
   return gin.operative_config_str()
+
+
+def lr_peak() -> float:
+  """The configured peak learning rate (for advice in messages)."""
+  try:
+    return float(gin.query_parameter('lr_schedule.peak'))
+  except ValueError:
+    return float(model._defaults(model.lr_schedule)['peak'])

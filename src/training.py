@@ -124,6 +124,14 @@ class Progress:
     self.stream.flush()
 
 
+class Diverged(Exception):
+  """The loss, gradients or weights stopped being finite at `step`."""
+
+  def __init__(self, step: int, what: str, saved_bad: bool = False):
+    super().__init__(step, what)
+    self.step, self.what, self.saved_bad = step, what, saved_bad
+
+
 class StopRequested(Exception):
   """Raised after a training step when SIGTERM or SIGINT arrived in it."""
 
@@ -175,8 +183,10 @@ class JadeLoop(trax_training.Loop):
     tokens_per_step,
     loss_chunk_size: int = 0,
     signals: StopSignals | None = None,
+    keep_checkpoints: int = 2,
     **kwargs,
   ):
+    self._keep = keep_checkpoints
     self._progress = progress
     self._signals = signals or StopSignals()
     self._tokens_per_step = tokens_per_step
@@ -218,6 +228,12 @@ class JadeLoop(trax_training.Loop):
     loss, stats = super()._run_one_step(task_index, task_changed)
     lr = float(self._tasks[task_index].learning_rate(self.step))
     self._progress.step_done(self.step, loss, lr, self._tokens_per_step())
+    for name, value in (
+      ('loss', loss),
+      ('gradient norm', stats.get('gradients_l2', 0.0)),
+    ):
+      if not np.isfinite(np.asarray(value)).all():
+        raise Diverged(self.step, f'the {name} is {float(np.mean(value))}')
     if self._signals.signum is not None:
       raise StopRequested(self._signals.signum)
     return loss, stats
@@ -229,6 +245,14 @@ class JadeLoop(trax_training.Loop):
     self, values, summary_writer, value_prefix, log_prefix, stdout=True
   ):
     values = dict(values)
+    if 'loss' in values and not np.isfinite(float(values['loss'])):
+      # Scored with the weights of this step, which were just checkpointed
+      # if this is a checkpoint step: take that checkpoint back.
+      raise Diverged(
+        self.step,
+        f'the {log_prefix} loss is {float(values["loss"])}',
+        saved_bad=self._checkpoint_at(self.step),
+      )
     if 'loss' in values:
       values['perplexity'] = float(np.exp(min(float(values['loss']), 50.0)))
     super().log_summary(
@@ -239,8 +263,12 @@ class JadeLoop(trax_training.Loop):
       self._progress.message(f'step {self.step}: {log_prefix} {shown}')
 
   def save_checkpoint(self, basename):
+    leaves = jax.tree_util.tree_leaves(self._model.weights)
+    if not all(bool(jax.numpy.isfinite(w).all()) for w in leaves):
+      raise Diverged(self.step, 'the weights hold NaN/inf')
     super().save_checkpoint(basename)
-    if basename == 'model':
+    if basename == 'model' and self.is_chief:
+      checkpoint.seal(self.output_dir, self.step, self._keep)
       self._progress.message(
         f'step {self.step}: checkpoint saved in {self.output_dir}'
       )
@@ -261,6 +289,7 @@ def _check_run_settings(s: Section):
     'checkpoint-every',
     'eval-batches',
     'vocab-size',
+    'keep-checkpoints',
   ):
     if s[key] < 1:
       raise UserError(
@@ -304,7 +333,8 @@ def prepare(settings: Section, gin_bindings=(), log=print):
     raise UserError(f'out-dir {out_dir!r} is a file; choose a folder name')
   setup = ginconf.parse(s['gin'], tuple(gin_bindings))
   ginconf.check_same_as_saved(setup, out_dir)
-  start_step = checkpoint.latest_step(out_dir)  # Reads only; may raise.
+  # Reads only; may raise. A damaged checkpoint gives a snapshot folder.
+  start_step, checkpoint_folder, damage = checkpoint.verify(out_dir)
   devices = jax.local_device_count()
   batch_size = chunks.batch_size_for(devices, s['batch-size'])
   if s['eval-data'] is None and not 0 <= s['eval-fraction'] < 1:
@@ -380,6 +410,8 @@ def prepare(settings: Section, gin_bindings=(), log=print):
     'devices': devices,
     'batch_size': batch_size,
     'start_step': start_step,
+    'checkpoint_folder': checkpoint_folder,
+    'checkpoint_damage': damage,
     'train_batches': train_batches,
     'eval_batches': eval_batches,
     'n_tokens': len(train_corpus.tokens),
@@ -476,6 +508,13 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
       'to train further'
     )
     return None
+  if run['checkpoint_damage']:
+    log(
+      f'note: the checkpoint in {out_dir} is damaged '
+      f'({run["checkpoint_damage"]}); resuming from the intact one at step '
+      f'{start} ({run["checkpoint_folder"]}) instead'
+    )
+    checkpoint.restore(out_dir, run['checkpoint_folder'])
   if start:
     log(f'resuming from the checkpoint at step {start} in {out_dir}')
   _write_text(os.path.join(out_dir, ginconf.MODEL_GIN), setup.text)
@@ -531,6 +570,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     progress=progress,
     tokens_per_step=lambda: last_tokens[0],
     loss_chunk_size=ginconf.output_loss(),
+    keep_checkpoints=s['keep-checkpoints'],
   )
   if loop.step != start:
     raise UserError(
@@ -549,6 +589,18 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
   try:
     with signals.installed():
       loop.run(total - start)
+  except Diverged as d:
+    saved = checkpoint.latest_step(out_dir)
+    if d.saved_bad and saved == d.step:
+      saved = checkpoint.discard(out_dir, d.step)
+    progress.message(
+      f'error: training diverged at step {d.step}: {d.what}. Nothing was '
+      f'saved at that step; the last good checkpoint is '
+      + (f'at step {saved}' if saved else 'none (no checkpoint yet)')
+      + '. Lower the learning rate (e.g. --bind "lr_schedule.peak = '
+      f'{ginconf.lr_peak() / 10:g}") or check the data, then run again.'
+    )
+    raise SystemExit(3) from None
   except StopRequested as stop:
     loop.save_checkpoint('model')
     name = signal.Signals(stop.signum).name

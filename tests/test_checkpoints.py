@@ -1,0 +1,129 @@
+"""Checkpoints are whole or absent; divergence stops before saving."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from src import checkpoint, decoding, training
+from src.errors import UserError
+
+from .conftest import MICRO, train_settings
+
+
+def _resume(folder, steps=6, bindings=()):
+  lines = []
+  loop = training.train(
+    train_settings(folder, steps=steps),
+    gin_bindings=MICRO + tuple(bindings),
+    log=lines.append,
+  )
+  return loop, '\n'.join(lines)
+
+
+def test_every_checkpoint_is_sealed_and_the_last_two_are_kept(tiny_run):
+  out = tiny_run['out']
+  assert [s for s, _ in checkpoint.snapshots(out)] == [4, 2]
+  assert checkpoint.verify(out) == (4, out, '')
+  # Snapshots are hard links of the same bytes, not copies.
+  top = os.stat(os.path.join(out, checkpoint.WEIGHTS))
+  snap = os.stat(os.path.join(out, 'checkpoints/step-4', checkpoint.WEIGHTS))
+  assert top.st_ino == snap.st_ino
+
+
+def test_a_kill_between_the_renames_falls_back_not_mixed(tiny_run, copy_of):
+  """Trax renames slots, weights, then the pickle: simulate a kill after
+  the weights of a newer step replaced the file (by rename, as Trax does)
+  but before the pickle and the manifest."""
+  folder = copy_of(tiny_run['out'])
+  weights = os.path.join(folder, checkpoint.WEIGHTS)
+  newer = weights + '.other'
+  shutil.copy(
+    os.path.join(folder, 'checkpoints/step-2', checkpoint.WEIGHTS), newer
+  )
+  os.replace(newer, weights)  # Step-2 bytes under the step-4 pickle.
+  step, used, problem = checkpoint.verify(folder)
+  assert step == 4 and used.endswith('step-4')
+  assert problem.startswith('model.weights.npy.gz')
+  loop, log = _resume(folder)
+  assert 'is damaged (model.weights.npy.gz' in log
+  assert 'resuming from the intact one at step 4' in log
+  assert loop.step == 6 and checkpoint.verify(folder)[2] == ''
+
+
+@pytest.mark.parametrize('damage', ['truncated', 'garbage', 'missing'])
+def test_damaged_weights_are_never_resumed_from(damage, tiny_run, copy_of):
+  folder = copy_of(tiny_run['out'])
+  path = os.path.join(folder, checkpoint.WEIGHTS)
+  if damage == 'truncated':
+    # In place, and the newest snapshot shares the file (copy_of copied
+    # the links apart; sealing again links them): both are damaged, so
+    # the step-2 snapshot is used.
+    checkpoint.seal(folder, 4)
+    os.truncate(path, os.path.getsize(path) // 2)
+    expected_step = 2
+  elif damage == 'garbage':
+    with open(path, 'r+b') as f:
+      f.write(os.urandom(64))
+    expected_step = 4
+  else:
+    os.remove(path)
+    expected_step = 4
+  assert checkpoint.verify(folder)[0] == expected_step
+  # Reading for chat falls back too, and says so.
+  layer_step = decoding.load_run(folder, 'eval')[3]
+  assert layer_step == expected_step
+  loop, log = _resume(folder)
+  assert f'resuming from the intact one at step {expected_step}' in log
+  assert loop.step == 6
+
+
+def test_nothing_intact_is_refused(tiny_run, copy_of):
+  folder = copy_of(tiny_run['out'])
+  shutil.rmtree(os.path.join(folder, checkpoint.SNAPSHOTS))
+  with open(os.path.join(folder, checkpoint.CHECKPOINT), 'r+b') as f:
+    f.write(b'\0' * 16)
+  before = sorted(os.listdir(folder))
+  with pytest.raises(UserError, match='the checkpoint is damaged .* no intact'):
+    _resume(folder)
+  with pytest.raises(UserError, match='no intact'):
+    decoding.load_run(folder, 'eval')
+  assert sorted(os.listdir(folder)) == before
+
+
+def test_divergence_stops_before_saving(tmp_path, capsys):
+  folder = str(tmp_path / 'run')
+  settings = train_settings(folder, steps=20, **{'checkpoint-every': 1})
+  with pytest.raises(SystemExit) as stop:
+    training.train(
+      settings,
+      gin_bindings=MICRO + ('lr_schedule.peak = 1e30',),
+      log=lambda line: None,
+    )
+  assert stop.value.code == 3
+  out = capsys.readouterr().out
+  line = next(x for x in out.splitlines() if 'diverged' in x)
+  assert line.startswith('error: training diverged at step ')
+  bad = int(line.split('at step ')[1].split(':')[0])
+  assert 'lr_schedule.peak = 1e+29' in line
+  # Every checkpoint on disk is intact, from before the bad step, and
+  # holds finite weights.
+  step, used, problem = checkpoint.verify(folder)
+  assert step < bad and used == folder and not problem
+  if step:
+    assert decoding.load_run(folder, 'eval')[3] == step
+
+
+def test_a_model_with_nan_weights_is_reported(tiny_run, copy_of):
+  from trax import layers as tl
+
+  folder = copy_of(tiny_run['out'])
+  meta = checkpoint.read_meta(folder)
+  path = os.path.join(folder, checkpoint.WEIGHTS)
+  flat = tl.np_from_file(path, compresslevel=meta['flat_weights'])
+  flat = [np.full_like(w, np.nan) if w.dtype.kind == 'f' else w for w in flat]
+  tl.np_to_file(flat, path, compresslevel=meta['flat_weights'])
+  checkpoint.seal(folder, 4)
+  with pytest.raises(UserError, match='weights contain NaN/inf'):
+    decoding.load_run(folder, 'eval')
