@@ -110,9 +110,12 @@ def test_divergence_stops_before_saving(tmp_path, capsys):
   # Every checkpoint on disk is intact, from before the bad step, and
   # holds finite weights.
   step, used, problem = checkpoint.verify(folder)
-  assert step < bad and used == folder and not problem
-  if step:
+  assert step < bad and not problem
+  if step:  # A checkpoint from before the bad step, finite weights.
+    assert used == folder
     assert decoding.load_run(folder, 'eval')[3] == step
+  else:  # The bad step-1 checkpoint was taken back.
+    assert used is None and checkpoint.checkpoint_files(folder) == []
 
 
 def test_a_model_with_nan_weights_is_reported(tiny_run, copy_of):
