@@ -156,7 +156,18 @@ def parse_text(
     UserError: on the first broken rule, naming `path:line` and the fix.
   """
   start, end = markers.ai_start, markers.ai_end
-  lines = text.splitlines()
+  nul = text.find('\0')
+  if nul >= 0:
+    raise UserError(
+      f'{path}:{line_offset + 1 + text.count(chr(10), 0, nul)}: a NUL byte; '
+      'a text file never holds one, so this file is damaged or not text. '
+      'Fix or remove it'
+    )
+  # Only "\n" (and "\r\n") end a line: U+2028, form feeds and the like are
+  # characters of a message, not line breaks (str.splitlines splits there).
+  lines = [line.removesuffix('\r') for line in text.split('\n')]
+  if lines and lines[-1] == '':
+    lines.pop()
   if not allow_empty and not any(line.strip() for line in lines):
     raise UserError(
       f'{path}: the file is empty; add conversations or remove '

@@ -231,8 +231,20 @@ def read_section(
       raise UserError(
         f'{path}: cannot be read ({e}); save it as UTF-8 JSON'
       ) from None
+
+    def no_duplicates(pairs):
+      seen = {}
+      for key, value in pairs:
+        if key in seen:
+          raise UserError(
+            f'{path}: "{key}" is given twice in one object; keep one (JSON '
+            'would silently use the last)'
+          )
+        seen[key] = value
+      return seen
+
     try:
-      raw = json.loads(text)
+      raw = json.loads(text, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as e:
       raise UserError(
         f'{path}:{e.lineno}:{e.colno}: not valid JSON '
@@ -248,6 +260,11 @@ def read_section(
       raise UserError(
         f'{path}: unknown section {unknown[0]!r}; the sections '
         f'are "train" and "eval"'
+      )
+    if section == 'train' and 'train' not in raw:
+      raise UserError(
+        f'{path}: no "train" section; train.py reads its settings from '
+        '{"train": {...}} (see config.EXAMPLE.json)'
       )
     data = raw.get(section, {})
     if not isinstance(data, dict):

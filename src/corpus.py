@@ -33,13 +33,14 @@ import os
 import shutil
 import sys
 import time
+import zlib
 
 import numpy as np
 
 from src import chatformat, tokenizer
 from src.errors import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json holds CRC-32s of the arrays.
 PIECE_BYTES = 8 << 20  # Text per parse/tokenize task.
 SAMPLE_BYTES = 32 << 20  # Text the tokenizer is trained on, at most.
 PARALLEL_MIN_BYTES = 16 << 20  # Smaller corpora are tokenized in-process.
@@ -267,23 +268,38 @@ def _open(folder: str, meta: dict, n_bytes: int, hit: bool) -> Corpus:
   return Corpus(tokens, roles, ends, folder, hit, meta['turns'], n_bytes)
 
 
-def _read_meta(folder: str) -> dict | None:
+def _crc32(path: str) -> int:
+  crc = 0
+  with open(path, 'rb') as f:
+    while block := f.read(8 << 20):
+      crc = zlib.crc32(block, crc)
+  return crc
+
+
+def _read_meta(folder: str) -> tuple[dict | None, str]:
+  """`(meta, '')` for a finished, intact cache folder, else `(None, why)`
+  (why is '' when there is simply no usable cache)."""
   path = os.path.join(folder, 'meta.json')
   try:
     with open(path, encoding='utf-8') as f:
       meta = json.load(f)
   except (OSError, ValueError):
-    return None
+    return None, ''
   if meta.get('version') != FORMAT_VERSION:
-    return None
-  for name, size in (
-    ('tokens.bin', meta['tokens'] * np.dtype(meta['dtype']).itemsize),
-    ('roles.bin', meta['tokens']),
-  ):
-    file = os.path.join(folder, name)
-    if not os.path.exists(file) or os.path.getsize(file) != size:
-      return None
-  return meta
+    return None, ''
+  try:
+    for name, size in (
+      ('tokens.bin', meta['tokens'] * np.dtype(meta['dtype']).itemsize),
+      ('roles.bin', meta['tokens']),
+    ):
+      file = os.path.join(folder, name)
+      if not os.path.exists(file) or os.path.getsize(file) != size:
+        return None, f'{name} is missing or has the wrong size'
+      if _crc32(file) != meta['crc32'][name]:
+        return None, f'{name} does not match its checksum'
+  except (KeyError, TypeError, ValueError):
+    return None, 'meta.json is damaged'
+  return meta, ''
 
 
 def _progress(total: int, desc: str):
@@ -303,6 +319,7 @@ def _build(folder, scanned, tok, parse_kwargs, workers, key, log):
   """Tokenizes every piece into `folder` (a temporary folder)."""
   dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
   ends, n_tokens, n_turns, warnings = [], 0, 0, []
+  crc = {'tokens.bin': 0, 'roles.bin': 0}
   t0 = time.time()
   bar = _progress(scanned.n_bytes, 'tokenizing')
   with (
@@ -313,8 +330,12 @@ def _build(folder, scanned, tok, parse_kwargs, workers, key, log):
     for piece, (ids, roles, lengths, warns, turns) in _encoded_pieces(
       scanned, tok, parse_kwargs, workers
     ):
-      ftok.write(ids.astype(dtype).tobytes())
-      frole.write(roles.tobytes())
+      data = ids.astype(dtype).tobytes()
+      ftok.write(data)
+      crc['tokens.bin'] = zlib.crc32(data, crc['tokens.bin'])
+      data = roles.astype(np.uint8).tobytes()
+      frole.write(data)
+      crc['roles.bin'] = zlib.crc32(data, crc['roles.bin'])
       ends.append(n_tokens + np.cumsum(lengths))
       n_tokens += len(ids)
       n_turns += turns
@@ -344,6 +365,7 @@ def _build(folder, scanned, tok, parse_kwargs, workers, key, log):
     'files': len(scanned.files),
     'seconds': round(seconds, 2),
     'warnings': len(warnings),
+    'crc32': crc,
   }
   with open(os.path.join(folder, 'meta.json'), 'w', encoding='utf-8') as f:
     json.dump(meta, f, indent=2)
@@ -408,7 +430,12 @@ def prepare(
   key = cache_key(scanned.digest, tok, parse_kwargs)
   cache_root = os.path.join(out_dir, CACHE_DIR)
   folder = os.path.join(cache_root, f'{name}-{key}')
-  meta = _read_meta(folder)
+  meta, problem = _read_meta(folder)
+  if problem:
+    log(
+      f'note: the token cache in {folder} is damaged ({problem}); '
+      'building it again'
+    )
   if meta is not None:
     if save_tokenizer:
       tokenizer.save(out_dir, tok)

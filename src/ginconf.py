@@ -122,6 +122,12 @@ def parse(path: str, bindings: tuple[str, ...] = ()) -> GinSetup:
     bound = gin.get_bindings('trax.models.ReformerLM')
   except ValueError:
     bound = {}
+  if not bound:
+    gin.clear_config()
+    raise UserError(
+      f'{path}: binds no ReformerLM settings, so Trax would build its '
+      'default model; start from gin/tiny.gin or gin/reformer_32k.gin'
+    )
   model_settings = {**model._defaults(trax.models.ReformerLM), **bound}
   model_settings['_bound'] = tuple(bound)
   attention_cls = model_settings['attention_type']

@@ -196,6 +196,42 @@ def train(conversations, vocab_size: int, markers: chatformat.Markers) -> bytes:
   return out.getvalue()
 
 
+def _read_info(info_path: str, required: bool) -> dict:
+  """`tokenizer.json`, or a UserError naming what is wrong with it."""
+  if not os.path.exists(info_path):
+    if required:
+      raise UserError(
+        f'{info_path}: missing; the run folder is incomplete (copy it '
+        'again, or train into a new out-dir)'
+      )
+    return {}
+  try:
+    with open(info_path, encoding='utf-8') as f:
+      info = json.load(f)
+    markers = info['markers']
+    if not (isinstance(markers, list) and len(markers) == 3):
+      raise ValueError('markers')
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(
+      f'{info_path}: damaged ({type(e).__name__}: {e}); it must be the JSON '
+      'this run wrote (copy the run folder again)'
+    ) from None
+  return info
+
+
+def _read_model(model_path: str, markers) -> Tokenizer:
+  """`tokenizer.model`, or a UserError if sentencepiece cannot read it."""
+  with open(model_path, 'rb') as f:
+    proto = f.read()
+  try:
+    return Tokenizer(proto, markers)
+  except (RuntimeError, OSError, ValueError, TypeError) as e:
+    raise UserError(
+      f'{model_path}: damaged (sentencepiece: {" ".join(str(e).split())}); '
+      'copy the run folder again, or train into a new out-dir'
+    ) from None
+
+
 def load_or_train(
   out_dir: str,
   conversations,
@@ -226,10 +262,7 @@ def load_or_train(
   if fingerprint is None:
     fingerprint = data_fingerprint(conversations)
   if os.path.exists(model_path):
-    info = {}
-    if os.path.exists(info_path):
-      with open(info_path, encoding='utf-8') as f:
-        info = json.load(f)
+    info = _read_info(info_path, required=False)
     if info.get('markers') and info['markers'] != markers.all():
       raise UserError(
         f'{info_path}: the tokenizer was trained with markers '
@@ -249,8 +282,7 @@ def load_or_train(
         "that tokenizer because this run's checkpoints use it (use a new "
         'out-dir to train a tokenizer on the new data)'
       )
-    with open(model_path, 'rb') as f:
-      return Tokenizer(f.read(), markers)
+    return _read_model(model_path, markers)
   if callable(conversations):  # A sample, drawn only when needed.
     conversations = conversations()
   proto = train(conversations, vocab_size, markers)
@@ -293,7 +325,6 @@ def load(
       f'{model_path}: missing; is {model_dir!r} the out-dir of a training run?'
     )
   if markers is None:
-    with open(info_path, encoding='utf-8') as f:
-      markers = chatformat.Markers(*json.load(f)['markers'])
-  with open(model_path, 'rb') as f:
-    return Tokenizer(f.read(), markers)
+    info = _read_info(info_path, required=True)
+    markers = chatformat.Markers(*info['markers'])
+  return _read_model(model_path, markers)

@@ -295,6 +295,10 @@ def _check_run_settings(s: Section):
       raise UserError(
         f'{s.source}: train.{key} must be at least 1 (got {s[key]})'
       )
+  if not 0 <= s['seed'] < 2**31:
+    raise UserError(
+      f'{s.source}: train.seed {s["seed"]} must be between 0 and {2**31 - 1}'
+    )
   if s['windows'] not in chunks.WINDOWS:
     raise UserError(
       f'{s.source}: train.windows {s["windows"]!r} is not "moving" or '

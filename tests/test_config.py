@@ -11,7 +11,7 @@ from src import config
 from src.cli import run_main
 from src.errors import UserError
 
-from .conftest import DATA, MICRO, TINY_GIN
+from .conftest import DATA, MICRO, TINY_GIN, train_settings
 
 S, E = '|aigenerationstart|', '|endofgeneration|'
 
@@ -187,3 +187,34 @@ def test_bad_input_one_line_nonzero_exit_out_dir_untouched(
   assert err_lines[0].startswith('error: ')
   assert expected in err_lines[0]
   assert snapshot(out) == before
+
+
+def test_config_structure_errors(tmp_path):
+  path = tmp_path / 'c.json'
+  path.write_text('{"eval": {"model-dir": "x"}}')
+  with pytest.raises(UserError, match='no "train" section'):
+    config.read_section(str(path), 'train', {})
+  assert config.read_section(str(path), 'eval', {})['model-dir'] == 'x'
+  path.write_text('{"train": {"steps": 1, "steps": 2}}')
+  with pytest.raises(UserError, match='"steps" is given twice'):
+    config.read_section(str(path), 'train', {})
+
+
+def test_empty_gin_seed_and_tokenizer_damage(tmp_path, tiny_run, copy_of):
+  from src import ginconf, tokenizer, training
+
+  empty = tmp_path / 'empty.gin'
+  empty.write_text('# nothing\n')
+  with pytest.raises(UserError, match='binds no ReformerLM settings'):
+    ginconf.parse(str(empty))
+  with pytest.raises(UserError, match='train.seed -1 must be between'):
+    training.prepare(train_settings(tmp_path / 'o', seed=-1))
+  assert not (tmp_path / 'o').exists()
+  folder = copy_of(tiny_run['out'])
+  with open(os.path.join(folder, tokenizer.MODEL_FILE), 'wb') as f:
+    f.write(b'not a model')
+  with pytest.raises(UserError, match='tokenizer.model: damaged'):
+    tokenizer.load(folder)
+  os.remove(os.path.join(folder, tokenizer.INFO_FILE))
+  with pytest.raises(UserError, match='tokenizer.json: missing'):
+    tokenizer.load(folder)

@@ -143,3 +143,35 @@ def test_empty_file_is_refused(tmp_path):
   with pytest.raises(UserError, match='empty.txt: the file is empty'):
     prepare(data, tmp_path / 'run')
   assert not os.path.exists(tmp_path / 'run' / tokenizer.MODEL_FILE)
+
+
+def test_a_damaged_token_cache_is_built_again(tmp_path, capsys):
+  data = tmp_path / 'data'
+  write_data(data)
+  _, c = prepare(data, tmp_path / 'run')
+  good = np.array(c.tokens)
+  path = os.path.join(c.folder, 'tokens.bin')
+  size = os.path.getsize(path)
+  del c
+  with open(path, 'wb') as f:  # Random bytes of the same size.
+    f.write(np.random.default_rng(0).bytes(size))
+  _, again = prepare(data, tmp_path / 'run')
+  assert 'tokens.bin does not match its checksum' in capsys.readouterr().out
+  assert not again.hit
+  np.testing.assert_array_equal(again.tokens, good)
+
+
+def test_nul_bytes_and_unicode_line_separators(tmp_path):
+  data = tmp_path / 'data'
+  data.mkdir()
+  (data / 'a.txt').write_text(
+    'hi\n|aigenerationstart| yo |endofgeneration|\n\nbad \0 here\n'
+    '|aigenerationstart| x |endofgeneration|\n'
+  )
+  with pytest.raises(UserError, match=r'a.txt:4: a NUL byte'):
+    prepare(data, tmp_path / 'run')
+  # U+2028 is a character of the message, not a second user line.
+  convs = chatformat.parse_text(
+    'one\u2028two\n|aigenerationstart| ok |endofgeneration|\n', 'b.txt'
+  )
+  assert [t.text for t in convs[0].turns] == ['one\u2028two', 'ok']
