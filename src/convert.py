@@ -146,16 +146,34 @@ def from_messages(
   return build(turns, opts)
 
 
+def read_text(path: str) -> str:
+  """A UTF-8 input file's text; bytes that are not UTF-8 name the line."""
+  with open(path, 'rb') as f:
+    raw = f.read()
+  try:
+    return raw.decode('utf-8-sig')
+  except UnicodeDecodeError as e:
+    line = 1 + raw[: e.start].count(b'\n')
+    raise UserError(
+      f'{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x}); re-save the '
+      'file as UTF-8'
+    ) from None
+
+
 def read_records(path: str):
   """Yields (where, record) from a JSON list or a JSONL file."""
-  with open(path, encoding='utf-8') as f:
-    text = f.read()
+  text = read_text(path)
   stripped = text.lstrip()
   if stripped.startswith('['):
     try:
       records = json.loads(text)
     except json.JSONDecodeError as e:
       raise UserError(f'{path}:{e.lineno}: not valid JSON ({e.msg})') from None
+    except RecursionError:
+      raise UserError(
+        f'{path}: JSON nested too deeply to be a conversation list; write '
+        'one conversation per line (JSONL) to skip such records instead'
+      ) from None
     for i, record in enumerate(records):
       yield f'{path}[{i}]', record
     return
@@ -163,20 +181,23 @@ def read_records(path: str):
     if not line.strip():
       continue
     try:
-      yield f'{path}:{no}', json.loads(line)
+      record = json.loads(line)
     except json.JSONDecodeError as e:
-      yield f'{path}:{no}', Skip(f'bad JSON ({e.msg})')
+      record = Skip(f'bad JSON ({e.msg})')
+    except RecursionError:
+      record = Skip('JSON nested too deeply')
+    yield f'{path}:{no}', record
 
 
 def from_chatterbot(path: str, ai_side: str):
   """Yields (where, turns) from a ChatterBot corpus YAML file."""
   import yaml
 
-  with open(path, encoding='utf-8') as f:
-    try:
-      doc = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-      raise UserError(f'{path}: not valid YAML ({e})') from None
+  text = read_text(path)
+  try:
+    doc = yaml.safe_load(text)
+  except (yaml.YAMLError, RecursionError) as e:
+    raise UserError(f'{path}: not valid YAML ({e})') from None
   if not isinstance(doc, dict) or not isinstance(
     doc.get('conversations'), list
   ):
@@ -229,8 +250,7 @@ def chatterbot_files(source: str) -> list[str]:
 
 def from_transcript(path: str, user_prefix: str, ai_prefix: str):
   """Yields (where, turns): prefixed lines, blank lines between chats."""
-  with open(path, encoding='utf-8') as f:
-    lines = f.read().splitlines()
+  lines = read_text(path).split('\n')
   turns, start, bad = [], 1, False
   for no, raw in enumerate(lines + [''], 1):
     line = raw.strip()

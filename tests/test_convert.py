@@ -232,3 +232,26 @@ def test_chatterbot_language_name_finds_the_installed_corpus(tmp_path, capsys):
   summary = capsys.readouterr().out.strip().splitlines()[-1]
   assert summary.startswith(f'chatterbot: {len(files)} file(s): ')
   assert len(chatformat.read_data(str(out))) > 1000
+
+
+def test_deeply_nested_json_and_bytes_that_are_not_utf8(tmp_path):
+  deep = '[' * 5000 + ']' * 5000
+  good = json.dumps(
+    {
+      'messages': [
+        {'role': 'user', 'content': 'Hi'},
+        {'role': 'assistant', 'content': 'Hello'},
+      ]
+    }
+  )
+  text = f'{good}\n{{"messages": {deep}}}\n'
+  report, warnings, convs = run('messages', tmp_path, text)
+  path = tmp_path / 'in.jsonl'
+  assert warnings == [f'{path}:2: skipped: JSON nested too deeply']
+  assert report.conversations == 1
+  (tmp_path / 'list.json').write_text(deep)
+  with pytest.raises(UserError, match='list.json: JSON nested too deeply'):
+    convert.main(['sharegpt', str(tmp_path / 'list.json'), str(tmp_path / 'o')])
+  (tmp_path / 'bad.jsonl').write_bytes(good.encode() + b'\n{"x": "\xff"}\n')
+  with pytest.raises(UserError, match=r'bad.jsonl:2: not UTF-8 \(byte 0xff\)'):
+    convert.main(['messages', str(tmp_path / 'bad.jsonl'), str(tmp_path / 'p')])
