@@ -168,7 +168,8 @@ def train(conversations, vocab_size: int, markers: chatformat.Markers) -> bytes:
     The serialized model. The vocabulary may be smaller than `vocab_size`
     when the data has too few distinct pieces.
   """
-  texts = [turn.text for turn in chatformat.iter_turns(conversations)]
+  turns = list(chatformat.iter_turns(conversations))
+  texts = [turn.text for turn in turns]
   out = io.BytesIO()
   try:
     spm.SentencePieceTrainer.train(
@@ -190,6 +191,16 @@ def train(conversations, vocab_size: int, markers: chatformat.Markers) -> bytes:
       minloglevel=2,
     )
   except RuntimeError as e:
+    # The trainer skips messages over max_sentence_length bytes; with only
+    # those it has nothing to learn from.
+    long = [t for t in turns if len(t.text.encode('utf-8')) > 1 << 16]
+    if long:
+      t = long[0]
+      raise UserError(
+        f'{t.path}:{t.line}: a message of {len(t.text):,} characters; the '
+        f'tokenizer learns only from messages up to 65,536 bytes ({len(long)} '
+        'are longer). Split long messages into several lines or with |br|'
+      ) from None
     raise UserError(
       f'tokenizer training failed ({e}); lower "vocab-size" or add more data'
     ) from None

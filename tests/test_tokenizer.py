@@ -106,3 +106,12 @@ def test_large_vocabulary_is_possible(tmp_path):
   convs = chatformat.parse_text('\n'.join(lines), 'big.txt')
   tok = tokenizer.load_or_train(str(tmp_path), convs, 2000, MARKERS)
   assert tok.vocab_size == 2000
+
+
+def test_messages_too_long_for_the_tokenizer_are_named(tmp_path):
+  text = 'word ' * 14000
+  convs = chatformat.parse_text(
+    f'{text}\n|aigenerationstart| {text} |endofgeneration|\n', 'long.txt'
+  )
+  with pytest.raises(UserError, match=r'long.txt:1: a message of 69,999 char'):
+    tokenizer.train(convs, 100, chatformat.Markers())
