@@ -27,6 +27,7 @@ the estimate against measured peaks within 35%.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 
@@ -189,3 +190,56 @@ def check(setup, vocab_size: int, batch_per_device: int, loss_chunk: int):
       f'({est.parts()}) but {where}; {advice}'
     )
   return est, limit
+
+
+# ---- Time ----------------------------------------------------------------
+#
+# Seconds per step from the step's floating-point operations and the rate
+# this device multiplies matrices at (measured at start, ~0.2 s), divided
+# by `EFFICIENCY`: the share of that rate a whole training step reaches
+# (attention, layer norms, the optimizer and data movement run slower than
+# a large matrix product). Fitted on a 2-core AVX2 CPU against measured
+# steps: the tiny 512-token model reaches 0.27 of the rate, the 8k bench
+# model 0.66, so the estimate is within a factor of about 1.6 either way;
+# the progress line's ETA replaces it once steps are timed.
+
+EFFICIENCY = 0.4
+DAY = 86400.0
+
+
+def step_flops(setup, vocab_size: int, batch_per_device: int) -> float:
+  """Floating-point operations of one training step on one device
+  (forward + backward = 3 x forward)."""
+  m, a = setup.model, setup.attention
+  length = setup.max_len
+  tokens = batch_per_device * length
+  d = m['d_model']
+  dense = count_weights(setup, vocab_size) - vocab_size * d  # No lookups.
+  heads, dk, dv = m['n_heads'], m['d_attention_key'], m['d_attention_value']
+  if setup.attention_name in ('LSHSelfAttention', 'PureLSHSelfAttention'):
+    keys = (a.get('chunk_len') or 64) * (1 + (a.get('n_chunks_before') or 0))
+    keys *= a.get('n_hashes') or 1
+  else:
+    keys = length / 2  # Causal full attention: half the scores on average.
+  attention = m['n_layers'] * heads * keys * 2 * (dk + dv)
+  return 3.0 * tokens * (2.0 * dense + attention)
+
+
+def device_flops_per_second() -> float:
+  """Measured rate of a float32 matrix product on the first device."""
+  x = jax.numpy.ones((1024, 512), jax.numpy.float32)
+  y = jax.numpy.ones((512, 2048), jax.numpy.float32)
+  f = jax.jit(lambda x, y: x @ y)
+  f(x, y).block_until_ready()
+  best = float('inf')
+  for _ in range(3):
+    t0 = time.perf_counter()
+    f(x, y).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2 * 1024 * 512 * 2048 / best
+
+
+def step_seconds(setup, vocab_size: int, batch_per_device: int) -> float:
+  """Estimated seconds per training step on this device."""
+  flops = step_flops(setup, vocab_size, batch_per_device)
+  return flops / (device_flops_per_second() * EFFICIENCY)

@@ -56,6 +56,8 @@ trax_training._log = _log_without_stdout
 
 def _format_duration(seconds: float) -> str:
   seconds = int(max(seconds, 0))
+  if seconds >= 2 * 86400:
+    return f'{seconds / 86400:.0f} days'
   h, rest = divmod(seconds, 3600)
   m, s = divmod(rest, 60)
   return f'{h}h{m:02d}m' if h else (f'{m}m{s:02d}s' if m else f'{s}s')
@@ -274,6 +276,22 @@ class JadeLoop(trax_training.Loop):
       )
 
 
+def time_lines(step_seconds: float, start: int, total: int) -> list[str]:
+  """The time pre-flight's log lines for steps `start + 1..total`."""
+  remaining = max(total - start, 0) * step_seconds
+  lines = [
+    f'time estimate: about {step_seconds:.3g} s a step on this device, '
+    f'{_format_duration(remaining)} for steps {start + 1}..{total}'
+  ]
+  if remaining > preflight.DAY:
+    lines.append(
+      f'note: that is more than {int(remaining // preflight.DAY)} day(s). '
+      'For a quick run on a CPU use the small model: --gin gin/tiny.gin '
+      '(see the README quick start)'
+    )
+  return lines
+
+
 def _markers(settings: Section) -> chatformat.Markers:
   markers = chatformat.Markers(
     settings['ai-start'], settings['ai-end'], settings['line-break']
@@ -348,6 +366,9 @@ def prepare(settings: Section, gin_bindings=(), log=print):
     )
   memory, limit = preflight.check(
     setup, s['vocab-size'], batch_size // devices, ginconf.output_loss()
+  )
+  step_seconds = preflight.step_seconds(
+    setup, s['vocab-size'], batch_size // devices
   )
   tok, train_corpus, eval_corpus = _prepare_data(s, markers, log)
   max_len = setup.max_len
@@ -425,6 +446,7 @@ def prepare(settings: Section, gin_bindings=(), log=print):
     'held': held,
     'memory': memory,
     'memory_limit': limit,
+    'step_seconds': step_seconds,
   }
 
 
@@ -506,6 +528,8 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     f'estimate {preflight.gb(run["memory"].total)} per device of '
     f'{preflight.gb(run["memory_limit"])}'
   )
+  for line in time_lines(run['step_seconds'], start, total):
+    log(line)
   if start >= total:
     log(
       f'already trained to step {start} (steps = {total}); raise --steps '

@@ -1,5 +1,6 @@
 """Memory pre-flight: refuses what cannot fit, matches measured peaks."""
 
+import os
 import subprocess
 import sys
 
@@ -100,3 +101,21 @@ def test_weight_count_is_close_to_the_models():
     if hasattr(w, 'shape')
   )
   assert abs(preflight.count_weights(setup, 300) - exact) < 0.2 * exact
+
+
+def test_time_preflight_counts_flops_and_warns_past_a_day():
+  from src import training
+
+  tiny = ginconf.parse(TINY_GIN)
+  full = ginconf.parse(os.path.join(ROOT, 'gin', 'reformer_32k.gin'))
+  small, big = (preflight.step_flops(s, 500, 1) for s in (tiny, full))
+  assert 0 < small < big
+  # 64x the tokens, more layers, wider: thousands of times the work.
+  assert big / small > 1000
+  assert preflight.step_flops(tiny, 500, 2) == 2 * small
+  assert preflight.device_flops_per_second() > 0
+  lines = training.time_lines(70.0, 0, 20000)
+  assert lines[0].startswith('time estimate: about 70 s a step')
+  assert '16 days for steps 1..20000' in lines[0]
+  assert 'more than 16 day(s)' in lines[1] and 'gin/tiny.gin' in lines[1]
+  assert len(training.time_lines(0.05, 0, 1500)) == 1
