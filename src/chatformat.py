@@ -92,14 +92,16 @@ class Warning_:
     return f'{self.path}:{self.line}: warning: {self.message}'
 
 
-def list_files(data: str) -> list[str]:
-  """The data files: `data` itself, or the `.txt` files below it, sorted."""
+def list_files(data: str, setting: str = 'data') -> list[str]:
+  """The data files: `data` itself, or the `.txt` files below it, sorted.
+
+  `setting` names the config key in messages (`data`, `eval-data`)."""
   if os.path.isfile(data):
     return [data]
   if not os.path.isdir(data):
     raise UserError(
-      f'data {data!r}: no such file or folder; set "data" in '
-      'config.json (or --data) to your conversations folder'
+      f'{setting} {data!r}: no such file or folder; set "{setting}" in '
+      f'config.json (or --{setting}) to your conversations folder'
     )
   files = []
   for root, dirs, names in os.walk(data):
@@ -111,7 +113,7 @@ def list_files(data: str) -> list[str]:
     )
   if not files:
     raise UserError(
-      f'data {data!r}: no .txt files in this folder; put your '
+      f'{setting} {data!r}: no .txt files in this folder; put your '
       'conversations in .txt files there'
     )
   return files

@@ -416,7 +416,8 @@ def prepare(
   """
   parse_kwargs = {'markers': markers, 'repeat_limit': repeat_limit}
   parse_kwargs['collapse'] = collapse
-  scanned = scan(chatformat.list_files(data))
+  setting = 'eval-data' if name == 'eval' else 'data'
+  scanned = scan(chatformat.list_files(data, setting))
   if tok is None:
     tok = tokenizer.load_or_train(
       out_dir,

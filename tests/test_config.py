@@ -210,6 +210,10 @@ def test_empty_gin_seed_and_tokenizer_damage(tmp_path, tiny_run, copy_of):
   with pytest.raises(UserError, match='train.seed -1 must be between'):
     training.prepare(train_settings(tmp_path / 'o', seed=-1))
   assert not (tmp_path / 'o').exists()
+  missing = {'eval-data': str(tmp_path / 'nope')}
+  with pytest.raises(UserError, match="eval-data '.*nope': no such"):
+    training.prepare(train_settings(tmp_path / 'o', **missing))
+  assert not (tmp_path / 'o').exists()
   folder = copy_of(tiny_run['out'])
   with open(os.path.join(folder, tokenizer.MODEL_FILE), 'wb') as f:
     f.write(b'not a model')
