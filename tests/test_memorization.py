@@ -22,10 +22,10 @@ def test_settings_are_saved_with_the_run(tiny_run):
 def _train(out, windows):
   settings = train_settings(
     out,
-    steps=300,
+    steps=200,
     **{
-      'eval-every': 300,
-      'checkpoint-every': 300,
+      'eval-every': 200,
+      'checkpoint-every': 200,
       'eval-fraction': 0.0,
       'windows': windows,
     },

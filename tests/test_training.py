@@ -366,6 +366,14 @@ def test_a_stop_signal_saves_and_the_run_resumes(tmp_path, signum):
   assert checkpoint.latest_step(out) == saved + 2
 
 
+class _Payload:
+  def __init__(self, path):
+    self.path = path
+
+  def __reduce__(self):
+    return (os.system, (f'touch {self.path}',))
+
+
 def test_one_run_per_out_dir(tiny_run, copy_of, tmp_path):
   from src import runlock
 
@@ -383,12 +391,18 @@ def test_one_run_per_out_dir(tiny_run, copy_of, tmp_path):
   dead.wait()
   with open(lock, 'w') as f:
     json.dump({'pid': dead.pid, 'host': socket.gethostname()}, f)
+  # The same resume shows Trax's data-counter pickle is never loaded: a
+  # planted one would run a command.
+  mark = os.path.join(folder, 'PWNED')
+  with open(os.path.join(folder, 'data_counters0.pkl'), 'wb') as f:
+    pickle.dump(_Payload(mark), f)
   lines = []
   loop = training.train(
     train_settings(folder, steps=6), gin_bindings=MICRO, log=lines.append
   )
   assert loop.step == 6 and not os.path.exists(lock)
   assert any('taking over the lock of a run that is gone' in x for x in lines)
+  assert not os.path.exists(mark)
   # A new out-dir that fails its checks leaves nothing behind.
   new = tmp_path / 'new'
   with pytest.raises(UserError):

@@ -1,18 +1,17 @@
-"""A model folder or out-dir cannot run code: gin read as data, no plain
-pickle ever loaded."""
+"""A model folder or out-dir cannot run code: gin read as data. (A planted
+data-counter pickle is tested in test_training.test_one_run_per_out_dir.)"""
 
 import os
-import pickle
 import re
 import subprocess
 import sys
 
 import pytest
 
-from src import decoding, ginconf, safegin, training
+from src import decoding, ginconf, safegin
 from src.errors import UserError
 
-from .conftest import MICRO, ROOT, train_settings
+from .conftest import ROOT
 
 ATTACKS = {
   'import': (
@@ -91,25 +90,4 @@ def test_a_model_folder_with_a_code_running_gin_is_refused(tiny_run, copy_of):
   assert result.returncode != 0
   assert 'is not allowed' in result.stderr
   assert 'Traceback' not in result.stderr
-  assert not os.path.exists(mark)
-
-
-class _Payload:
-  def __init__(self, path):
-    self.path = path
-
-  def __reduce__(self):
-    return (os.system, (f'touch {self.path}',))
-
-
-def test_planted_data_counters_pickle_is_never_loaded(tiny_run, copy_of):
-  folder = copy_of(tiny_run['out'])
-  mark = os.path.join(folder, 'PWNED')
-  planted = os.path.join(folder, 'data_counters0.pkl')
-  with open(planted, 'wb') as f:
-    pickle.dump(_Payload(mark), f)
-  loop = training.train(
-    train_settings(folder, steps=6), gin_bindings=MICRO, log=lambda s: None
-  )
-  assert loop.step == 6
   assert not os.path.exists(mark)
