@@ -329,13 +329,14 @@ def verify(out_dir: str):
   has_manifest = os.path.exists(os.path.join(out_dir, MANIFEST))
   if not top and not kept and not has_manifest:
     return 0, None, ''
-  if not has_manifest and not kept:  # An older run: nothing to verify.
-    if CHECKPOINT not in top:
-      raise UserError(
-        f'{os.path.join(out_dir, CHECKPOINT)}: missing while {top[0]} is '
-        'there; the checkpoint is incomplete. Delete the model.* files to '
-        'start over'
-      )
+  if not has_manifest and not kept:  # An older run: no manifest to check.
+    for name in (CHECKPOINT, WEIGHTS):
+      if name not in top:
+        raise UserError(
+          f'{os.path.join(out_dir, name)}: missing while {top[0]} is '
+          'there; the checkpoint is incomplete. Delete the model.* files '
+          'to start over'
+        )
     return latest_step(out_dir), out_dir, ''
   manifest, problem = _check(out_dir)
   if manifest is not None:
