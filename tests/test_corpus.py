@@ -1,5 +1,6 @@
 """Corpus preparation: pieces, the token cache, hits and invalidation."""
 
+import json
 import os
 
 import numpy as np
@@ -159,6 +160,14 @@ def test_a_damaged_token_cache_is_built_again(tmp_path, capsys):
   assert 'tokens.bin does not match its checksum' in capsys.readouterr().out
   assert not again.hit
   np.testing.assert_array_equal(again.tokens, good)
+  # A meta.json without a key: rebuilt too, never a traceback.
+  meta_path = os.path.join(again.folder, 'meta.json')
+  meta = json.load(open(meta_path))
+  del meta['crc32']
+  json.dump(meta, open(meta_path, 'w'))
+  _, third = prepare(data, tmp_path / 'run')
+  assert 'meta.json is damaged' in capsys.readouterr().out
+  np.testing.assert_array_equal(third.tokens, good)
 
 
 def test_nul_bytes_and_unicode_line_separators(tmp_path):
