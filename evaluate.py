@@ -76,7 +76,8 @@ def main(argv=None):
     session.reply(args.prompt)
     return 0
   # Bytes that are not UTF-8 on a pipe become U+FFFD, never an exception.
-  sys.stdin.reconfigure(errors='replace')
+  if hasattr(sys.stdin, 'reconfigure'):
+    sys.stdin.reconfigure(errors='replace')
   chat.run_repl(session, interactive=sys.stdin.isatty())
   return 0
 
