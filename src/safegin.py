@@ -27,48 +27,28 @@ import tokenize
 
 from src.errors import UserError
 
-# Configurables a binding may name (the last part of the selector).
+_ATTENTION = {'LSHSelfAttention', 'SelfAttention', 'PureLSHSelfAttention'}
+_OPTIMIZERS = {'Adam', 'Adafactor', 'SGD', 'Momentum', 'RMSProp', 'SM3'}
+_ACTIVATIONS = {
+  'Relu',
+  'Gelu',
+  'FastGelu',
+  'Tanh',
+  'Sigmoid',
+  'Swish',
+  'LeakyRelu',
+  'Elu',
+  'Selu',
+}
+# Configurables a binding may name (the part before the last dot).
 CONFIGURABLES = frozenset(
-  {
-    'ReformerLM',
-    'LSHSelfAttention',
-    'SelfAttention',
-    'PureLSHSelfAttention',
-    'lr_schedule',
-    'optimizer',
-    'output_loss',
-    'Adam',
-    'Adafactor',
-    'SGD',
-    'Momentum',
-    'RMSProp',
-    'SM3',
-  }
+  {'ReformerLM', 'lr_schedule', 'optimizer', 'output_loss'}
+  | _ATTENTION
+  | _OPTIMIZERS
 )
-# Classes a value may reference with `@`: activations, attention layers,
-# optimizers (each also with its module prefix).
-REFERENCES = frozenset(
-  {
-    'Relu',
-    'Gelu',
-    'FastGelu',
-    'Tanh',
-    'Sigmoid',
-    'Swish',
-    'LeakyRelu',
-    'Elu',
-    'Selu',
-    'LSHSelfAttention',
-    'SelfAttention',
-    'PureLSHSelfAttention',
-    'Adam',
-    'Adafactor',
-    'SGD',
-    'Momentum',
-    'RMSProp',
-    'SM3',
-  }
-)
+# Classes a value may reference with `@` (each also with its module
+# prefix): activations, attention layers, optimizers.
+REFERENCES = frozenset(_ACTIVATIONS | _ATTENTION | _OPTIMIZERS)
 PREFIXES = ('', 'trax.models.', 'trax.layers.', 'trax.optimizers.', 'jade.')
 
 _FIX = 'a gin file here may only bind settings (see gin/tiny.gin)'
