@@ -279,19 +279,23 @@ def parse_text(
   return conversations
 
 
-def read_file(path: str, **kwargs) -> list[Conversation]:
-  """Reads and parses one UTF-8 file (see `parse_text` for the arguments)."""
+def read_text(path: str) -> str:
+  """A UTF-8 file's text; bytes that are not UTF-8 name the line."""
   with open(path, 'rb') as f:
     raw = f.read()
   try:
-    text = raw.decode('utf-8-sig')
+    return raw.decode('utf-8-sig')
   except UnicodeDecodeError as e:
     line = raw[: e.start].count(b'\n') + 1
     raise UserError(
       f'{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x}); '
       're-save the file as UTF-8'
     ) from None
-  return parse_text(text, path, **kwargs)
+
+
+def read_file(path: str, **kwargs) -> list[Conversation]:
+  """Reads and parses one UTF-8 file (see `parse_text` for the arguments)."""
+  return parse_text(read_text(path), path, **kwargs)
 
 
 def read_data(data: str, **kwargs) -> list[Conversation]:

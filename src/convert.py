@@ -146,23 +146,9 @@ def from_messages(
   return build(turns, opts)
 
 
-def read_text(path: str) -> str:
-  """A UTF-8 input file's text; bytes that are not UTF-8 name the line."""
-  with open(path, 'rb') as f:
-    raw = f.read()
-  try:
-    return raw.decode('utf-8-sig')
-  except UnicodeDecodeError as e:
-    line = 1 + raw[: e.start].count(b'\n')
-    raise UserError(
-      f'{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x}); re-save the '
-      'file as UTF-8'
-    ) from None
-
-
 def read_records(path: str):
   """Yields (where, record) from a JSON list or a JSONL file."""
-  text = read_text(path)
+  text = chatformat.read_text(path)
   stripped = text.lstrip()
   if stripped.startswith('['):
     try:
@@ -193,7 +179,7 @@ def from_chatterbot(path: str, ai_side: str):
   """Yields (where, turns) from a ChatterBot corpus YAML file."""
   import yaml
 
-  text = read_text(path)
+  text = chatformat.read_text(path)
   try:
     doc = yaml.safe_load(text)
   except (yaml.YAMLError, RecursionError) as e:
@@ -250,7 +236,7 @@ def chatterbot_files(source: str) -> list[str]:
 
 def from_transcript(path: str, user_prefix: str, ai_prefix: str):
   """Yields (where, turns): prefixed lines, blank lines between chats."""
-  lines = read_text(path).split('\n')
+  lines = chatformat.read_text(path).split('\n')
   turns, start, bad = [], 1, False
   for no, raw in enumerate(lines + [''], 1):
     line = raw.strip()
