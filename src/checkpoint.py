@@ -153,7 +153,7 @@ def load_weights(model_dir: str, layer, input_signature):
   import numpy as np
   from trax import layers as tl
 
-  _, folder, problem = verify(model_dir)
+  _, folder, problem = verify(model_dir, only=(CHECKPOINT, WEIGHTS))
   if folder is None:
     raise UserError(
       f'{os.path.join(model_dir, CHECKPOINT)}: missing; train a model '
@@ -289,9 +289,10 @@ def seal(out_dir: str, step: int, keep: int = 2):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _check(folder: str) -> tuple[dict | None, str]:
+def _check(folder: str, only=None) -> tuple[dict | None, str]:
   """`(manifest, '')` if `folder` holds an intact checkpoint, else
-  `(None, what is wrong)`."""
+  `(None, what is wrong)`. `only`: check just these of its files (reading
+  the weights needs no optimizer slots)."""
   path = os.path.join(folder, MANIFEST)
   try:
     with open(path, encoding='utf-8') as f:
@@ -300,7 +301,12 @@ def _check(folder: str) -> tuple[dict | None, str]:
     int(manifest['step'])
   except (OSError, ValueError, KeyError, TypeError):
     return None, f'{path} is missing or damaged'
-  if set(files) != set(checkpoint_files(folder)) or CHECKPOINT not in files:
+  present = set(checkpoint_files(folder))
+  if only is not None:
+    if not set(only) <= set(files) & present:
+      return None, f'one of {", ".join(only)} is missing'
+    files = {n: files[n] for n in only}
+  elif set(files) != present or CHECKPOINT not in files:
     return None, 'its files are not the ones the manifest lists'
   for name, want in files.items():
     p = os.path.join(folder, name)
@@ -311,8 +317,9 @@ def _check(folder: str) -> tuple[dict | None, str]:
   return manifest, ''
 
 
-def verify(out_dir: str):
-  """Finds the checkpoint to resume from or read.
+def verify(out_dir: str, only=None):
+  """Finds the checkpoint to resume from or read (`only`: the files the
+  reader needs, see `_check`; default all).
 
   Returns:
     `(step, folder, problem)`: `folder` holds an intact checkpoint of
@@ -338,11 +345,11 @@ def verify(out_dir: str):
           'to start over'
         )
     return latest_step(out_dir), out_dir, ''
-  manifest, problem = _check(out_dir)
+  manifest, problem = _check(out_dir, only)
   if manifest is not None:
     return int(manifest['step']), out_dir, ''
   for step, folder in kept:
-    if _check(folder)[0] is not None:
+    if _check(folder, only)[0] is not None:
       return step, folder, problem
   raise UserError(
     f'{out_dir}: the checkpoint is damaged ({problem}) and no intact '
