@@ -189,6 +189,7 @@ class JadeLoop(trax_training.Loop):
     **kwargs,
   ):
     self._keep = keep_checkpoints
+    self._unchecked = None  # (step, loss, gradient norm), see _check_finite
     self._progress = progress
     self._signals = signals or StopSignals()
     self._tokens_per_step = tokens_per_step
@@ -230,15 +231,27 @@ class JadeLoop(trax_training.Loop):
     loss, stats = super()._run_one_step(task_index, task_changed)
     lr = float(self._tasks[task_index].learning_rate(self.step))
     self._progress.step_done(self.step, loss, lr, self._tokens_per_step())
-    for name, value in (
-      ('loss', loss),
-      ('gradient norm', stats.get('gradients_l2', 0.0)),
-    ):
-      if not np.isfinite(np.asarray(value)).all():
-        raise Diverged(self.step, f'the {name} is {float(np.mean(value))}')
+    # The previous step's values are ready by now; checking this step's
+    # here would make every step wait for the device to finish it.
+    self._check_finite()
+    self._unchecked = (self.step, loss, stats.get('gradients_l2', 0.0))
     if self._signals.signum is not None:
+      self._check_finite()
       raise StopRequested(self._signals.signum)
     return loss, stats
+
+  def _check_finite(self):
+    """Raises `Diverged` if the last unchecked step's loss or gradient
+    norm is not finite (before any checkpoint of that step is written)."""
+    if self._unchecked is None:
+      return
+    step, loss, grad_norm = self._unchecked
+    self._unchecked = None
+    for name, value in (('loss', loss), ('gradient norm', grad_norm)):
+      if not np.isfinite(np.asarray(value)).all():
+        raise Diverged(
+          step, f'the {name} is {float(np.mean(value))}', saved_bad=True
+        )
 
   def _log_step(self, msg, stdout=True):
     super()._log_step(msg, stdout=False)
@@ -265,6 +278,7 @@ class JadeLoop(trax_training.Loop):
       self._progress.message(f'step {self.step}: {log_prefix} {shown}')
 
   def save_checkpoint(self, basename):
+    self._check_finite()
     leaves = jax.tree_util.tree_leaves(self._model.weights)
     if not all(bool(jax.numpy.isfinite(w).all()) for w in leaves):
       raise Diverged(self.step, 'the weights hold NaN/inf')
@@ -334,6 +348,19 @@ def _check_run_settings(s: Section):
     )
 
 
+def _check_out_dir(s: Section) -> str:
+  """The out-dir setting, refused if empty or a file."""
+  out_dir = s['out-dir']
+  if not out_dir.strip():
+    raise UserError(
+      f'{s.source}: train.out-dir is empty; name a folder for the run '
+      '(e.g. "runs/mine")'
+    )
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise UserError(f'out-dir {out_dir!r} is a file; choose a folder name')
+  return out_dir
+
+
 def prepare(settings: Section, gin_bindings=(), log=print):
   """Checks everything and builds the run's pieces without training.
 
@@ -350,9 +377,7 @@ def prepare(settings: Section, gin_bindings=(), log=print):
       'TPU nodes by IP). Run train.py on the TPU VM.'
     )
   markers = _markers(s)
-  out_dir = s['out-dir']
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise UserError(f'out-dir {out_dir!r} is a file; choose a folder name')
+  out_dir = _check_out_dir(s)
   setup = ginconf.parse(s['gin'], tuple(gin_bindings))
   ginconf.check_same_as_saved(setup, out_dir)
   # Reads only; may raise. A damaged checkpoint gives a snapshot folder.
@@ -496,15 +521,7 @@ def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
   """Trains (or resumes) a run as configured; returns the finished Loop.
 
   The out-dir is locked for the run (`runlock`): one run per out-dir."""
-  out_dir = settings['out-dir']
-  if not out_dir.strip():
-    raise UserError(
-      f'{settings.source}: train.out-dir is empty; name a folder for the '
-      'run (e.g. "runs/mine")'
-    )
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise UserError(f'out-dir {out_dir!r} is a file; choose a folder name')
-  with runlock.held(out_dir, log):
+  with runlock.held(_check_out_dir(settings), log):
     return _train(settings, gin_bindings, log)
 
 
@@ -584,6 +601,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     return step == start + 1 or step % s['eval-every'] == 0 or step == total
 
   progress = Progress(total, start)
+  signals = StopSignals()
   vocab = tok.vocab_size
   loop = JadeLoop(
     model.reformer_lm(vocab, 'train'),
@@ -598,6 +616,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     progress=progress,
     tokens_per_step=lambda: last_tokens[0],
     loss_chunk_size=ginconf.output_loss(),
+    signals=signals,
     keep_checkpoints=s['keep-checkpoints'],
   )
   if loop.step != start:
@@ -613,10 +632,18 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     f'{n_weights:,} weights; training steps {start + 1}..{total}; '
     f'TensorBoard: tensorboard --logdir {out_dir}'
   )
-  signals = loop._signals
   try:
-    with signals.installed():
-      loop.run(total - start)
+    try:
+      with signals.installed():
+        loop.run(total - start)
+    except StopRequested as stop:
+      loop.save_checkpoint('model')  # May find the run diverged.
+      name = signal.Signals(stop.signum).name
+      progress.message(
+        f'{name}: stopped after step {loop.step}; checkpoint saved in '
+        f'{out_dir}. Run the same command to resume.'
+      )
+      raise SystemExit(128 + stop.signum) from None
   except Diverged as d:
     saved = checkpoint.latest_step(out_dir)
     if d.saved_bad and saved == d.step:
@@ -629,14 +656,6 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
       f'{ginconf.lr_peak() / 10:g}") or check the data, then run again.'
     )
     raise SystemExit(3) from None
-  except StopRequested as stop:
-    loop.save_checkpoint('model')
-    name = signal.Signals(stop.signum).name
-    progress.message(
-      f'{name}: stopped after step {loop.step}; checkpoint saved in '
-      f'{out_dir}. Run the same command to resume.'
-    )
-    raise SystemExit(128 + stop.signum) from None
   except KeyboardInterrupt:
     saved = checkpoint.latest_step(out_dir)
     progress.message(

@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -130,3 +131,19 @@ def test_a_model_with_nan_weights_is_reported(tiny_run, copy_of):
   checkpoint.seal(folder, 4)
   with pytest.raises(UserError, match='weights contain NaN/inf'):
     decoding.load_run(folder, 'eval')
+
+
+def test_step_values_are_checked_one_step_later_without_waiting():
+  """Each step checks the one before it (already finished on the device);
+  a save checks its own step first."""
+  stub = types.SimpleNamespace(_unchecked=(7, np.float32(np.nan), 1.0))
+  with pytest.raises(training.Diverged) as d:
+    training.JadeLoop._check_finite(stub)
+  assert d.value.step == 7 and d.value.what == 'the loss is nan'
+  assert d.value.saved_bad and stub._unchecked is None
+  stub._unchecked = (8, np.ones(2), np.float32(np.inf))
+  with pytest.raises(training.Diverged, match='gradient norm is inf'):
+    training.JadeLoop._check_finite(stub)
+  stub._unchecked = (9, 1.5, 2.0)
+  training.JadeLoop._check_finite(stub)  # Finite: nothing happens.
+  assert stub._unchecked is None
