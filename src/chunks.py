@@ -313,10 +313,10 @@ class ChunkBatches:
 
   def windows(self, step: int) -> list[Window]:
     """The `batch_size` windows of `step`, one per batch row."""
-    epoch, _ = self.locate(step)
-    view, starts, lengths, _ = self.layout(epoch)
+    epoch, k = self.locate(step)
+    view, starts, lengths, order = self.layout(epoch)
     out = []
-    for index in self.chunk_ids(step):
+    for index in order[k * self.batch_size : (k + 1) * self.batch_size]:
       length = int(lengths[index])
       rng = np.random.default_rng([self.seed, epoch, int(index), 1])
       left = int(rng.integers(0, self.max_len - length + 1))
