@@ -255,3 +255,195 @@ def test_deeply_nested_json_and_bytes_that_are_not_utf8(tmp_path):
   (tmp_path / 'bad.jsonl').write_bytes(good.encode() + b'\n{"x": "\xff"}\n')
   with pytest.raises(UserError, match=r'bad.jsonl:2: not UTF-8 \(byte 0xff\)'):
     convert.main(['messages', str(tmp_path / 'bad.jsonl'), str(tmp_path / 'p')])
+
+
+def convert_to(fmt, source, out, trim=False, strict=False, **kw):
+  warnings = []
+  report = convert.convert(
+    fmt,
+    str(source),
+    str(out),
+    convert.Options(trim=trim, strict=strict),
+    warn=warnings.append,
+    **kw,
+  )
+  name = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
+  convs = chatformat.read_file(str(out / (name + '.txt')))
+  return report, warnings, roles_and_texts(convs)
+
+
+SEP = ' +++$+++ '
+
+
+def test_cornell_latin1_speakers_missing_ids_and_bad_lines(tmp_path):
+  folder = tmp_path / 'cornell'
+  folder.mkdir()
+  lines = [
+    SEP.join(['L1', 'u0', 'm0', 'BIANCA', 'Can we go?']),
+    SEP.join(['L2', 'u2', 'm0', 'CAMERON', 'Caf\xe9 first.']),
+    SEP.join(['L3', 'u0', 'm0', 'BIANCA', 'Fine.']),
+    SEP.join(['L4', 'u0', 'm0', 'BIANCA', 'And then?']),
+    'L5 +++$+++ u2 +++$+++ m0',  # Too few fields.
+    SEP.join(['L6', 'u2', 'm0', 'CAMERON', 'Home.']),
+    SEP.join(['L7', 'u5', 'm1', 'X', 'Hi']),
+  ]
+  (folder / 'movie_lines.txt').write_bytes(
+    ('\n'.join(lines) + '\n').encode('iso-8859-1')
+  )
+  conversations = [
+    SEP.join(['u0', 'u2', 'm0', "['L1', 'L2', 'L3', 'L4', 'L6']"]),
+    SEP.join(['u0', 'u2', 'm0', "['L3', 'L4']"]),  # Ends on the user.
+    SEP.join(['u0', 'u2', 'm0', "['L1', 'L99']"]),  # Unknown line id.
+    SEP.join(['u5', 'u0', 'm1', 'L7']),  # Not a list.
+  ]
+  (folder / 'movie_conversations.txt').write_text('\n'.join(conversations))
+  report, warnings, convs = convert_to('cornell', folder, tmp_path / 'out')
+  assert convs == [
+    [
+      ('user', 'Can we go?'),
+      ('ai', 'Café first.'),
+      ('user', 'Fine. |br| And then?'),
+      ('ai', 'Home.'),
+    ]
+  ]
+  lines_file = folder / 'movie_lines.txt'
+  conv_file = folder / 'movie_conversations.txt'
+  assert warnings[0].startswith(f'{lines_file}:5: skipped: 3 field(s)')
+  assert warnings[1].startswith(f'{conv_file}:2: skipped: ends on a user')
+  assert warnings[2] == (
+    f'{conv_file}:3: skipped: line id L99 is not in movie_lines.txt'
+  )
+  assert warnings[3].startswith(f'{conv_file}:4: skipped: line ids')
+  assert report.conversations == 1 and sum(report.skipped.values()) == 4
+  # Trimmed, the one-speaker conversation has no turns left.
+  _, warned, trimmed = convert_to('cornell', folder, tmp_path / 't', trim=True)
+  assert trimmed == convs
+  assert warned[1] == f'{conv_file}:2: skipped: no turns'
+  with pytest.raises(UserError, match='movie_lines.txt: no such file'):
+    convert.main(['cornell', str(tmp_path), str(tmp_path / 'x')])
+
+
+def test_taskmaster_order_speakers_and_ids(tmp_path):
+  records = [
+    {
+      'conversation_id': 'dlg-1',
+      'utterances': [
+        {'index': 2, 'speaker': 'ASSISTANT', 'text': 'Which size?'},
+        {'index': 0, 'speaker': 'USER', 'text': 'A pizza please.'},
+        {'index': 1, 'speaker': 'USER', 'text': 'With olives.'},
+        {'index': 3, 'speaker': 'USER', 'text': 'Large.'},
+        {
+          'index': 4,
+          'speaker': 'ASSISTANT',
+          'text': 'Done.',
+          'segments': [{'text': 'Done'}],
+        },
+      ],
+    },
+    {
+      'conversationId': 'ccpe-7',
+      'utterances': [
+        {'index': 0, 'speaker': 'ASSISTANT', 'text': 'What films do you like?'},
+        {'index': 1, 'speaker': 'USER', 'text': 'Comedies.'},
+        {'index': 2, 'speaker': 'ASSISTANT', 'text': 'Noted.'},
+      ],
+    },
+    {
+      'conversation_id': 'dlg-3',
+      'utterances': [
+        {'index': 0, 'speaker': 'WIZARD', 'text': 'x'},
+        {'index': 1, 'speaker': 'ASSISTANT', 'text': 'y'},
+      ],
+    },
+  ]
+  path = tmp_path / 'tm.json'
+  path.write_text(json.dumps(records))
+  report, warnings, convs = convert_to('taskmaster', path, tmp_path / 'out')
+  assert convs == [
+    [
+      ('user', 'A pizza please. |br| With olives.'),
+      ('ai', 'Which size?'),
+      ('user', 'Large.'),
+      ('ai', 'Done.'),
+    ],
+    [
+      ('ai', 'What films do you like?'),
+      ('user', 'Comedies.'),
+      ('ai', 'Noted.'),
+    ],
+  ]
+  assert warnings == [
+    f"{path}[2] (dlg-3): skipped: unknown speaker 'WIZARD' at utterance 0 "
+    '(USER or ASSISTANT)'
+  ]
+  assert report.conversations == 2
+
+
+SRT = """1
+00:00:01,000 --> 00:00:02,000
+<i>Where were you?</i>
+
+3
+00:00:05,500 --> 00:00:06,000
+{\\an8}Nowhere.
+
+2
+00:00:02,500 --> 00:00:04,000
+Out.
+With friends.
+
+4
+00:00:20,000 --> 00:00:21,000
+New scene.
+
+5
+00:00:21,500 -> 00:00:22,000
+Broken.
+
+6
+00:00:22,500 --> 00:00:23,000
+Yes?
+"""
+
+
+def test_subtitles_time_order_markup_gaps_and_broken_cues(tmp_path):
+  path = tmp_path / 'film.srt'
+  path.write_text(SRT, encoding='utf-8')
+  report, warnings, convs = convert_to(
+    'subtitles', path, tmp_path / 'out', gap=5.0
+  )
+  # The first scene ends on the user (cue 3): skipped without --trim.
+  assert convs == [[('user', 'New scene.'), ('ai', 'Yes?')]]
+  assert warnings == [
+    f"{path}:19: skipped: broken time line '00:00:21,500 -> 00:00:22,000' "
+    '(expected "00:00:01,000 --> 00:00:03,500")',
+    f'{path}:2: skipped: ends on a user turn (the AI must talk last; --trim '
+    'drops it)',
+  ]
+  _, _, trimmed = convert_to(
+    'subtitles', path, tmp_path / 'trim', trim=True, gap=5.0
+  )
+  assert trimmed == [
+    [('user', 'Where were you?'), ('ai', 'Out. With friends.')],
+    [('user', 'New scene.'), ('ai', 'Yes?')],
+  ]
+  # A longer allowed pause joins the scenes into one conversation.
+  _, _, joined = convert_to(
+    'subtitles', path, tmp_path / 'j', trim=True, gap=60.0
+  )
+  assert joined == [
+    [
+      ('user', 'Where were you?'),
+      ('ai', 'Out. With friends.'),
+      ('user', 'Nowhere.'),
+      ('ai', 'New scene.'),
+    ]
+  ]
+  latin = tmp_path / 'old.srt'
+  latin.write_bytes(
+    b'1\n00:00:01,000 --> 00:00:02,000\nCaf\xe9?\n\n'
+    b'2\n00:00:02,100 --> 00:00:03,000\nOui.\n'
+  )
+  _, warnings, convs = convert_to('subtitles', latin, tmp_path / 'l')
+  assert convs == [[('user', 'Café?'), ('ai', 'Oui.')]]
+  assert 'reading it as Windows-1252' in warnings[0]
