@@ -1,4 +1,4 @@
-"""The one checkpoint reader, used by training (resume) and every other reader.
+"""The one reader of saved weights (checkpoints and exports), for every reader.
 
 Trax checkpoints are `model.pkl.gz` (a pickle: step, state, history, input
 signature) beside `model.weights.npy.gz` and `model.opt_slots0.npy.gz`
@@ -134,25 +134,90 @@ def install():
   inputs.save_data_counters = _no_data_counters
 
 
-def load_weights(model_dir: str, layer, input_signature):
-  """Initializes `layer` and loads the checkpoint's weights into it.
+# ---- Weights-only exports (`python -m src.export`) --------------------------
+#
+# An export is a folder with `model.safetensors` (the weights, flat, named
+# `weights.00000`, ...), `export.json` (metadata and the SHA-256 of every
+# file), `tokenizer.model`, `tokenizer.json`, `model.gin` and a README. It
+# is read with `safetensors.numpy` (a JSON header and raw arrays: no pickle,
+# no code) after its checksum is checked.
 
-  The weights file holds plain NumPy arrays (read without pickle); the
-  metadata comes through `SafeUnpickler`. Works for any mode of the model
-  that was trained (train, eval, predict share the weights' structure).
+EXPORT_META = 'export.json'
+EXPORT_WEIGHTS = 'model.safetensors'
+EXPORT_FORMAT = 'jade-v8-export'
 
-  Args:
-    model_dir: The run folder.
-    layer: An uninitialized Trax layer of the trained architecture.
-    input_signature: `ShapeDtype` of the layer's input.
 
-  Returns:
-    The checkpoint's step.
-  """
+def is_export(folder: str) -> bool:
+  return os.path.isfile(os.path.join(folder, EXPORT_META))
+
+
+def weight_key(i: int) -> str:
+  return f'weights.{i:05d}'
+
+
+def read_export_meta(folder: str) -> dict:
+  """`export.json`, or a UserError naming what is wrong with it."""
+  path = os.path.join(folder, EXPORT_META)
+  try:
+    with open(path, encoding='utf-8') as f:
+      meta = json.load(f)
+    if meta.get('format') != EXPORT_FORMAT:
+      raise ValueError(f'format is {meta.get("format")!r}')
+    int(meta['step'])
+    int(meta['n_arrays'])
+    dict(meta['files'])
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise UserError(
+      f'{path}: damaged ({type(e).__name__}: {e}); it must be the JSON '
+      'that python -m src.export wrote (download the model again)'
+    ) from None
+  return meta
+
+
+def read_export(folder: str) -> tuple[list, dict]:
+  """The flat weight arrays of an export and its metadata."""
+  from safetensors import SafetensorError
+  from safetensors.numpy import load
+
+  meta = read_export_meta(folder)
+  path = os.path.join(folder, EXPORT_WEIGHTS)
+  want = meta['files'].get(EXPORT_WEIGHTS, {})
+  if not os.path.isfile(path):
+    raise UserError(f'{path}: missing; the exported model is incomplete')
+  size = os.path.getsize(path)
+  if size != want.get('size') or _sha256(path) != want.get('sha256'):
+    raise UserError(
+      f'{path}: damaged or truncated ({size} bytes; export.json lists '
+      f'{want.get("size")} bytes and another checksum); download the model '
+      'again'
+    )
+  with open(path, 'rb') as f:
+    data = f.read()
+  try:
+    arrays = load(data)
+  except (SafetensorError, ValueError, OSError) as e:
+    raise UserError(f'{path}: not a readable safetensors file ({e})') from None
+  n = int(meta['n_arrays'])
+  keys = [weight_key(i) for i in range(n)]
+  if sorted(arrays) != keys:
+    raise UserError(
+      f'{path}: holds {len(arrays)} arrays, export.json says {n} named '
+      'weights.00000...; the export is inconsistent'
+    )
+  return [arrays[k] for k in keys], meta
+
+
+def read_weights(model_dir: str) -> tuple[list, int]:
+  """The flat weight arrays and training step of a run folder (its latest
+  intact checkpoint) or an export; nothing is unpickled but the run's
+  checkpoint metadata, through `SafeUnpickler`."""
   import jax
   import numpy as np
   from trax import layers as tl
 
+  if is_export(model_dir):
+    flat, meta = read_export(model_dir)
+    return flat, int(meta['step'])
   _, folder, problem = verify(model_dir, only=(CHECKPOINT, WEIGHTS))
   if folder is None:
     raise UserError(
@@ -179,25 +244,74 @@ def load_weights(model_dir: str, layer, input_signature):
     else w
     for w in flat
   ]
+  return flat, int(meta['step'])
+
+
+def weights_digest(flat) -> str:
+  """SHA-256 over the arrays' dtypes, shapes and bytes (names a model's
+  weights independently of the file they came in)."""
+  import numpy as np
+
+  h = hashlib.sha256()
+  for w in flat:
+    w = np.ascontiguousarray(w)
+    h.update(f'{w.dtype.str}{w.shape};'.encode())
+    h.update(w.tobytes())
+  return h.hexdigest()
+
+
+def set_weights(model_dir: str, layer, input_signature, flat) -> None:
+  """Initializes `layer` and sets the flat weights `flat` (read from
+  `model_dir`, named in messages) into it."""
+  import jax
+  import numpy as np
+  from trax import layers as tl
+
   # The state (LSH hash seeds) is drawn at init: seed it so that scoring
   # and sampling are reproducible from run to run.
   layer.rng = jax.random.PRNGKey(0)
   layer.init(input_signature)
   sig = layer.weights_and_state_signature(input_signature)
-  expected = len(tl.flatten_weights_and_state(layer.weights, layer.state)[0])
-  if len(flat) != expected:
+  expected = tl.flatten_weights_and_state(layer.weights, layer.state)[0]
+  if len(flat) != len(expected):
     raise UserError(
-      f'{path}: has {len(flat)} weight arrays, the model in {model_dir} '
-      f'needs {expected}; the checkpoint and its model.gin do not match'
+      f'{model_dir}: has {len(flat)} weight arrays, its model.gin needs '
+      f'{len(expected)}; the weights and model.gin do not match'
     )
+  for i, (w, e) in enumerate(zip(flat, expected)):
+    if tuple(w.shape) != tuple(e.shape):
+      raise UserError(
+        f'{model_dir}: weight array {i} has shape {tuple(w.shape)}, the '
+        f'model needs {tuple(e.shape)}; the weights, model.gin and '
+        'tokenizer do not match'
+      )
   if not all(np.isfinite(w).all() for w in flat if w.dtype.kind not in 'iub'):
     raise UserError(
-      f'{path}: the weights contain NaN/inf (the training run diverged); '
-      'train again with a lower learning rate (lr_schedule.peak)'
+      f'{model_dir}: the weights contain NaN/inf (the training run '
+      'diverged); train again with a lower learning rate (lr_schedule.peak)'
     )
   weights, _ = tl.unflatten_weights_and_state(flat, (), sig, weights_only=True)
   layer.weights = jax.tree_util.tree_map(jax.numpy.asarray, weights)
-  return int(meta['step'])
+
+
+def load_weights(model_dir: str, layer, input_signature):
+  """Initializes `layer` and loads the saved weights into it.
+
+  Works for a run folder (latest intact checkpoint) and an export, and for
+  any mode of the trained model (train, eval, predict share the weights'
+  structure).
+
+  Args:
+    model_dir: The run or export folder.
+    layer: An uninitialized Trax layer of the trained architecture.
+    input_signature: `ShapeDtype` of the layer's input.
+
+  Returns:
+    The training step of the weights.
+  """
+  flat, step = read_weights(model_dir)
+  set_weights(model_dir, layer, input_signature, flat)
+  return step
 
 
 # ---- Whole-or-absent checkpoints -------------------------------------------
@@ -244,6 +358,16 @@ def _write_json(path: str, obj):
   os.replace(tmp, path)
 
 
+def read_manifest(folder: str) -> dict | None:
+  """`model.manifest.json` of a checkpoint folder, or None."""
+  try:
+    with open(os.path.join(folder, MANIFEST), encoding='utf-8') as f:
+      manifest = json.load(f)
+    return manifest if isinstance(manifest, dict) else None
+  except (OSError, ValueError):
+    return None
+
+
 def snapshots(out_dir: str) -> list[tuple[int, str]]:
   """`(step, folder)` of the kept snapshots, newest first."""
   root = os.path.join(out_dir, SNAPSHOTS)
@@ -255,10 +379,12 @@ def snapshots(out_dir: str) -> list[tuple[int, str]]:
   return sorted(found, reverse=True)
 
 
-def seal(out_dir: str, step: int, keep: int = 2):
-  """Records the checkpoint Trax just wrote (see above) and keeps `keep`."""
+def seal(out_dir: str, step: int, keep: int = 2, extra: dict | None = None):
+  """Records the checkpoint Trax just wrote (see above) and keeps `keep`.
+  `extra`: more facts for the manifest (e.g. `tokens` trained on)."""
   files = checkpoint_files(out_dir)
   manifest = {
+    **(extra or {}),
     'step': int(step),
     'files': {
       n: {

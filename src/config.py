@@ -101,6 +101,13 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     'context in tokens (random); the rest is padding, split at random '
     'between its two ends.',
   ),
+  'init-from': (
+    None,
+    'Fine-tune: a training out-dir or an export (python -m src.export) to '
+    'start from. Its tokenizer, model settings and weights are taken over '
+    '(the gin file then sets only optimizer, schedule and dropout: use '
+    'gin/finetune.gin); the step count and optimizer start fresh.',
+  ),
   'ai-only-loss': (
     False,
     'Put loss only on AI turns (their text and end marker); user text and '
@@ -109,7 +116,11 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
 }
 
 EVAL_KEYS: dict[str, tuple[Any, str]] = {
-  'model-dir': ('train', 'Folder of a training run (its out-dir).'),
+  'model-dir': (
+    'train',
+    'Folder of a training run (its out-dir) or an export (python -m '
+    'src.export).',
+  ),
 }
 
 SECTIONS = {'train': TRAIN_KEYS, 'eval': EVAL_KEYS}
@@ -196,6 +207,7 @@ class Section:
 
   values: dict[str, Any]
   source: str
+  given: frozenset = frozenset()  # Keys set in the file or on the command line.
 
   def __getitem__(self, key: str):
     return self.values[key]
@@ -283,7 +295,9 @@ def read_section(
     if value is not None:
       values[key] = convert(value, keys[key][0], f'--{key}')
   full = {k: values.get(k, default) for k, (default, _) in keys.items()}
-  return Section(full, path if os.path.exists(path) else '(defaults)')
+  return Section(
+    full, path if os.path.exists(path) else '(defaults)', frozenset(values)
+  )
 
 
 def from_values(
@@ -298,7 +312,7 @@ def from_values(
     k: convert(values[k], d, f'{source}: {section}.{k}') if k in values else d
     for k, (d, _) in keys.items()
   }
-  return Section(full, source)
+  return Section(full, source, frozenset(values))
 
 
 def add_arguments(parser: argparse.ArgumentParser, section: str):

@@ -1,6 +1,7 @@
 """Incremental decoding: a predict-mode ReformerLM compiled once per session.
 
-`Decoder` loads a run folder (tokenizer, `model.gin`, checkpoint) and keeps
+`Decoder` loads a run folder (tokenizer, `model.gin`, checkpoint) or an
+export (`src.export`: `model.safetensors` instead of a checkpoint) and keeps
 the model's predict-mode state (LSH attention memory, position counters)
 between calls, so each new token costs one step of one token. The step is
 jitted once and its state buffers are donated, so the attention memory is
@@ -24,7 +25,8 @@ def load_setup(model_dir: str, bindings=()) -> ginconf.GinSetup:
   if not os.path.isdir(model_dir):
     raise UserError(
       f'model-dir {model_dir!r}: no such folder; point --model-dir (or '
-      '"eval": {"model-dir": ...} in config.json) at a training out-dir'
+      '"eval": {"model-dir": ...} in config.json) at a training out-dir '
+      'or an export'
     )
   path = os.path.join(model_dir, ginconf.MODEL_GIN)
   if not os.path.exists(path):

@@ -87,12 +87,34 @@ def _parse(text: str, where: str, line_numbers: bool = True):
     ) from None
 
 
-def parse(path: str, bindings: tuple[str, ...] = ()) -> GinSetup:
+# Configurables that define the model's weights and computation (a
+# pretrained model's settings); the rest (optimizer, schedule, chunked
+# loss) belong to a training run.
+MODEL_CONFIGURABLES = frozenset({'ReformerLM'} | safegin._ATTENTION)
+
+
+def model_bindings(text: str, where: str) -> str:
+  """The model's bindings (`MODEL_CONFIGURABLES`) of a gin text, checked
+  as data; optimizer and schedule bindings are left out."""
+  kept = [
+    body
+    for name, body in safegin.statements(text, where)
+    if name in MODEL_CONFIGURABLES
+  ]
+  return '\n'.join(kept) + '\n'
+
+
+def parse(
+  path: str, bindings: tuple[str, ...] = (), base: tuple[str, str] = None
+) -> GinSetup:
   """Parses a gin file (clearing earlier gin state) and checks it.
 
   Args:
     path: The gin file.
     bindings: Extra bindings ("ReformerLM.n_layers = 2") applied after it.
+    base: `(text, where)` of bindings read before the file (a pretrained
+      model's settings when fine-tuning); the file and `bindings` may
+      override them.
 
   Raises:
     UserError: a missing file, a gin syntax error or unknown name, or a
@@ -110,11 +132,24 @@ def parse(path: str, bindings: tuple[str, ...] = ()) -> GinSetup:
     raise UserError(
       f'{path}: cannot be read ({_one_line(e)}); save it as UTF-8 text'
     ) from None
+  return parse_text(text, path, bindings, base)
+
+
+def parse_text(
+  text: str,
+  path: str,
+  bindings: tuple[str, ...] = (),
+  base: tuple[str, str] = None,
+) -> GinSetup:
+  """`parse` for gin text already read (`path` names it in messages)."""
   # Read as data first: no import, include or call ever reaches gin.
   safegin.check(text, path)
   for binding in bindings:
     safegin.check(binding, '--bind')
   gin.clear_config()
+  if base is not None:
+    safegin.check(*base)
+    _parse(*base)
   _parse(text, path)
   for binding in bindings:
     _parse(binding, f'--bind "{binding}"', line_numbers=False)

@@ -168,3 +168,17 @@ def check(text: str, where: str) -> None:
   """
   for line, tokens in _logical_lines(text, where):
     _check_statement(line, tokens, where)
+
+
+def statements(text: str, where: str) -> list[tuple[str, str]]:
+  """`(configurable, statement text)` per binding of a checked text, e.g.
+  `('ReformerLM', 'ReformerLM.d_model = 128')`."""
+  check(text, where)
+  lines = text.split('\n')
+  found = []
+  for _, tokens in _logical_lines(text, where):
+    selector, _ = _dotted(tokens, 0)
+    first, last = tokens[0].start[0], tokens[-1].end[0]
+    body = '\n'.join(lines[first - 1 : last])
+    found.append((selector.rsplit('.', 1)[0].rsplit('.', 1)[-1], body))
+  return found

@@ -308,21 +308,37 @@ def save(out_dir: str, tok: Tokenizer):
   """Writes a newly trained tokenizer (no-op for one loaded from disk)."""
   if tok.unsaved is None:
     return
-  vocab_size, fingerprint = tok.unsaved
+  if isinstance(tok.unsaved, dict):  # Adopted from a pretrained model.
+    info = tok.unsaved
+  else:
+    vocab_size, fingerprint = tok.unsaved
+    info = {
+      'requested_vocab_size': vocab_size,
+      'vocab_size': tok.vocab_size,
+      'markers': tok.markers.all(),
+      'data_fingerprint': fingerprint,
+      'pad_id': PAD_ID,
+      'eos_id': EOS_ID,
+      'unk_id': UNK_ID,
+    }
   write_atomic(os.path.join(out_dir, MODEL_FILE), tok.model_proto)
-  info = {
-    'requested_vocab_size': vocab_size,
-    'vocab_size': tok.vocab_size,
-    'markers': tok.markers.all(),
-    'data_fingerprint': fingerprint,
-    'pad_id': PAD_ID,
-    'eos_id': EOS_ID,
-    'unk_id': UNK_ID,
-  }
   write_atomic(
     os.path.join(out_dir, INFO_FILE), json.dumps(info, indent=2).encode()
   )
   tok.unsaved = None
+
+
+def read_info(model_dir: str) -> dict:
+  """A run's or export's `tokenizer.json` (required)."""
+  return _read_info(os.path.join(model_dir, INFO_FILE), required=True)
+
+
+def adopt(tok: Tokenizer, info: dict, source: str) -> Tokenizer:
+  """Marks a pretrained model's tokenizer to be saved (`save`) into a new
+  fine-tune run, with its info and where it came from."""
+  info = {k: v for k, v in info.items() if k != 'data_fingerprint'}
+  tok.unsaved = {**info, 'from': source}
+  return tok
 
 
 def load(

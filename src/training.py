@@ -8,6 +8,7 @@ and any earlier run in out-dir are all checked before the first write.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from src import (
   checkpoint,
   chunks,
   corpus,
+  finetune,
   ginconf,
   model,
   preflight,
@@ -186,9 +188,13 @@ class JadeLoop(trax_training.Loop):
     loss_chunk_size: int = 0,
     signals: StopSignals | None = None,
     keep_checkpoints: int = 2,
+    tokens_before: int = 0,
+    init_text: str | None = None,
     **kwargs,
   ):
     self._keep = keep_checkpoints
+    self._tokens = float(tokens_before)  # Loss tokens trained on so far.
+    self._init_text = init_text
     self._unchecked = None  # (step, loss, gradient norm), see _check_finite
     self._progress = progress
     self._signals = signals or StopSignals()
@@ -230,7 +236,9 @@ class JadeLoop(trax_training.Loop):
   def _run_one_step(self, task_index, task_changed):
     loss, stats = super()._run_one_step(task_index, task_changed)
     lr = float(self._tasks[task_index].learning_rate(self.step))
-    self._progress.step_done(self.step, loss, lr, self._tokens_per_step())
+    tokens = self._tokens_per_step()
+    self._tokens += tokens
+    self._progress.step_done(self.step, loss, lr, tokens)
     # The previous step's values are ready by now; checking this step's
     # here would make every step wait for the device to finish it.
     self._check_finite()
@@ -252,6 +260,11 @@ class JadeLoop(trax_training.Loop):
         raise Diverged(
           step, f'the {name} is {float(np.mean(value))}', saved_bad=True
         )
+
+  def _save_gin(self, summary_writer):
+    super()._save_gin(summary_writer)
+    if self._init_text and summary_writer is not None and self.is_chief:
+      summary_writer.text('init_from', self._init_text)
 
   def _log_step(self, msg, stdout=True):
     super()._log_step(msg, stdout=False)
@@ -284,7 +297,9 @@ class JadeLoop(trax_training.Loop):
       raise Diverged(self.step, 'the weights hold NaN/inf')
     super().save_checkpoint(basename)
     if basename == 'model' and self.is_chief:
-      checkpoint.seal(self.output_dir, self.step, self._keep)
+      checkpoint.seal(
+        self.output_dir, self.step, self._keep, {'tokens': int(self._tokens)}
+      )
       self._progress.message(
         f'step {self.step}: checkpoint saved in {self.output_dir}'
       )
@@ -376,9 +391,25 @@ def prepare(settings: Section, gin_bindings=(), log=print):
       'TPU VM, JAX finds the TPU cores itself (JAX no longer drives remote '
       'TPU nodes by IP). Run train.py on the TPU VM.'
     )
-  markers = _markers(s)
   out_dir = _check_out_dir(s)
-  setup = ginconf.parse(s['gin'], tuple(gin_bindings))
+  # Reads (and checks) the pretrained model of a fine-tune run; writes
+  # nothing.
+  fine = finetune.plan(s, out_dir)
+  if fine is not None:
+    where = fine.source.path if fine.source else out_dir
+    s = dataclasses.replace(
+      s,
+      values={
+        **s.values,
+        **finetune.tokenizer_settings(s, fine.tok_info, where),
+      },
+    )
+  markers = _markers(s)
+  setup = ginconf.parse(
+    s['gin'], tuple(gin_bindings), base=fine.gin if fine else None
+  )
+  if fine is not None and fine.source is not None:
+    finetune.check_settings(setup, fine.source, s['gin'])
   ginconf.check_same_as_saved(setup, out_dir)
   # Reads only; may raise. A damaged checkpoint gives a snapshot folder.
   start_step, checkpoint_folder, damage = checkpoint.verify(out_dir)
@@ -395,7 +426,12 @@ def prepare(settings: Section, gin_bindings=(), log=print):
   step_seconds = preflight.step_seconds(
     setup, s['vocab-size'], batch_size // devices
   )
-  tok, train_corpus, eval_corpus = _prepare_data(s, markers, log)
+  adopted = None
+  if fine is not None and fine.source is not None:
+    adopted = tokenizer.adopt(
+      fine.source.tok, fine.source.tok_info, os.path.abspath(fine.source.path)
+    )
+  tok, train_corpus, eval_corpus = _prepare_data(s, markers, log, adopted)
   max_len = setup.max_len
   train_view = chunks.TokenView(
     train_corpus.tokens,
@@ -454,6 +490,8 @@ def prepare(settings: Section, gin_bindings=(), log=print):
       'in a step; add data or lower max_len'
     )
   return {
+    'settings': s,
+    'finetune': fine,
     'corpus': train_corpus,
     'tokenizer': tok,
     'gin': setup,
@@ -475,7 +513,7 @@ def prepare(settings: Section, gin_bindings=(), log=print):
   }
 
 
-def _prepare_data(s: Section, markers, log):
+def _prepare_data(s: Section, markers, log, tok=None):
   """Tokenizer and token caches; out-dir is as before if anything fails."""
   out_dir = s['out-dir']
   existed = os.path.isdir(out_dir)
@@ -491,7 +529,7 @@ def _prepare_data(s: Section, markers, log):
       'save_tokenizer': False,  # Saved below, once every corpus is ready.
       'log': log,
     }
-    tok, train_corpus = corpus.prepare(s['data'], out_dir, **options)
+    tok, train_corpus = corpus.prepare(s['data'], out_dir, tok=tok, **options)
     made.append(train_corpus)
     eval_corpus = None
     if s['eval-data'] is not None:
@@ -517,6 +555,24 @@ def _write_text(path: str, text: str):
   tokenizer.write_atomic(path, text.encode('utf-8'))
 
 
+def _start_from(loop: JadeLoop, source: finetune.Source):
+  """Puts the pretrained weights into a fresh Loop (step 0)."""
+  treedef = jax.tree_util.tree_structure(loop.model.weights)
+  mine = jax.tree_util.tree_leaves(loop.model.weights)
+  if len(mine) != len(source.flat) or any(
+    tuple(a.shape) != tuple(b.shape) for a, b in zip(mine, source.flat)
+  ):
+    raise UserError(
+      f'init-from {source.path!r}: its weights do not fit the model its '
+      'model.gin describes; copy the model folder again'
+    )
+  weights = jax.tree_util.tree_unflatten(
+    treedef,
+    [jax.numpy.asarray(w, a.dtype) for w, a in zip(source.flat, mine)],
+  )
+  loop.update_weights_and_state(weights=weights)
+
+
 def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
   """Trains (or resumes) a run as configured; returns the finished Loop.
 
@@ -526,8 +582,8 @@ def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
 
 
 def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
-  s = settings
-  run = prepare(s, gin_bindings, log=log)
+  run = prepare(settings, gin_bindings, log=log)
+  s, fine = run['settings'], run['finetune']
   out_dir, total = s['out-dir'], s['steps']
   start = run['start_step']
   tok, setup = run['tokenizer'], run['gin']
@@ -538,6 +594,18 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     f'{os.path.relpath(data.folder)}); vocabulary {tok.vocab_size}'
   )
   log(run['held'])
+  if fine is not None:
+    unknown = finetune.unknown_share(data.tokens)
+    log(
+      f'unknown pieces: {100 * unknown:.2f}% of the tokens (the pretrained '
+      'tokenizer is kept)'
+    )
+    if unknown > finetune.UNKNOWN_WARN:
+      log(
+        f'warning: {100 * unknown:.1f}% of the tokens are unknown pieces: '
+        "the pretrained tokenizer does not cover this data's characters "
+        '(another script, emoji, ...); the model cannot read or write them'
+      )
   log(
     f'model: {setup.path}, context {setup.max_len} tokens, '
     f'{setup.attention_name}; {run["devices"]} device(s) '
@@ -567,6 +635,20 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     os.path.join(out_dir, SETTINGS_FILE),
     json.dumps({'train': dict(s.values)}, indent=2) + '\n',
   )
+  init_text = None
+  if fine is not None and fine.source is not None:
+    finetune.record(out_dir, fine.source)
+    init_text = f'fine-tuned from {fine.source.describe()}'
+    log(
+      f'{init_text}: its tokenizer, model settings and weights; optimizer '
+      'and step count start fresh'
+    )
+  elif fine is not None:
+    r = fine.record
+    log(
+      f'fine-tune run (started from {r["path"]}, step {r["step"]}); '
+      'resuming from its own checkpoint'
+    )
 
   train_batches, eval_batches = run['train_batches'], run['eval_batches']
   last_tokens = [0.0]
@@ -618,12 +700,16 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     loss_chunk_size=ginconf.output_loss(),
     signals=signals,
     keep_checkpoints=s['keep-checkpoints'],
+    tokens_before=(checkpoint.read_manifest(out_dir) or {}).get('tokens', 0),
+    init_text=init_text,
   )
   if loop.step != start:
     raise UserError(
       f'{out_dir}: the checkpoint says step {start} but loaded '
       f'as step {loop.step}; the checkpoint files disagree'
     )
+  if fine is not None and fine.source is not None:
+    _start_from(loop, fine.source)
   _write_text(
     os.path.join(out_dir, ginconf.OPERATIVE_GIN), ginconf.operative_text()
   )

@@ -1,0 +1,244 @@
+"""Fine-tuning (init-from) and the weights-only export."""
+
+import json
+import os
+import pickle
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+from src import (
+  chatformat,
+  checkpoint,
+  decoding,
+  export,
+  finetune,
+  tokenizer,
+  training,
+)
+from src.errors import UserError
+
+from .conftest import DATA, ROOT, train_settings
+
+FINETUNE_GIN = os.path.join(ROOT, 'gin', 'finetune.gin')
+
+
+def flat_weights(layer):
+  return [np.asarray(w) for w in jax.tree_util.tree_leaves(layer.weights)]
+
+
+def finetune_settings(out, source, **kw):
+  values = {'init-from': source, 'gin': FINETUNE_GIN, 'steps': 2}
+  values.update(kw)
+  return train_settings(out, **values)
+
+
+@pytest.fixture(scope='module')
+def exported(tiny_run, tmp_path_factory):
+  out = str(tmp_path_factory.mktemp('export') / 'model')
+  lines = []
+  info = export.export(tiny_run['out'], out, log=lines.append)
+  return {'dir': out, 'info': info, 'log': lines}
+
+
+@pytest.fixture(scope='module')
+def finetuned(exported, tmp_path_factory):
+  """A fine-tune run from the export with learning rate 0: after its one
+  step the weights must still be the export's."""
+  out = str(tmp_path_factory.mktemp('ft') / 'out')
+  lines = []
+  settings = finetune_settings(
+    out, exported['dir'], steps=1, **{'vocab-size': 500}
+  )
+  # vocab-size 500 was given explicitly and differs: refused first.
+  with pytest.raises(UserError, match=r'train.vocab-size is 500 but the'):
+    training.train(settings, log=lines.append)
+  assert not os.path.exists(out)
+  settings = finetune_settings(out, exported['dir'], steps=1)
+  settings = settings.__class__(
+    {**settings.values}, settings.source, settings.given - {'vocab-size'}
+  )
+  loop = training.train(
+    settings, gin_bindings=('lr_schedule.peak = 0.0',), log=lines.append
+  )
+  return {'out': out, 'loop': loop, 'log': lines}
+
+
+def test_export_holds_weights_only_and_reports_its_size(exported, tiny_run):
+  names = set(os.listdir(exported['dir']))
+  assert names == {
+    'model.safetensors',
+    'tokenizer.model',
+    'tokenizer.json',
+    'model.gin',
+    'export.json',
+    'README.md',
+  }
+  info = json.load(open(os.path.join(exported['dir'], 'export.json')))
+  assert info['step'] == 4 and info['context_length'] == 128
+  assert info['vocab_size'] == 300 and info['n_arrays'] > 10
+  assert info['held_out_loss'] > 0 and info['tokens_trained_on'] > 0
+  assert info['versions']['trax'] == '1.4.1'
+  gin_text = open(os.path.join(exported['dir'], 'model.gin')).read()
+  assert 'ReformerLM.d_model = 32' in gin_text and 'Adam' not in gin_text
+  assert (
+    'python evaluate.py --model-dir'
+    in open(os.path.join(exported['dir'], 'README.md')).read()
+  )
+  (line,) = exported['log']
+  assert 'MB (the checkpoint is' in line
+  size = os.path.getsize(os.path.join(exported['dir'], 'model.safetensors'))
+  slots = os.path.getsize(
+    os.path.join(tiny_run['out'], 'model.opt_slots0.npy.gz')
+  )
+  assert size < slots  # No optimizer slots (twice the weights) inside.
+  with pytest.raises(UserError, match='exists; choose a new folder'):
+    export.export(tiny_run['out'], exported['dir'])
+  with pytest.raises(UserError, match='no intact checkpoint of step 3'):
+    export.export(tiny_run['out'], exported['dir'] + '-x', step=3)
+
+
+def test_export_gives_the_runs_logits_without_unpickling(
+  exported, tiny_run, monkeypatch
+):
+  tokens = np.arange(128, dtype=np.int32).reshape(1, 128) % 300
+  _, _, run_model, run_step = decoding.load_run(tiny_run['out'], 'eval')
+  run_logits = np.asarray(run_model(tokens))
+
+  def no_pickle(*args, **kwargs):
+    raise AssertionError('pickle used while loading an export')
+
+  for name in ('load', 'loads', 'Unpickler'):
+    monkeypatch.setattr(pickle, name, no_pickle)
+  monkeypatch.setattr(checkpoint, 'SafeUnpickler', no_pickle)
+  monkeypatch.setattr(checkpoint, 'read_pickle', no_pickle)
+  _, _, exp_model, exp_step = decoding.load_run(exported['dir'], 'eval')
+  exp_logits = np.asarray(exp_model(tokens))
+  monkeypatch.undo()
+  assert exp_step == run_step == 4
+  np.testing.assert_array_equal(exp_logits, run_logits)
+
+
+def test_damaged_export_is_refused(exported, tmp_path):
+  bad = tmp_path / 'bad'
+  shutil.copytree(exported['dir'], bad)
+  weights = bad / 'model.safetensors'
+  data = weights.read_bytes()
+  weights.write_bytes(data[: len(data) // 2])
+  with pytest.raises(UserError, match='damaged or truncated'):
+    decoding.load_run(str(bad), 'eval')
+  with pytest.raises(UserError, match='damaged or truncated'):
+    training.train(finetune_settings(tmp_path / 'ft', str(bad)))
+  assert not os.path.exists(tmp_path / 'ft')
+  weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+  with pytest.raises(UserError, match='damaged or truncated'):
+    decoding.load_run(str(bad), 'eval')
+
+
+def test_finetune_takes_tokenizer_settings_and_weights(
+  finetuned, exported, tiny_run
+):
+  out = finetuned['out']
+  for name in ('tokenizer.model',):
+    assert (
+      open(os.path.join(out, name), 'rb').read()
+      == open(os.path.join(tiny_run['out'], name), 'rb').read()
+    )
+  saved = open(os.path.join(out, 'model.gin')).read()
+  assert 'ReformerLM.d_model = 32' in saved  # From the pretrained model.
+  assert 'lr_schedule.warmup_steps = 50' in saved  # From finetune.gin.
+  record = json.load(open(os.path.join(out, 'init.json')))
+  assert record['path'] == os.path.abspath(exported['dir'])
+  assert record['step'] == 4 and record['kind'] == 'export'
+  assert record['weights_sha256'] == exported['info']['weights_sha256']
+  log = '\n'.join(finetuned['log'])
+  assert f'fine-tuned from {exported["dir"]} (export, step 4' in log
+  assert 'unknown pieces: 0.00% of the tokens' in log
+  # The step count and the optimizer start fresh; with learning rate 0
+  # the one step left the pretrained weights as they were.
+  loop = finetuned['loop']
+  assert loop.step == 1 and checkpoint.latest_step(out) == 1
+  source, _ = checkpoint.read_export(exported['dir'])
+  mine = flat_weights(loop.model)
+  assert len(mine) == len(source)
+  for a, b in zip(mine, source):
+    np.testing.assert_array_equal(a, b)
+  acc = event_accumulator.EventAccumulator(os.path.join(out, 'train'))
+  acc.Reload()
+  assert 'init_from' in acc.Tags()['tensors']
+  text = acc.Tensors('init_from')[0].tensor_proto.string_val[0]
+  assert b'fine-tuned from' in text and b'step 4' in text
+
+
+def test_finetune_run_resumes_from_its_own_checkpoint(finetuned, copy_of):
+  out = copy_of(finetuned['out'])
+  lines = []
+  settings = finetune_settings(out, '/nowhere/gone', steps=2)
+  settings = settings.__class__(
+    settings.values, settings.source, settings.given - {'vocab-size'}
+  )
+  loop = training.train(
+    settings, gin_bindings=('lr_schedule.peak = 0.0',), log=lines.append
+  )
+  assert loop.step == 2
+  log = '\n'.join(lines)
+  assert 'resuming from the checkpoint at step 1' in log
+  assert 'resuming from its own checkpoint' in log
+  assert 'fine-tuned from' not in log
+
+
+@pytest.mark.parametrize(
+  'case', ['missing', 'no-checkpoint', 'settings', 'tokenizer', 'scratch']
+)
+def test_init_from_refusals(case, tiny_run, exported, tmp_path):
+  source = exported['dir']
+  bindings = ()
+  out = tmp_path / 'ft'
+  if case == 'missing':
+    source, match = str(tmp_path / 'nope'), 'no such folder'
+  elif case == 'no-checkpoint':
+    os.makedirs(tmp_path / 'empty')
+    source, match = str(tmp_path / 'empty'), 'no checkpoint in that folder'
+  elif case == 'settings':
+    bindings, match = ('ReformerLM.d_ff = 128',), r'sets ReformerLM.d_ff = 128'
+  elif case == 'tokenizer':
+    source = str(tmp_path / 'other')
+    shutil.copytree(exported['dir'], source)
+    info = json.load(open(os.path.join(source, 'export.json')))
+    # A tokenizer of another size than the weights' embedding.
+    markers = chatformat.Markers()
+    proto = tokenizer.train(chatformat.read_data(DATA), 200, markers)
+    tok = tokenizer.Tokenizer(proto, markers)
+    tok.unsaved = (200, 'x')
+    tokenizer.save(source, tok)
+    assert info['vocab_size'] == 300
+    match = r'tokenizer has \d+ pieces but the weights. embedding has 300'
+  else:  # A run from scratch cannot become a fine-tune run.
+    out = tmp_path / 'scratch'
+    shutil.copytree(tiny_run['out'], out)
+    match = 'already holds a run trained from scratch'
+  before = sorted(os.listdir(out)) if os.path.exists(out) else None
+  settings = finetune_settings(out, source)
+  settings = settings.__class__(
+    settings.values, settings.source, settings.given - {'vocab-size'}
+  )
+  with pytest.raises(UserError, match=match):
+    training.train(settings, gin_bindings=bindings, log=lambda line: None)
+  after = sorted(os.listdir(out)) if os.path.exists(out) else None
+  assert after == before
+
+
+def test_unknown_pieces_are_counted():
+  assert finetune.unknown_share(np.array([5, 2, 2, 7])) == 0.5
+  assert finetune.unknown_share(np.array([], np.int32)) == 0.0
+
+
+def test_set_weights_names_a_shape_mismatch(exported):
+  flat, _ = checkpoint.read_export(exported['dir'])
+  flat[0] = flat[0][:-1]
+  setup = finetune.load(exported['dir']).setup  # Parses its model.gin.
+  with pytest.raises(UserError, match=r'weight array 0 has shape \(299, 32\)'):
+    finetune.check_shapes('x', setup, 300, flat)
