@@ -3,7 +3,8 @@
 python evaluate.py                      # interactive chat (model-dir from
                                         # config.json "eval", default train)
 python evaluate.py --prompt "Hello!"    # one reply, then exit
-echo "Hi" | python evaluate.py          # each input line is a user turn
+echo "Hi" | python evaluate.py          # each input line is a user turn,
+                                        # each reply one line (|br| inside)
 python evaluate.py --perplexity data/   # loss/perplexity on held-out files
 """
 

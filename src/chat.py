@@ -102,6 +102,10 @@ class ChatSession:
     self.turns: list[Turn] = []
     self.rng = np.random.default_rng(settings.seed)
     self.flag = _StopFlag()
+    # Piped mode: each reply on exactly one line, its line breaks shown
+    # as the line-break marker (` |br| `), so a script reads one line per
+    # message it sent.
+    self.one_line = False
     self.check_settings()
 
   def check_settings(self):
@@ -249,9 +253,9 @@ class ChatSession:
 
   def _display(self, ids) -> str:
     text = self.tok.decode(ids)
-    return '\n'.join(
-      part.strip() for part in text.split(self.markers.line_break)
-    ).strip()
+    join = f' {self.markers.line_break} ' if self.one_line else '\n'
+    parts = [part.strip() for part in text.split(self.markers.line_break)]
+    return join.join(p for p in parts if p or not self.one_line).strip()
 
   # ---- files
 
@@ -356,31 +360,57 @@ class ChatSession:
     return True
 
 
+CONTINUE = '\\'  # A line ending in a backslash continues on the next.
+
+
+def read_message(interactive: bool, stdin) -> str | None:
+  """One message: a line, or several joined where a line ends in a
+  backslash (the backslash is dropped, the line break kept). None at the
+  end of input; EOFError/KeyboardInterrupt pass through from input()."""
+  lines = []
+  while True:
+    if interactive:
+      line = input('...> ' if lines else 'you> ')
+    else:
+      line = stdin.readline()
+      if line == '':
+        return '\n'.join(lines) if lines else None
+    line = line.rstrip('\r\n')
+    if line.endswith(CONTINUE):
+      lines.append(line[: -len(CONTINUE)])
+      continue
+    lines.append(line)
+    return '\n'.join(lines)
+
+
 def run_repl(session: ChatSession, interactive: bool, stdin=None):
   """Reads user turns and commands until /quit or end of input.
 
   Args:
     session: The chat session.
     interactive: A terminal: prompts, line editing and history.
-    stdin: Input stream when not interactive (default sys.stdin).
+    stdin: Input stream when not interactive (default sys.stdin); each
+      reply is then printed on one line (`ChatSession.one_line`).
   """
   stdin = stdin or sys.stdin
+  session.one_line = not interactive
   if interactive:
     _enable_line_editing()
     d = session.decoder
     session._say(
       f'Jade V8: model at step {d.step}, context {d.max_len} tokens. '
-      'Type a message; /help lists commands, Ctrl-D leaves.'
+      'Type a message (end a line with \\ to go on to the next); /help '
+      'lists commands, Ctrl-D leaves.'
     )
   while True:
     try:
-      line = input('you> ') if interactive else stdin.readline()
+      line = read_message(interactive, stdin)
     except EOFError:
       break
     except KeyboardInterrupt:
       session.out.write('\n')
       continue
-    if not interactive and line == '':
+    if line is None:
       break
     line = line.strip()
     if not line:

@@ -368,3 +368,31 @@ def test_a_nan_model_is_reported_not_crashed(decoder, monkeypatch):
 
 def decoder_vocab(decoder):
   return decoder.tokenizer.vocab_size
+
+
+def test_piped_replies_take_one_line_and_backslash_continues(
+  decoder, monkeypatch
+):
+  tok = decoder.tokenizer
+  # Each reply: "one", a line break, "two", the end marker.
+  reply = itertools.cycle(
+    tok.encode('one') + tok.encode('|br|') + tok.encode('two') + [tok.ai_end_id]
+  )
+  monkeypatch.setattr(
+    sampling, 'next_token', lambda *args, **kwargs: next(reply)
+  )
+  out = io.StringIO()
+  s = session(decoder, out=out, temperature=0.0)
+  stdin = io.StringIO('first line \\\nsecond line\nHi\n')
+  chat.run_repl(s, interactive=False, stdin=stdin)
+  lines = out.getvalue().splitlines()
+  assert lines == ['one |br| two', 'one |br| two']  # One line per message.
+  assert [t.text for t in s.turns if t.role == 'user'] == [
+    'first line |br| second line',
+    'Hi',
+  ]
+  # On a terminal the same reply shows its line break.
+  s.one_line = False
+  assert s._display(tok.encode('one |br| two')) == 'one\ntwo'
+  # A last line ending in a backslash is still sent at the end of input.
+  assert chat.read_message(False, io.StringIO('a\\\n')) == 'a'
