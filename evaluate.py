@@ -67,6 +67,12 @@ def main(argv=None):
       f'nats/token, perplexity {r["perplexity"]:.2f}, '
       f'{r["bits_per_char"]:.3f} bits/char'
     )
+    print(
+      'loss by position in the context: '
+      + ' | '.join(
+        f'{name}: {loss:.3f} ({n} tokens)' for name, n, loss in r['by_position']
+      )
+    )
     return 0
   fields = [f.name for f in dataclasses.fields(sampling.SamplingSettings)]
   sampler = sampling.SamplingSettings(**{k: getattr(args, k) for k in fields})

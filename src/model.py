@@ -202,8 +202,44 @@ def output_loss(chunk_size: int = 512) -> int:
   return int(chunk_size)
 
 
+def position_ranges(max_len: int) -> list[tuple[int, int]]:
+  """Ranges of context positions for loss by position: the last quarter,
+  the sixteenth before it, ...: for 32k, 0-512, 512-2k, 2k-8k, 8k-32k."""
+  cuts = sorted({0, max_len, *(max(1, max_len // f) for f in (64, 16, 4))})
+  return list(zip(cuts[:-1], cuts[1:]))
+
+
+def range_name(start: int, end: int) -> str:
+  def short(n):
+    return f'{n // 1024}k' if n >= 1024 and n % 1024 == 0 else str(n)
+
+  return f'{short(start)}-{short(end)}'
+
+
+def range_sums(losses, weights, ranges) -> list:
+  """`[sum of weighted loss, sum of weights]` per position range.
+
+  Args:
+    losses, weights: `[batch, length]` per-token loss and loss weight.
+    ranges: `(start, end)` position ranges.
+  """
+  pos = jnp.arange(losses.shape[-1])
+  sums = []
+  for start, end in ranges:
+    mask = ((pos >= start) & (pos < end)).astype(jnp.float32)[None, :] * weights
+    sums += [jnp.sum(mask * losses), jnp.sum(mask)]
+  return sums
+
+
 def chunked_cross_entropy(
-  x, kernel, bias, targets, weights, chunk_size, with_accuracy=False
+  x,
+  kernel,
+  bias,
+  targets,
+  weights,
+  chunk_size,
+  with_accuracy=False,
+  ranges=(),
 ):
   """Weighted cross-entropy of `x @ kernel + bias`, `chunk_size` rows at a time.
 
@@ -218,11 +254,15 @@ def chunked_cross_entropy(
     weights: `[batch, length]` float32 loss weights.
     chunk_size: Rows per chunk.
     with_accuracy: Also return the weighted accuracy (evaluation).
+    ranges: With `with_accuracy`, also `range_sums` for these position
+      ranges.
 
   Returns:
     The weighted mean loss, a float32 scalar; with `with_accuracy`, the
-    pair (loss, accuracy) as `WeightedCategoryAccuracy` computes it.
+    pair (loss, accuracy) as `WeightedCategoryAccuracy` computes it,
+    followed by the `range_sums`.
   """
+  shape = targets.shape
   d = x.shape[-1]
   x = x.reshape(-1, d)
   t = targets.reshape(-1).astype(jnp.int32)
@@ -242,23 +282,25 @@ def chunked_cross_entropy(
     true = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
     loss = jnp.sum(wc * (lse - true))
     if not with_accuracy:
-      return loss, jnp.zeros([], jnp.float32)
+      return loss, jnp.zeros([], jnp.float32), jnp.zeros([0], jnp.float32)
     hits = (jnp.argmax(logits, axis=-1) == tc).astype(jnp.float32)
-    return loss, jnp.sum(wc * hits)
+    return loss, jnp.sum(wc * hits), lse - true
 
   def body(totals, inputs):
-    loss, hits = piece(*inputs, kernel, bias)
-    return (totals[0] + loss, totals[1] + hits), None
+    loss, hits, each = piece(*inputs, kernel, bias)
+    return (totals[0] + loss, totals[1] + hits), each
 
   zero = jnp.zeros([], jnp.float32)
-  (loss, hits), _ = jax.lax.scan(
+  (loss, hits), each = jax.lax.scan(
     body,
     (zero, zero),
     (x.reshape(-1, c, d), t.reshape(-1, c), w.reshape(-1, c)),
   )
   total = jnp.sum(w)
   if with_accuracy:
-    return loss / total, hits / total
+    per_token = each.reshape(-1)[:n].reshape(shape)
+    sums = range_sums(per_token, weights.astype(jnp.float32), ranges)
+    return (loss / total, hits / total, *sums)
   return loss / total
 
 
@@ -319,15 +361,15 @@ def _dense_position(head):
 
 class ChunkedOutput(tl.Layer):
   """`(activations, kernel, bias, targets, weights)` -> the weighted mean
-  loss (training) or (loss, accuracy) (evaluation), via
-  `chunked_cross_entropy`."""
+  loss (training) or (loss, accuracy, position range sums...) (evaluation),
+  via `chunked_cross_entropy`."""
 
-  def __init__(self, chunk_size: int, with_accuracy: bool = False):
-    super().__init__(
-      n_in=5, n_out=2 if with_accuracy else 1, name='ChunkedOutput'
-    )
+  def __init__(self, chunk_size: int, with_accuracy: bool = False, ranges=()):
+    n_out = 2 + 2 * len(ranges) if with_accuracy else 1
+    super().__init__(n_in=5, n_out=n_out, name='ChunkedOutput')
     self._chunk_size = chunk_size
     self._with_accuracy = with_accuracy
+    self._ranges = tuple(ranges) if with_accuracy else ()
 
   def forward(self, inputs):
     x, kernel, bias, targets, weights = inputs
@@ -339,10 +381,13 @@ class ChunkedOutput(tl.Layer):
       weights,
       self._chunk_size,
       with_accuracy=self._with_accuracy,
+      ranges=self._ranges,
     )
 
 
-def chunked_model(model, chunk_size: int, with_accuracy: bool = False):
+def chunked_model(
+  model, chunk_size: int, with_accuracy: bool = False, ranges=()
+):
   """`Serial(model', ChunkedOutput)`: training (loss) or evaluation (loss,
   accuracy) without the full `[batch, length, vocab]` logits; or None.
 
@@ -360,12 +405,62 @@ def chunked_model(model, chunk_size: int, with_accuracy: bool = False):
     return None
   return tl.Serial(
     tl.Serial(*body, OutputWeights(head, index)),
-    ChunkedOutput(chunk_size, with_accuracy),
+    ChunkedOutput(chunk_size, with_accuracy, ranges),
   )
 
 
-def metric_layers():
-  return [tl.WeightedCategoryCrossEntropy(), tl.WeightedCategoryAccuracy()]
+class RangeSum(tl.Layer):
+  """Evaluation metric `(logits, targets, weights)` -> one of `range_sums`
+  (`what`: 'loss' or 'count') for positions `start..end-1`."""
+
+  def __init__(self, start: int, end: int, what: str):
+    super().__init__(n_in=3, n_out=1, name=f'RangeSum_{what}')
+    self._range, self._what = (start, end), what
+
+  def forward(self, inputs):
+    logits, targets, weights = inputs
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    loss, count = range_sums(nll, weights.astype(jnp.float32), [self._range])
+    return loss if self._what == 'loss' else count
+
+
+RANGE_LOSS, RANGE_COUNT = 'range loss ', 'range count '
+
+
+def metric_names(ranges=()) -> list[str]:
+  """Names of the evaluation metrics; the range sums are turned into
+  `loss at START-END` by the training loop."""
+  names = ['loss', 'accuracy']
+  for start, end in ranges:
+    name = range_name(start, end)
+    names += [RANGE_LOSS + name, RANGE_COUNT + name]
+  return names
+
+
+def metric_layers(ranges=()):
+  layers = [tl.WeightedCategoryCrossEntropy(), tl.WeightedCategoryAccuracy()]
+  for start, end in ranges:
+    layers += [RangeSum(start, end, 'loss'), RangeSum(start, end, 'count')]
+  return layers
+
+
+def range_losses(values: dict) -> dict:
+  """Evaluation values with each range's (loss sum, count) pair turned
+  into `loss at START-END` (the token-weighted mean; left out when no token
+  of the range had a loss weight)."""
+  out = {}
+  for key, value in values.items():
+    if key.startswith(RANGE_COUNT):
+      continue
+    if key.startswith(RANGE_LOSS):
+      name = key[len(RANGE_LOSS) :]
+      count = float(values[RANGE_COUNT + name])
+      if count > 0:
+        out[f'loss at {name}'] = float(value) / count
+      continue
+    out[key] = value
+  return out
 
 
 __all__ = [
@@ -383,5 +478,11 @@ __all__ = [
   'ChunkedOutput',
   'chunked_model',
   'metric_layers',
+  'metric_names',
+  'position_ranges',
+  'range_name',
+  'range_sums',
+  'range_losses',
+  'RangeSum',
   '_defaults',
 ]

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from src import chatformat, chunks
+from src import chatformat, chunks, model
 from src.decoding import load_run
 
 
@@ -28,8 +28,9 @@ def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
   shorter one is padded (padding gets no weight), never dropped.
 
   Returns:
-    dict with tokens, characters, loss (nats/token), perplexity and
-    bits_per_char.
+    dict with tokens, characters, loss (nats/token), perplexity,
+    bits_per_char and `by_position`: `(range name, tokens, loss)` per
+    range of context positions (`model.position_ranges`).
   """
   setup, tok, layer, _ = load_run(model_dir, 'eval')
   convs = chatformat.read_data(data, markers=tok.markers)
@@ -47,6 +48,8 @@ def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
     return layer.pure_fn(x, weights, state, rng)[0]
 
   total, count = 0.0, 0
+  ranges = model.position_ranges(max_len)
+  by_range = np.zeros([len(ranges), 2])  # loss sum, tokens
   n_windows = -(-len(stream) // max_len)
   windows = range(n_windows)
   if show_progress:
@@ -64,8 +67,12 @@ def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
     ids = np.full([1, max_len], chunks.PAD_ID, np.int32)
     ids[0, : len(piece)] = piece
     logits = np.asarray(forward(ids))[0, : len(piece)]
-    total += float(token_losses(logits, piece).sum())
+    losses = token_losses(logits, piece)
+    total += float(losses.sum())
     count += len(piece)
+    for k, (start, end) in enumerate(ranges):
+      part = losses[start:end]
+      by_range[k] += (part.sum(), len(part))
   loss = total / count
   return {
     'tokens': count,
@@ -73,4 +80,9 @@ def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
     'loss': loss,
     'perplexity': math.exp(loss),
     'bits_per_char': total / math.log(2) / max(n_chars, 1),
+    'by_position': [
+      (model.range_name(*r), int(n), float(loss_sum / n))
+      for r, (loss_sum, n) in zip(ranges, by_range)
+      if n
+    ],
   }

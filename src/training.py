@@ -190,8 +190,10 @@ class JadeLoop(trax_training.Loop):
     keep_checkpoints: int = 2,
     tokens_before: int = 0,
     init_text: str | None = None,
+    ranges=(),
     **kwargs,
   ):
+    self._ranges = tuple(ranges)  # Position ranges of the eval losses.
     self._keep = keep_checkpoints
     self._tokens = float(tokens_before)  # Loss tokens trained on so far.
     self._init_text = init_text
@@ -207,7 +209,12 @@ class JadeLoop(trax_training.Loop):
     must be used (no chunking, memory-efficient trainer, sharded weights)."""
     if self._use_memory_efficient_trainer or trax_base.N_WEIGHTS_SHARDS > 1:
       return None
-    return model.chunked_model(model_, self._output_chunk, with_accuracy)
+    return model.chunked_model(
+      model_,
+      self._output_chunk,
+      with_accuracy,
+      self._ranges if with_accuracy else (),
+    )
 
   def _init_trainer(self, task):
     """Trax's trainer, with the output layer and loss chunked: the
@@ -272,7 +279,7 @@ class JadeLoop(trax_training.Loop):
   def log_summary(
     self, values, summary_writer, value_prefix, log_prefix, stdout=True
   ):
-    values = dict(values)
+    values = model.range_losses(values)
     if 'loss' in values and not np.isfinite(float(values['loss'])):
       # Scored with the weights of this step, which were just checkpointed
       # if this is a checkpoint step: take that checkpoint back.
@@ -668,10 +675,11 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     loss_name='loss',
     sample_batch=train_batches.batch(0),
   )
+  ranges = model.position_ranges(setup.max_len)
   eval_task = trax_training.EvalTask(
     labeled_data=eval_batches.iterate(0),
-    metrics=model.metric_layers(),
-    metric_names=['loss', 'accuracy'],
+    metrics=model.metric_layers(ranges),
+    metric_names=model.metric_names(ranges),
     n_eval_batches=s['eval-batches'],
     sample_batch=eval_batches.batch(0),
   )
@@ -702,6 +710,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     keep_checkpoints=s['keep-checkpoints'],
     tokens_before=(checkpoint.read_manifest(out_dir) or {}).get('tokens', 0),
     init_text=init_text,
+    ranges=ranges,
   )
   if loop.step != start:
     raise UserError(

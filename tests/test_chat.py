@@ -298,6 +298,13 @@ def test_perplexity_is_exp_of_mean_token_loss(tiny_run):
   assert report['tokens'] == len(stream) == count
   assert report['perplexity'] == pytest.approx(np.exp(total / count), rel=1e-4)
   assert report['bits_per_char'] > 0
+  # Loss by position: token-weighted, the ranges add up to the loss.
+  by = report['by_position']
+  assert [name for name, _, _ in by][-1] == '32-128'
+  assert sum(n for _, n, _ in by) == count
+  assert sum(n * loss for _, n, loss in by) / count == pytest.approx(
+    report['loss'], rel=1e-6
+  )
 
 
 def test_the_chat_never_dies_on_input(decoder, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 import math
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from trax import layers as tl
@@ -191,3 +192,52 @@ def jax_tree_leaves(tree):
   import jax
 
   return jax.tree_util.tree_leaves(tree)
+
+
+def test_position_range_losses_add_up_to_the_loss():
+  from src import model
+
+  assert model.position_ranges(32768) == [
+    (0, 512),
+    (512, 2048),
+    (2048, 8192),
+    (8192, 32768),
+  ]
+  assert [model.range_name(*r) for r in model.position_ranges(32768)] == [
+    '0-512',
+    '512-2k',
+    '2k-8k',
+    '8k-32k',
+  ]
+  assert model.position_ranges(128) == [(0, 2), (2, 8), (8, 32), (32, 128)]
+  rng = np.random.default_rng(0)
+  batch, length, d, vocab = 2, 128, 8, 11
+  x = jnp.asarray(rng.normal(size=(batch, length, d)), jnp.float32)
+  kernel = jnp.asarray(rng.normal(size=(d, vocab)), jnp.float32)
+  bias = jnp.zeros([vocab], jnp.float32)
+  targets = jnp.asarray(rng.integers(0, vocab, (batch, length)), jnp.int32)
+  weights = jnp.asarray(rng.random((batch, length)) > 0.3, jnp.float32)
+  ranges = model.position_ranges(length)
+  loss, _, *sums = model.chunked_cross_entropy(
+    x, kernel, bias, targets, weights, 48, with_accuracy=True, ranges=ranges
+  )
+  names = model.metric_names(ranges)[2:]
+  values = model.range_losses(
+    {'loss': loss, **dict(zip(names, [float(v) for v in sums]))}
+  )
+  counts = [float(c) for c in sums[1::2]]
+  assert sum(counts) == float(weights.sum())
+  # Token-weighted, the range losses add up to the overall loss.
+  total = sum(
+    values[f'loss at {model.range_name(*r)}'] * c
+    for r, c in zip(ranges, counts)
+  ) / sum(counts)
+  np.testing.assert_allclose(total, float(loss), rtol=1e-5)
+  # The metric layers (the unchunked path) give the same sums.
+  logits = x @ kernel + bias
+  for layer, want in zip(model.metric_layers(ranges)[2:], sums):
+    got = layer((logits, targets, weights))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-4)
+  # A range without any loss weight is left out, not reported as 0.
+  values = model.range_losses({'range loss 0-2': 0.0, 'range count 0-2': 0.0})
+  assert values == {}

@@ -50,6 +50,8 @@ def test_run_writes_checkpoint_tokenizer_and_gin(tiny_run):
 def test_tensorboard_events_read_back(tiny_run):
   train = scalars(os.path.join(tiny_run['out'], 'train'))
   evals = scalars(os.path.join(tiny_run['out'], 'eval'))
+  # Loss by position in the context (tiny: 128 tokens).
+  assert {'metrics/loss at 8-32', 'metrics/loss at 32-128'} <= set(evals)
   assert [s for s, _ in train['metrics/loss']] == [1, 2, 4]
   for step, loss in train['metrics/loss']:
     ppl = dict(train['metrics/perplexity'])[step]
