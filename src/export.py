@@ -113,12 +113,7 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
   flat, step = checkpoint.read_weights(folder)
   meta = checkpoint.read_meta(folder) or {}
   tok = tokenizer.load(run_dir)
-  gin_path = os.path.join(run_dir, ginconf.MODEL_GIN)
-  if not os.path.isfile(gin_path):
-    raise UserError(f'{gin_path}: missing; the run folder is incomplete')
-  with open(gin_path, encoding='utf-8') as f:
-    model_text = ginconf.model_bindings(f.read(), gin_path)
-  setup = ginconf.parse_text(model_text, gin_path)
+  model_text, _, setup = ginconf.read_model_settings(run_dir, run_dir)
   # bfloat16 weights are stored as float32 (exact), so any reader can
   # load them.
   flat = [

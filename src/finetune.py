@@ -96,12 +96,7 @@ def load(path: str) -> Source:
       f'{what}: no checkpoint in that folder; train it first, or point at '
       'a finished run or an export'
     )
-  gin_path = os.path.join(path, ginconf.MODEL_GIN)
-  if not os.path.isfile(gin_path):
-    raise UserError(f'{gin_path}: missing; {what} is not a complete model')
-  with open(gin_path, encoding='utf-8') as f:
-    model_text = ginconf.model_bindings(f.read(), gin_path)
-  setup = ginconf.parse_text(model_text, gin_path)
+  model_text, gin_path, setup = ginconf.read_model_settings(path, what)
   tok = tokenizer.load(path)
   info = tokenizer.read_info(path)
   flat, step = checkpoint.read_weights(path)

@@ -104,6 +104,22 @@ def model_bindings(text: str, where: str) -> str:
   return '\n'.join(kept) + '\n'
 
 
+def read_model_settings(folder: str, what: str):
+  """A run's or export's model settings: `(model bindings text, path of
+  its model.gin, GinSetup)`; `what` names the folder in the error."""
+  path = os.path.join(folder, MODEL_GIN)
+  if not os.path.isfile(path):
+    raise UserError(f'{path}: missing; {what} is not a complete model')
+  try:
+    with open(path, encoding='utf-8') as f:
+      text = model_bindings(f.read(), path)
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(
+      f'{path}: cannot be read ({_one_line(e)}); copy the folder again'
+    ) from None
+  return text, path, parse_text(text, path)
+
+
 def parse(
   path: str, bindings: tuple[str, ...] = (), base: tuple[str, str] = None
 ) -> GinSetup:
