@@ -44,6 +44,18 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     'Total training steps; a resumed run trains up to this step count.',
   ),
   'eval-every': (200, 'Run the held-out evaluation every N steps.'),
+  'log-every': (
+    10,
+    'Write the running training loss, perplexity, learning rate and '
+    'tokens/s to TensorBoard every N steps (averaged over them); the '
+    'progress line shows the same running average.',
+  ),
+  'sample-prompts': (
+    ['Hello!', 'How are you?', 'What is your name?'],
+    'At each evaluation the model answers these greedily (a fresh '
+    "conversation each); the replies go to the log and to TensorBoard's "
+    'text tab. [] turns it off.',
+  ),
   'eval-batches': (2, 'Held-out batches per evaluation.'),
   'checkpoint-every': (
     200,
@@ -134,6 +146,7 @@ def _type_name(default) -> str:
     int: 'an integer',
     float: 'a number',
     str: 'a string',
+    list: 'a list of strings',
   }[type(default)]
 
 
@@ -151,6 +164,18 @@ def convert(value, default, where: str):
   want = type(default)
   if value is None and default is None:
     return None
+  if want is list:
+    if isinstance(value, str):  # The command line: a JSON list or one item.
+      try:
+        value = json.loads(value) if value.lstrip().startswith('[') else [value]
+      except json.JSONDecodeError:
+        value = None
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+      return list(value)
+    raise UserError(
+      f'{where}: {json.dumps(value)} is not a list of strings (e.g. '
+      f'["Hello!", "How are you?"]); the default is {json.dumps(default)}'
+    )
   if isinstance(value, str) and want is not str and default is not None:
     text = value.strip().lower()
     try:
@@ -322,7 +347,9 @@ def add_arguments(parser: argparse.ArgumentParser, section: str):
       f'--{key}',
       dest=_key_to_attr(key),
       default=None,
-      metavar={bool: 'BOOL', int: 'N', float: 'X'}.get(type(default), 'TEXT'),
+      metavar={bool: 'BOOL', int: 'N', float: 'X', list: 'JSON'}.get(
+        type(default), 'TEXT'
+      ),
       help=f'{text} (config default: {json.dumps(default)})',
     )
 

@@ -7,6 +7,7 @@ and any earlier run in out-dir are all checked before the first write.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -33,6 +34,7 @@ from src import (
   model,
   preflight,
   runlock,
+  samples,
   tokenizer,
 )
 from src.config import Section
@@ -69,14 +71,23 @@ class Progress:
   """One live status line: step/total, loss, perplexity, lr, tokens/s, ETA.
 
   On a terminal the line is redrawn in place; otherwise a line is printed
-  every `interval` seconds. Step times exclude the first two steps of the
-  session (they include compilation), so the ETA is not thrown off.
+  every `interval` seconds. The loss shown is the mean of the last
+  `average` steps (not one noisy step). Step times exclude the first two
+  steps of the session (they include compilation), so the ETA is not
+  thrown off.
   """
 
   def __init__(
-    self, total: int, start: int, stream=None, interval: float = 10.0
+    self,
+    total: int,
+    start: int,
+    stream=None,
+    interval: float = 10.0,
+    average: int = 10,
   ):
     self.total, self.start = total, start
+    # Device values, read only when shown (no per-step wait).
+    self.recent = collections.deque(maxlen=max(1, average))
     self.stream = stream or sys.stdout
     self.tty = self.stream.isatty()
     self.interval = 0.5 if self.tty else interval
@@ -92,10 +103,11 @@ class Progress:
       self.timed_seconds += now - self.last_time
       self.timed_tokens += tokens
     self.last_time = now
+    self.recent.append(loss)
     if now - self.last_print < self.interval and step < self.total:
       return
     self.last_print = now
-    loss = float(np.mean(np.asarray(loss)))
+    loss = self.running_loss()
     ppl = math.exp(min(loss, 50.0))
     parts = [
       f'step {step}/{self.total}',
@@ -110,6 +122,10 @@ class Progress:
     else:
       parts.append('compiling' if step - self.start <= 2 else '')
     self._write(' | '.join(p for p in parts if p))
+
+  def running_loss(self) -> float:
+    """Mean loss of the last `average` steps."""
+    return float(np.mean([np.mean(np.asarray(v)) for v in self.recent]))
 
   def _write(self, line: str):
     if self.tty:
@@ -191,9 +207,16 @@ class JadeLoop(trax_training.Loop):
     tokens_before: int = 0,
     init_text: str | None = None,
     ranges=(),
+    log_every: int = 10,
+    sampler=None,
     **kwargs,
   ):
     self._ranges = tuple(ranges)  # Position ranges of the eval losses.
+    self._log_every = log_every
+    self._window = []  # (loss, tokens) of the steps since the last log.
+    self._window_start = time.time()
+    self._running_writer = None
+    self._sampler = sampler  # samples.SampleReplies or None.
     self._keep = keep_checkpoints
     self._tokens = float(tokens_before)  # Loss tokens trained on so far.
     self._init_text = init_text
@@ -246,6 +269,9 @@ class JadeLoop(trax_training.Loop):
     tokens = self._tokens_per_step()
     self._tokens += tokens
     self._progress.step_done(self.step, loss, lr, tokens)
+    self._window.append((loss, tokens))
+    if self.step % self._log_every == 0:
+      self._write_running(lr)
     # The previous step's values are ready by now; checking this step's
     # here would make every step wait for the device to finish it.
     self._check_finite()
@@ -254,6 +280,51 @@ class JadeLoop(trax_training.Loop):
       self._check_finite()
       raise StopRequested(self._signals.signum)
     return loss, stats
+
+  def _write_running(self, lr: float):
+    """Running training scalars of the last `log_every` steps."""
+    window, self._window = self._window, []
+    now, start = time.time(), self._window_start
+    self._window_start = now
+    if not self.is_chief or self.output_dir is None or not window:
+      return
+    if self._running_writer is None:
+      from trax import jaxboard
+
+      self._running_writer = jaxboard.SummaryWriter(
+        os.path.join(self.output_dir, 'train')
+      )
+    loss = float(np.mean([np.mean(np.asarray(v)) for v, _ in window]))
+    values = {
+      'loss': loss,
+      'perplexity': math.exp(min(loss, 50.0)),
+      'learning_rate': lr,
+      'tokens_per_second': sum(t for _, t in window) / max(now - start, 1e-9),
+    }
+    for name, value in values.items():
+      self._running_writer.scalar(f'running/{name}', value, step=self.step)
+    self._running_writer.flush()
+
+  def run_evals(self, summary_writers=None):
+    super().run_evals(summary_writers)
+    if self._sampler is None or not self.is_chief:
+      return
+    replies = self._sampler(self._eval_model.weights)
+    for prompt, reply in replies:
+      self._progress.message(
+        f'step {self.step}: sample {prompt!r} -> {reply!r}'
+      )
+    writer = (summary_writers or [None])[0]
+    if writer is not None:
+      writer.text(
+        'samples', samples.markdown(self.step, replies), step=self.step
+      )
+      writer.flush()
+
+  def close_writers(self):
+    if self._running_writer is not None:
+      self._running_writer.close()
+      self._running_writer = None
 
   def _check_finite(self):
     """Raises `Diverged` if the last unchecked step's loss or gradient
@@ -340,6 +411,7 @@ def _check_run_settings(s: Section):
   for key in (
     'steps',
     'eval-every',
+    'log-every',
     'checkpoint-every',
     'eval-batches',
     'vocab-size',
@@ -690,7 +762,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
   def eval_at(step):
     return step == start + 1 or step % s['eval-every'] == 0 or step == total
 
-  progress = Progress(total, start)
+  progress = Progress(total, start, average=s['log-every'])
   signals = StopSignals()
   vocab = tok.vocab_size
   loop = JadeLoop(
@@ -711,6 +783,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     tokens_before=(checkpoint.read_manifest(out_dir) or {}).get('tokens', 0),
     init_text=init_text,
     ranges=ranges,
+    log_every=s['log-every'],
   )
   if loop.step != start:
     raise UserError(
@@ -719,6 +792,13 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     )
   if fine is not None and fine.source is not None:
     _start_from(loop, fine.source)
+  if s['sample-prompts']:
+    try:
+      loop._sampler = samples.SampleReplies(
+        tok, setup.max_len, s['sample-prompts']
+      )
+    except UserError as e:
+      log(f'note: no sample replies during training ({e})')
   _write_text(
     os.path.join(out_dir, ginconf.OPERATIVE_GIN), ginconf.operative_text()
   )
@@ -763,6 +843,8 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
       )
     )
     raise
+  finally:
+    loop.close_writers()
   progress.message(
     f'done: step {loop.step}. Chat with it: python evaluate.py --model-dir '
     f'{out_dir} | curves: tensorboard --logdir {out_dir}'

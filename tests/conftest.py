@@ -42,6 +42,7 @@ def train_settings(out_dir, **overrides):
     'checkpoint-every': 2,
     'eval-batches': 1,
     'vocab-size': 300,
+    'sample-prompts': [],  # Sampling during training: tested on tiny_run.
   }
   values.update(overrides)
   return config.from_values('train', values)
@@ -67,9 +68,10 @@ def tiny_run(tmp_path_factory):
 
   out = tmp_path_factory.mktemp('run') / 'out'
   lines = []
-  loop = training.train(
-    train_settings(out), gin_bindings=MICRO, log=lines.append
+  settings = train_settings(
+    out, **{'log-every': 2, 'sample-prompts': ['Hello!', 'Who | are you?']}
   )
+  loop = training.train(settings, gin_bindings=MICRO, log=lines.append)
   return {'out': str(out), 'loop': loop, 'log': lines}
 
 

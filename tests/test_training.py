@@ -65,6 +65,26 @@ def test_tensorboard_events_read_back(tiny_run):
     evals
   )
   assert all(0 <= v <= 1 for _, v in evals['metrics/accuracy'])
+  # Running training scalars every log-every (2) steps.
+  assert [s for s, _ in train['running/loss']] == [2, 4]
+  for step, loss in train['running/loss']:
+    ppl = dict(train['running/perplexity'])[step]
+    assert ppl == pytest.approx(np.exp(loss), rel=1e-4)
+  assert all(v > 0 for _, v in train['running/tokens_per_second'])
+  lr = dict(train['running/learning_rate'])
+  assert lr[4] == pytest.approx(dict(train['training/learning_rate'])[4])
+
+
+def test_sample_replies_at_each_evaluation(tiny_run):
+  acc = event_accumulator.EventAccumulator(
+    os.path.join(tiny_run['out'], 'eval')
+  )
+  acc.Reload()
+  events = acc.Tensors('samples')
+  assert [e.step for e in events] == [1, 2, 4]
+  text = events[-1].tensor_proto.string_val[0].decode()
+  assert 'Greedy replies at step 4' in text
+  assert '| Hello! |' in text and '| Who \\| are you? |' in text
 
 
 def test_resume_continues_at_the_saved_step(tiny_run, copy_of):
