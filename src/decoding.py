@@ -67,6 +67,9 @@ def load_run(model_dir: str, mode: str, bindings=()):
   return setup, tok, layer, step
 
 
+MIN_BLOCK = 1024  # Tokens fed at position 0 from which a block is read.
+
+
 class Decoder:
   """A trained model in predict mode with its running state.
 
@@ -103,6 +106,18 @@ class Decoder:
     self._rng = jax.random.PRNGKey(0)
     self.traces = 0
     self._step_fn = jax.jit(self._pure_step, donate_argnums=(1,))
+    # Block reading at position 0 (see feed): the model without its output
+    # layer, then the output layer on the last position only, so the
+    # `[length, vocab]` logits never exist. One compilation per block
+    # length; lengths are multiples of `block`.
+    *body, self._head = predict_model.sublayers
+    self._body = trax.layers.Serial(*body)
+    lsh = model.lsh_layers(predict_model)
+    self.block = max([layer._chunk_len for layer in lsh] or [64])
+    # Shorter feeds go token by token: compiling a block length costs
+    # seconds (bench/reread.py), about what 1k tokens cost one at a time.
+    self.min_block = MIN_BLOCK
+    self._block_fn = jax.jit(self._pure_block, donate_argnums=(1,))
     self.reset()
 
   @classmethod
@@ -119,6 +134,16 @@ class Decoder:
     logits, state = self.model.pure_fn(tokens, weights, state, rng)
     return logits[0, -1], state
 
+  def _pure_block(self, weights, state, tokens, rng):
+    self.traces += 1
+    x, body_state = self._body.pure_fn(
+      tokens, tuple(weights[:-1]), tuple(state[:-1]), rng, use_cache=True
+    )
+    logits, head_state = self._head.pure_fn(
+      x[:, -1:], weights[-1], state[-1], rng, use_cache=True
+    )
+    return logits[0, -1], (*body_state, head_state)
+
   def reset(self):
     """Forgets the conversation: a fresh state, position 0."""
     self.state = jax.tree_util.tree_map(jax.numpy.asarray, self._fresh_state)
@@ -133,7 +158,16 @@ class Decoder:
     return logits
 
   def feed(self, ids) -> np.ndarray:
-    """Feeds tokens one at a time; returns the logits after the last.
+    """Feeds tokens; returns the logits after the last.
+
+    At position 0 (`/load`, a re-read after dropping old turns), when at
+    least `min_block` tokens come at once, Trax's predict mode takes a block
+    in one call: the longest multiple of `block` (the LSH chunk length) goes
+    at once, the rest one token at a time. Later tokens go one at a time.
+    A block is read the way training reads a window (LSH buckets sorted
+    over the whole block); one token at a time, each token attends to the
+    candidates predict mode keeps for it. With exact attention both agree
+    (tests/test_chat.py); with LSH both are approximations of it.
 
     Args:
       ids: Token ids to append to the context.
@@ -153,6 +187,16 @@ class Decoder:
         f'{self.max_len}'
       )
     logits = None
+    n_block = 0
+    if self.position == 0 and len(ids) >= self.min_block:
+      n_block = (len(ids) // self.block) * self.block
+    if n_block:
+      tokens = np.asarray(ids[:n_block], np.int32)[None, :]
+      logits, self.state = self._block_fn(
+        self.weights, self.state, tokens, self._rng
+      )
+      self.position += n_block
+      ids = ids[n_block:]
     for i in ids:
       logits = self._step(i)
     return np.asarray(logits)

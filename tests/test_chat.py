@@ -403,3 +403,32 @@ def test_piped_replies_take_one_line_and_backslash_continues(
   assert s._display(tok.encode('one |br| two')) == 'one\ntwo'
   # A last line ending in a backslash is still sent at the end of input.
   assert chat.read_message(False, io.StringIO('a\\\n')) == 'a'
+
+
+def test_block_reading_equals_token_by_token(tiny_run):
+  """At position 0 the decoder reads a block in one call. With attention
+  made exact (as in test_greedy_incremental_equals_full_forward) block
+  and token-by-token reading give the same logits and the same state."""
+  out = tiny_run['out']
+  ginconf.parse(
+    os.path.join(out, 'model.gin'),
+    ('LSHSelfAttention.chunk_len = 64', 'LSHSelfAttention.n_buckets = 2'),
+  )
+  tok = tokenizer.load(out)
+  predict = model.reformer_lm(tok.vocab_size, 'predict')
+  checkpoint.load_weights(
+    out, predict, trax.shapes.ShapeDtype((1, 1), np.int32)
+  )
+  d = decoding.Decoder(predict, 128, tok)
+  assert d.block == 64 and d.min_block == decoding.MIN_BLOCK
+  d.min_block = 64  # The tiny context holds 128 tokens.
+  ids = list(np.random.default_rng(1).integers(3, tok.vocab_size, 100))
+  traces = d.traces
+  by_block = [d.feed(ids)] + [d.feed([t]) for t in (5, 9, 11)]
+  # One compilation for the block, one for the one-token step.
+  assert d.position == 104 and d.traces == traces + 2
+  d.block = 10**9  # Token by token.
+  d.reset()
+  by_token = [d.feed(ids)] + [d.feed([t]) for t in (5, 9, 11)]
+  for a, b in zip(by_block, by_token):
+    np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)

@@ -1,0 +1,116 @@
+"""Re-reading a chat context: token by token vs one block at position 0.
+
+  python bench/reread.py [--contexts 4096,32768] [--sample 2048]
+
+`/load` and a context overflow restart the decoder at position 0 and feed
+the kept conversation again. `Decoder.feed` now reads the longest multiple
+of the LSH chunk length in one predict-mode call there (then the rest one
+token at a time); before, every token was one step. For each context this
+times, on the same randomly initialized model (the decode benchmark's
+shape: 4 layers, d_model 256, 4 heads, LSH chunk 64, 1 hash):
+- block, cold: the first re-read of that length (includes compiling);
+- block, warm: the same length again;
+- first reply token after the re-read (block warm + one step);
+- token by token: `--sample` tokens fed one at a time, scaled to the
+  context (a step costs the same at any position: the memory is allocated
+  at its full size), or all of them when the context is at most `--sample`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import src  # noqa: E402,F401,I001  (first: quiet imports, compat fixes)
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import trax  # noqa: E402
+
+from src import decoding, ginconf, model  # noqa: E402
+from src.decoding import Decoder  # noqa: E402
+
+VOCAB = 500
+GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
+
+
+def build(context: int) -> Decoder:
+  rows = 64 if context <= 4096 else 128
+  bindings = (
+    f'ReformerLM.max_len = {context}',
+    'ReformerLM.d_model = 256',
+    'ReformerLM.d_ff = 1024',
+    'ReformerLM.n_layers = 4',
+    'ReformerLM.n_heads = 4',
+    'ReformerLM.d_attention_key = 64',
+    'ReformerLM.d_attention_value = 64',
+    f'ReformerLM.pos_axial_shape = ({rows}, {context // rows})',
+    'ReformerLM.pos_d_axial_embs = (128, 128)',
+    'ReformerLM.dropout = 0.0',
+    'LSHSelfAttention.chunk_len = 64',
+    f'LSHSelfAttention.n_buckets = {context // 64}',
+    'LSHSelfAttention.n_hashes = 1',
+    f'LSHSelfAttention.predict_mem_len = {context}',
+    'LSHSelfAttention.predict_drop_len = 64',
+    *decoding.predict_bindings(4),
+  )
+  ginconf.parse(GIN, bindings)
+  layer = model.reformer_lm(VOCAB, 'predict')
+  layer.rng = jax.random.PRNGKey(0)
+  layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
+  return Decoder(layer, context)
+
+
+def measure(context: int, sample: int) -> dict:
+  d = build(context)
+  ids = list(np.random.default_rng(0).integers(3, VOCAB, context - 2))
+  out = {'context': context, 'tokens': len(ids)}
+  for name in ('block_cold_s', 'block_warm_s'):
+    d.reset()
+    t0 = time.time()
+    logits = d.feed(ids)
+    out[name] = time.time() - t0
+  t0 = time.time()
+  d.feed([int(np.argmax(logits))])
+  out['first_token_after_s'] = out['block_warm_s'] + time.time() - t0
+  d.min_block = 10**9  # Token by token, as before.
+  n = min(sample, len(ids))
+  d.reset()
+  d.feed(ids[:1])  # Compile the one-token step.
+  d.reset()
+  t0 = time.time()
+  d.feed(ids[:n])
+  per_token = (time.time() - t0) / n
+  out['step_ms'] = per_token * 1000
+  out['token_by_token_s'] = per_token * len(ids)
+  out['token_by_token_measured'] = n == len(ids)
+  return out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--contexts', default='4096,32768')
+  parser.add_argument('--sample', type=int, default=2048)
+  args = parser.parse_args(argv)
+  print(
+    '| context | tokens re-read | token by token | block (cold: compile + '
+    'run) | block (warm) | first reply token after re-read |\n'
+    '|-|-|-|-|-|-|'
+  )
+  for context in (int(c) for c in args.contexts.split(',')):
+    r = measure(context, args.sample)
+    est = '' if r['token_by_token_measured'] else ' (from a sample)'
+    print(
+      f'| {context} | {r["tokens"]} | {r["token_by_token_s"]:.1f} s '
+      f'({r["step_ms"]:.1f} ms/token){est} | {r["block_cold_s"]:.1f} s | '
+      f'{r["block_warm_s"]:.1f} s | {r["first_token_after_s"]:.1f} s |',
+      flush=True,
+    )
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
