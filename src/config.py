@@ -72,6 +72,13 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     'chunk per device. Must be a multiple of the device '
     'count.',
   ),
+  'accumulate-steps': (
+    1,
+    'Gradient accumulation: each optimizer step averages the gradients of '
+    'this many micro-batches per device, run one after another, so '
+    'batch-size can exceed what fits in memory at once (the per-device '
+    'batch must split evenly).',
+  ),
   'eval-fraction': (
     0.05,
     'Share of the tokens held out for evaluation, as whole conversations '

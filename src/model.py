@@ -409,6 +409,75 @@ def chunked_model(
   )
 
 
+class Accumulate(tl.Layer):
+  """Gradient accumulation: a training loss over `k` micro-batches.
+
+  Wraps the model-with-loss (`(inputs, targets, weights)` -> mean loss).
+  The batch is cut into `k` equal micro-batches along its first axis; a
+  `lax.scan` runs them one after another, each rematerialized in the
+  backward pass (`jax.checkpoint`), so only one micro-batch's activations
+  are alive at a time. The loss is their mean weighted by loss tokens (the
+  whole batch's token-weighted mean), so its gradient is the matching
+  mean of the micro-batch gradients: one optimizer step over `k`
+  micro-batches equals one over the whole batch. Its weights and state
+  are the wrapped layer's (read and written through): checkpoints are
+  unchanged.
+  """
+
+  def __init__(self, inner, k: int):
+    super().__init__(n_in=inner.n_in, n_out=1, name=f'Accumulate{k}')
+    self._inner, self._k = inner, int(k)
+
+  @property
+  def weights(self):
+    return self._inner.weights
+
+  @weights.setter
+  def weights(self, weights):
+    self._inner.weights = weights
+
+  @property
+  def state(self):
+    return self._inner.state
+
+  @state.setter
+  def state(self, state):
+    self._inner.state = state
+
+  def init_weights_and_state(self, input_signature):
+    self._inner.init(input_signature)
+
+  def forward(self, inputs):
+    k = self._k
+    for x in inputs:
+      if x.shape[0] % k:
+        raise UserError(
+          f'a batch of {x.shape[0]} per device does not split into '
+          f'accumulate-steps = {k} micro-batches'
+        )
+    micro = [x.reshape((k, x.shape[0] // k) + x.shape[1:]) for x in inputs]
+    weights, rngs = self._inner.weights, jax.random.split(self.rng, k)
+
+    @jax.checkpoint
+    def one(weights, state, batch, rng):
+      return self._inner.pure_fn(tuple(batch), weights, state, rng)
+
+    def body(carry, xs):
+      total, state = carry
+      *batch, rng = xs
+      loss, state = one(weights, state, batch, rng)
+      # Each micro-batch's mean loss weighted by its loss tokens: the
+      # result is the whole batch's token-weighted mean.
+      return (total + loss * jnp.sum(batch[-1]), state), None
+
+    zero = jnp.zeros([], jnp.float32)
+    (total, state), _ = jax.lax.scan(
+      body, (zero, self._inner.state), (*micro, rngs)
+    )
+    self.state = state
+    return total / jnp.sum(inputs[-1])
+
+
 class RangeSum(tl.Layer):
   """Evaluation metric `(logits, targets, weights)` -> one of `range_sums`
   (`what`: 'loss' or 'count') for positions `start..end-1`."""
@@ -479,6 +548,7 @@ __all__ = [
   'chunked_model',
   'metric_layers',
   'metric_names',
+  'Accumulate',
   'position_ranges',
   'range_name',
   'range_sums',

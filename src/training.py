@@ -20,6 +20,7 @@ import time
 
 import jax
 import numpy as np
+import trax
 from trax import optimizers as trax_optimizers
 from trax.layers import base as trax_base
 from trax.supervised import training as trax_training
@@ -209,8 +210,10 @@ class JadeLoop(trax_training.Loop):
     ranges=(),
     log_every: int = 10,
     sampler=None,
+    accumulate: int = 1,
     **kwargs,
   ):
+    self._accumulate = accumulate
     self._ranges = tuple(ranges)  # Position ranges of the eval losses.
     self._log_every = log_every
     self._window = []  # (loss, tokens) of the steps since the last log.
@@ -244,6 +247,10 @@ class JadeLoop(trax_training.Loop):
     `[batch, length, vocab]` logits never exist in training, so large
     vocabularies fit."""
     fused = self._chunked(self._model, with_accuracy=False)
+    if self._accumulate > 1:
+      if fused is None:  # Trax's own model-with-loss, accumulated.
+        fused = trax.layers.Serial(self._model, task.loss_layer)
+      fused = model.Accumulate(fused, self._accumulate)
     if fused is None:
       return super()._init_trainer(task)
     task.optimizer.tree_init(fused.weights)
@@ -416,6 +423,7 @@ def _check_run_settings(s: Section):
     'eval-batches',
     'vocab-size',
     'keep-checkpoints',
+    'accumulate-steps',
   ):
     if s[key] < 1:
       raise UserError(
@@ -499,11 +507,19 @@ def prepare(settings: Section, gin_bindings=(), log=print):
       f'{s.source}: eval-fraction {s["eval-fraction"]} must be at least 0 '
       'and below 1 (e.g. 0.05)'
     )
+  per_device, k = batch_size // devices, s['accumulate-steps']
+  if per_device % k:
+    raise UserError(
+      f'{s.source}: train.accumulate-steps {k} does not split the batch '
+      f'of {per_device} chunk(s) per device ({batch_size} over {devices} '
+      f'device(s)) evenly; set batch-size to a multiple of {devices * k}'
+    )
+  # One micro-batch's activations are alive at a time.
   memory, limit = preflight.check(
-    setup, s['vocab-size'], batch_size // devices, ginconf.output_loss()
+    setup, s['vocab-size'], per_device // k, ginconf.output_loss()
   )
-  step_seconds = preflight.step_seconds(
-    setup, s['vocab-size'], batch_size // devices
+  step_seconds = (
+    preflight.step_seconds(setup, s['vocab-size'], per_device // k) * k
   )
   adopted = None
   if fine is not None and fine.source is not None:
@@ -688,7 +704,13 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
   log(
     f'model: {setup.path}, context {setup.max_len} tokens, '
     f'{setup.attention_name}; {run["devices"]} device(s) '
-    f'({jax.devices()[0].platform}), batch {run["batch_size"]}; memory '
+    f'({jax.devices()[0].platform}), batch {run["batch_size"]}'
+    + (
+      f' in {s["accumulate-steps"]} micro-batches'
+      if s['accumulate-steps'] > 1
+      else ''
+    )
+    + '; memory '
     f'estimate {preflight.gb(run["memory"].total)} per device of '
     f'{preflight.gb(run["memory_limit"])}'
   )
@@ -784,6 +806,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     init_text=init_text,
     ranges=ranges,
     log_every=s['log-every'],
+    accumulate=s['accumulate-steps'],
   )
   if loop.step != start:
     raise UserError(

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
@@ -432,3 +433,46 @@ def test_one_run_per_out_dir(tiny_run, copy_of, tmp_path):
   assert not new.exists()
   with pytest.raises(UserError, match='out-dir is empty'):
     training.train(train_settings(''))
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+  """2 micro-batches of 1 chunk give the same step as 1 batch of 2. Exact
+  attention and no dropout, so nothing random differs between the two."""
+  exact = MICRO + (
+    'LSHSelfAttention.chunk_len = 64',
+    'LSHSelfAttention.n_buckets = 2',
+    'ReformerLM.dropout = 0.0',
+  )
+  loops = {}
+  for k in (1, 2):
+    loops[k] = training.train(
+      train_settings(
+        tmp_path / f'k{k}',
+        steps=2,
+        **{'batch-size': 2, 'accumulate-steps': k, 'eval-every': 100},
+      ),
+      gin_bindings=exact,
+      log=lambda line: None,
+    )
+  one, two = (
+    [np.asarray(w) for w in jax.tree_util.tree_leaves(loops[k].model.weights)]
+    for k in (1, 2)
+  )
+  for a, b in zip(one, two, strict=True):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+  losses = [
+    scalars(os.path.join(tmp_path / f'k{k}', 'train'))['metrics/loss']
+    for k in (1, 2)
+  ]
+  assert losses[0][-1][1] == pytest.approx(losses[1][-1][1], rel=1e-4)
+  with pytest.raises(UserError, match='accumulate-steps 3 does not split'):
+    training.train(
+      train_settings(tmp_path / 'k3', **{'accumulate-steps': 3}),
+      gin_bindings=MICRO,
+    )
+  assert not os.path.exists(tmp_path / 'k3')
+  with pytest.raises(UserError, match='accumulate-steps must be at least 1'):
+    training.train(
+      train_settings(tmp_path / 'k0', **{'accumulate-steps': 0}),
+      gin_bindings=MICRO,
+    )
