@@ -30,6 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import trax  # noqa: E402
 
+import decode_speed  # noqa: E402  (the same model shape)
 from src import decoding, ginconf, model  # noqa: E402
 from src.decoding import Decoder  # noqa: E402
 
@@ -39,22 +40,13 @@ GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
 
 def build(context: int) -> Decoder:
   rows = 64 if context <= 4096 else 128
+  by_context = ('max_len', 'pos_axial_shape', 'n_buckets', 'predict_mem_len')
   bindings = (
+    *(b for b in decode_speed.BINDINGS if not any(k in b for k in by_context)),
     f'ReformerLM.max_len = {context}',
-    'ReformerLM.d_model = 256',
-    'ReformerLM.d_ff = 1024',
-    'ReformerLM.n_layers = 4',
-    'ReformerLM.n_heads = 4',
-    'ReformerLM.d_attention_key = 64',
-    'ReformerLM.d_attention_value = 64',
     f'ReformerLM.pos_axial_shape = ({rows}, {context // rows})',
-    'ReformerLM.pos_d_axial_embs = (128, 128)',
-    'ReformerLM.dropout = 0.0',
-    'LSHSelfAttention.chunk_len = 64',
     f'LSHSelfAttention.n_buckets = {context // 64}',
-    'LSHSelfAttention.n_hashes = 1',
     f'LSHSelfAttention.predict_mem_len = {context}',
-    'LSHSelfAttention.predict_drop_len = 64',
     *decoding.predict_bindings(4),
   )
   ginconf.parse(GIN, bindings)

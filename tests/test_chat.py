@@ -45,6 +45,20 @@ def scripted(tokens):
   return lambda logits, settings, rng, recent=(): next(it)
 
 
+def exact_decoder(out):
+  """A decoder for the tiny run with attention made exact: chunk_len =
+  max_len / 2 and one chunk before (see the test below)."""
+  ginconf.parse(
+    os.path.join(out, 'model.gin'),
+    ('LSHSelfAttention.chunk_len = 64', 'LSHSelfAttention.n_buckets = 2'),
+  )
+  tok = tokenizer.load(out)
+  predict = model.reformer_lm(tok.vocab_size, 'predict')
+  one = trax.shapes.ShapeDtype((1, 1), np.int32)
+  checkpoint.load_weights(out, predict, one)
+  return decoding.Decoder(predict, 128, tok)
+
+
 def test_greedy_incremental_equals_full_forward(tiny_run):
   """Incremental (predict-mode) decoding matches re-running the whole model.
 
@@ -56,15 +70,8 @@ def test_greedy_incremental_equals_full_forward(tiny_run):
   (the bucket settings have no weights), so greedy tokens must agree.
   """
   out = tiny_run['out']
-  ginconf.parse(
-    os.path.join(out, 'model.gin'),
-    ('LSHSelfAttention.chunk_len = 64', 'LSHSelfAttention.n_buckets = 2'),
-  )
-  tok = tokenizer.load(out)
-  predict = model.reformer_lm(tok.vocab_size, 'predict')
-  one = trax.shapes.ShapeDtype((1, 1), np.int32)
-  checkpoint.load_weights(out, predict, one)
-  inc_decoder = decoding.Decoder(predict, 128, tok)
+  inc_decoder = exact_decoder(out)
+  tok = inc_decoder.tokenizer
   full_model = model.reformer_lm(tok.vocab_size, 'eval')
   checkpoint.load_weights(
     out, full_model, trax.shapes.ShapeDtype((1, 128), np.int32)
@@ -409,17 +416,8 @@ def test_block_reading_equals_token_by_token(tiny_run):
   """At position 0 the decoder reads a block in one call. With attention
   made exact (as in test_greedy_incremental_equals_full_forward) block
   and token-by-token reading give the same logits and the same state."""
-  out = tiny_run['out']
-  ginconf.parse(
-    os.path.join(out, 'model.gin'),
-    ('LSHSelfAttention.chunk_len = 64', 'LSHSelfAttention.n_buckets = 2'),
-  )
-  tok = tokenizer.load(out)
-  predict = model.reformer_lm(tok.vocab_size, 'predict')
-  checkpoint.load_weights(
-    out, predict, trax.shapes.ShapeDtype((1, 1), np.int32)
-  )
-  d = decoding.Decoder(predict, 128, tok)
+  d = exact_decoder(tiny_run['out'])
+  tok = d.tokenizer
   assert d.block == 64 and d.min_block == decoding.MIN_BLOCK
   d.min_block = 64  # The tiny context holds 128 tokens.
   ids = list(np.random.default_rng(1).integers(3, tok.vocab_size, 100))
