@@ -47,6 +47,22 @@ def predict_bindings(n_heads: int) -> list[str]:
   return [f'LSHSelfAttention.n_parallel_heads = {int(n_heads)}']
 
 
+def attention_bindings(setup: ginconf.GinSetup) -> list[str]:
+  """Predict mode keeps a memory of past keys and values; Trax's full
+  attention (`SelfAttention`) has no size for it unless bound, and then
+  fails with an assertion. Give it the whole context."""
+  if setup.attention_name != 'SelfAttention':
+    return []
+  found = []
+  if setup.attention.get('predict_mem_len') is None:
+    found.append(f'SelfAttention.predict_mem_len = {setup.max_len}')
+  if setup.attention.get('predict_drop_len') is None:
+    found.append(
+      f'SelfAttention.predict_drop_len = {max(1, setup.max_len // 4)}'
+    )
+  return found
+
+
 def load_run(model_dir: str, mode: str, bindings=()):
   """A run's gin setup, tokenizer and a `mode` model with its weights.
 
@@ -58,7 +74,9 @@ def load_run(model_dir: str, mode: str, bindings=()):
   """
   setup = load_setup(model_dir, bindings)
   if mode == 'predict':
-    ginconf.add_bindings(predict_bindings(setup.model['n_heads']))
+    ginconf.add_bindings(
+      predict_bindings(setup.model['n_heads']) + attention_bindings(setup)
+    )
   tok = tokenizer.load(model_dir)
   layer = model.reformer_lm(tok.vocab_size, mode)
   length = 1 if mode == 'predict' else setup.max_len

@@ -12,8 +12,8 @@ import io
 import numpy as np
 import trax
 
-from src import chat, model, sampling
-from src.decoding import Decoder
+from src import chat, ginconf, model, sampling
+from src.decoding import Decoder, attention_bindings
 
 MAX_NEW_TOKENS = 32
 
@@ -21,10 +21,12 @@ MAX_NEW_TOKENS = 32
 class SampleReplies:
   """Greedy replies to `prompts` with the weights given at each call."""
 
-  def __init__(self, tok, max_len: int, prompts):
+  def __init__(self, tok, setup: ginconf.GinSetup, prompts):
     """Builds (and compiles on first use) the predict-mode model; call
     after the training model exists, while the run's gin is parsed."""
     self.prompts = list(prompts)
+    max_len = setup.max_len
+    ginconf.add_bindings(attention_bindings(setup))
     layer = model.reformer_lm(tok.vocab_size, 'predict')
     layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
     self.decoder = Decoder(layer, max_len, tok)

@@ -817,11 +817,10 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     _start_from(loop, fine.source)
   if s['sample-prompts']:
     try:
-      loop._sampler = samples.SampleReplies(
-        tok, setup.max_len, s['sample-prompts']
-      )
-    except UserError as e:
-      log(f'note: no sample replies during training ({e})')
+      loop._sampler = samples.SampleReplies(tok, setup, s['sample-prompts'])
+    except (UserError, AssertionError, ValueError, TypeError) as e:
+      # The model trains whatever its predict mode makes of the settings.
+      log(f'note: no sample replies during training ({e or type(e).__name__})')
   _write_text(
     os.path.join(out_dir, ginconf.OPERATIVE_GIN), ginconf.operative_text()
   )

@@ -430,3 +430,26 @@ def test_block_reading_equals_token_by_token(tiny_run):
   by_token = [d.feed(ids)] + [d.feed([t]) for t in (5, 9, 11)]
   for a, b in zip(by_block, by_token):
     np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_full_attention_model_trains_samples_and_chats(tmp_path, capsys):
+  """A run with Trax's full attention (SelfAttention) samples while it
+  trains and chats afterwards: predict mode gets a memory the size of the
+  context (decoding.attention_bindings)."""
+  from src import training
+
+  from .conftest import MICRO, train_settings
+
+  out = tmp_path / 'sa'
+  lines = []
+  training.train(
+    train_settings(out, steps=2, **{'sample-prompts': ['Hi']}),
+    gin_bindings=MICRO + ('ReformerLM.attention_type = @SelfAttention',),
+    log=lines.append,
+  )
+  assert not any('no sample replies' in line for line in lines)
+  assert "step 2: sample 'Hi' -> " in capsys.readouterr().out
+  d = decoding.Decoder.load(str(out))
+  s = session(d, out=io.StringIO(), temperature=0.0, max_new_tokens=5)
+  assert isinstance(s.reply('Hello there'), str)

@@ -173,6 +173,7 @@ def test_finetune_takes_tokenizer_settings_and_weights(
   assert b'fine-tuned from' in text and b'step 4' in text
 
 
+@pytest.mark.slow
 def test_finetune_run_resumes_from_its_own_checkpoint(finetuned, copy_of):
   out = copy_of(finetuned['out'])
   lines = []
