@@ -76,6 +76,9 @@ def test_greedy_incremental_equals_full_forward(tiny_run):
   checkpoint.load_weights(
     out, full_model, trax.shapes.ShapeDtype((1, 128), np.int32)
   )
+  # Compiled once (calling the layer runs it op by op, ~5 s a call).
+  w, st, key = full_model.weights, full_model.state, jax.random.PRNGKey(0)
+  forward = jax.jit(lambda x: full_model.pure_fn(x, w, st, key)[0])
   prefix = tok.encode('Good morning!') + [tok.ai_start_id]
   logits, incremental = inc_decoder.feed(prefix), []
   for _ in range(10):
@@ -86,7 +89,7 @@ def test_greedy_incremental_equals_full_forward(tiny_run):
     x = np.zeros((1, 128), np.int32)
     x[0, : len(seq)] = seq
     # The model shifts inputs right: output i predicts token i.
-    nxt = int(np.argmax(np.asarray(full_model(x))[0, len(seq)]))
+    nxt = int(np.argmax(np.asarray(forward(x))[0, len(seq)]))
     full.append(nxt)
     seq.append(nxt)
   assert incremental == full
