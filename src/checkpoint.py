@@ -211,9 +211,6 @@ def read_weights(model_dir: str) -> tuple[list, int]:
   """The flat weight arrays and training step of a run folder (its latest
   intact checkpoint) or an export; nothing is unpickled but the run's
   checkpoint metadata, through `SafeUnpickler`."""
-  import jax
-  import numpy as np
-  from trax import layers as tl
 
   if is_export(model_dir):
     flat, meta = read_export(model_dir)
@@ -230,6 +227,16 @@ def read_weights(model_dir: str) -> tuple[list, int]:
       f'the intact one in {folder}',
       file=sys.stderr,
     )
+  return read_checkpoint_weights(folder)
+
+
+def read_checkpoint_weights(folder: str) -> tuple[list, int]:
+  """The flat weight arrays and step of the checkpoint in `folder`, a
+  folder `verify` has already found intact."""
+  import jax
+  import numpy as np
+  from trax import layers as tl
+
   meta = read_meta(folder)
   path = os.path.join(folder, WEIGHTS)
   if not os.path.exists(path):
@@ -443,6 +450,17 @@ def _check(folder: str, only=None) -> tuple[dict | None, str]:
   return manifest, ''
 
 
+def exists(out_dir: str) -> bool:
+  """Whether `out_dir` holds a checkpoint (intact or not) that `verify`
+  would resume from or refuse: checkpoint files, a manifest or a kept
+  snapshot."""
+  return bool(
+    checkpoint_files(out_dir)
+    or snapshots(out_dir)
+    or os.path.exists(os.path.join(out_dir, MANIFEST))
+  )
+
+
 def verify(out_dir: str, only=None):
   """Finds the checkpoint to resume from or read (`only`: the files the
   reader needs, see `_check`; default all).
@@ -460,7 +478,7 @@ def verify(out_dir: str, only=None):
   top = checkpoint_files(out_dir)
   kept = snapshots(out_dir)
   has_manifest = os.path.exists(os.path.join(out_dir, MANIFEST))
-  if not top and not kept and not has_manifest:
+  if not exists(out_dir):
     return 0, None, ''
   if not has_manifest and not kept:  # An older run: no manifest to check.
     for name in (CHECKPOINT, WEIGHTS):

@@ -110,7 +110,7 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
   if os.path.exists(out_dir):
     raise UserError(f'{out_dir} exists; choose a new folder for the export')
   folder = _choose(run_dir, step)
-  flat, step = checkpoint.read_weights(folder)
+  flat, step = checkpoint.read_checkpoint_weights(folder)  # Verified.
   meta = checkpoint.read_meta(folder) or {}
   tok = tokenizer.load(run_dir)
   model_text, _, setup = ginconf.read_model_settings(run_dir, run_dir)

@@ -91,7 +91,7 @@ def load(path: str) -> Source:
       '(python -m src.export RUN_DIR OUT_DIR)'
     )
   kind = 'export' if checkpoint.is_export(path) else 'run'
-  if kind == 'run' and not checkpoint.checkpoint_files(path):
+  if kind == 'run' and not checkpoint.exists(path):
     raise UserError(
       f'{what}: no checkpoint in that folder; train it first, or point at '
       'a finished run or an export'
@@ -154,10 +154,7 @@ def plan(settings, out_dir: str) -> Plan | None:
       trained from scratch, or any problem with the pretrained model.
   """
   record = read_record(out_dir)
-  started = bool(checkpoint.checkpoint_files(out_dir)) or os.path.exists(
-    os.path.join(out_dir, checkpoint.MANIFEST)
-  )
-  if started:
+  if checkpoint.exists(out_dir):
     if record is None:
       if settings['init-from']:
         raise UserError(
