@@ -304,7 +304,32 @@ def chunked_cross_entropy(
   return loss / total
 
 
-class OutputWeights(tl.Layer):
+class _Wraps(tl.Layer):
+  """A layer whose weights and state are another layer's (`_wrapped`),
+  read and written through, so a model built with it has exactly the
+  wrapped layer's weight structure."""
+
+  @property
+  def weights(self):
+    return self._wrapped.weights
+
+  @weights.setter
+  def weights(self, weights):
+    self._wrapped.weights = weights
+
+  @property
+  def state(self):
+    return self._wrapped.state
+
+  @state.setter
+  def state(self, state):
+    self._wrapped.state = state
+
+  def init_weights_and_state(self, input_signature):
+    self._wrapped.init(input_signature)
+
+
+class OutputWeights(_Wraps):
   """Stands in for the model's output layer (its `Dense`) in training.
 
   Passes the activations on together with the Dense layer's kernel and
@@ -318,27 +343,8 @@ class OutputWeights(tl.Layer):
     """Args: `head` is a Dense, or a Serial with one Dense at `dense_index`
     (Trax wraps it in shape checks)."""
     super().__init__(n_in=1, n_out=3, name='OutputWeights')
-    self._head = head
+    self._wrapped = head
     self._index = dense_index
-
-  @property
-  def weights(self):
-    return self._head.weights
-
-  @weights.setter
-  def weights(self, weights):
-    self._head.weights = weights
-
-  @property
-  def state(self):
-    return self._head.state
-
-  @state.setter
-  def state(self, state):
-    self._head.state = state
-
-  def init_weights_and_state(self, input_signature):
-    self._head.init(input_signature)
 
   def forward(self, x):
     weights = self.weights
@@ -409,7 +415,7 @@ def chunked_model(
   )
 
 
-class Accumulate(tl.Layer):
+class Accumulate(_Wraps):
   """Gradient accumulation: a training loss over `k` micro-batches.
 
   Wraps the model-with-loss (`(inputs, targets, weights)` -> mean loss).
@@ -426,26 +432,7 @@ class Accumulate(tl.Layer):
 
   def __init__(self, inner, k: int):
     super().__init__(n_in=inner.n_in, n_out=1, name=f'Accumulate{k}')
-    self._inner, self._k = inner, int(k)
-
-  @property
-  def weights(self):
-    return self._inner.weights
-
-  @weights.setter
-  def weights(self, weights):
-    self._inner.weights = weights
-
-  @property
-  def state(self):
-    return self._inner.state
-
-  @state.setter
-  def state(self, state):
-    self._inner.state = state
-
-  def init_weights_and_state(self, input_signature):
-    self._inner.init(input_signature)
+    self._wrapped, self._k = inner, int(k)
 
   def forward(self, inputs):
     k = self._k
@@ -456,11 +443,11 @@ class Accumulate(tl.Layer):
           f'accumulate-steps = {k} micro-batches'
         )
     micro = [x.reshape((k, x.shape[0] // k) + x.shape[1:]) for x in inputs]
-    weights, rngs = self._inner.weights, jax.random.split(self.rng, k)
+    weights, rngs = self._wrapped.weights, jax.random.split(self.rng, k)
 
     @jax.checkpoint
     def one(weights, state, batch, rng):
-      return self._inner.pure_fn(tuple(batch), weights, state, rng)
+      return self._wrapped.pure_fn(tuple(batch), weights, state, rng)
 
     def body(carry, xs):
       total, state = carry
@@ -472,7 +459,7 @@ class Accumulate(tl.Layer):
 
     zero = jnp.zeros([], jnp.float32)
     (total, state), _ = jax.lax.scan(
-      body, (zero, self._inner.state), (*micro, rngs)
+      body, (zero, self._wrapped.state), (*micro, rngs)
     )
     self.state = state
     return total / jnp.sum(inputs[-1])

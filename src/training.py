@@ -209,17 +209,18 @@ class JadeLoop(trax_training.Loop):
     init_text: str | None = None,
     ranges=(),
     log_every: int = 10,
-    sampler=None,
     accumulate: int = 1,
     **kwargs,
   ):
     self._accumulate = accumulate
     self._ranges = tuple(ranges)  # Position ranges of the eval losses.
+    # Running scalars every `log_every` steps: the loss is the progress
+    # line's running mean (over `log_every` steps, see `_train`).
     self._log_every = log_every
-    self._window = []  # (loss, tokens) of the steps since the last log.
+    self._window_tokens = 0.0  # Loss tokens since the last log.
     self._window_start = time.time()
     self._running_writer = None
-    self._sampler = sampler  # samples.SampleReplies or None.
+    self.sampler = None  # samples.SampleReplies, set once the Loop exists.
     self._keep = keep_checkpoints
     self._tokens = float(tokens_before)  # Loss tokens trained on so far.
     self._init_text = init_text
@@ -276,7 +277,7 @@ class JadeLoop(trax_training.Loop):
     tokens = self._tokens_per_step()
     self._tokens += tokens
     self._progress.step_done(self.step, loss, lr, tokens)
-    self._window.append((loss, tokens))
+    self._window_tokens += tokens
     if self.step % self._log_every == 0:
       self._write_running(lr)
     # The previous step's values are ready by now; checking this step's
@@ -290,10 +291,10 @@ class JadeLoop(trax_training.Loop):
 
   def _write_running(self, lr: float):
     """Running training scalars of the last `log_every` steps."""
-    window, self._window = self._window, []
+    tokens, self._window_tokens = self._window_tokens, 0.0
     now, start = time.time(), self._window_start
     self._window_start = now
-    if not self.is_chief or self.output_dir is None or not window:
+    if not self.is_chief or self.output_dir is None:
       return
     if self._running_writer is None:
       from trax import jaxboard
@@ -301,12 +302,12 @@ class JadeLoop(trax_training.Loop):
       self._running_writer = jaxboard.SummaryWriter(
         os.path.join(self.output_dir, 'train')
       )
-    loss = float(np.mean([np.mean(np.asarray(v)) for v, _ in window]))
+    loss = self._progress.running_loss()
     values = {
       'loss': loss,
       'perplexity': math.exp(min(loss, 50.0)),
       'learning_rate': lr,
-      'tokens_per_second': sum(t for _, t in window) / max(now - start, 1e-9),
+      'tokens_per_second': tokens / max(now - start, 1e-9),
     }
     for name, value in values.items():
       self._running_writer.scalar(f'running/{name}', value, step=self.step)
@@ -314,9 +315,9 @@ class JadeLoop(trax_training.Loop):
 
   def run_evals(self, summary_writers=None):
     super().run_evals(summary_writers)
-    if self._sampler is None or not self.is_chief:
+    if self.sampler is None or not self.is_chief:
       return
-    replies = self._sampler(self._eval_model.weights)
+    replies = self.sampler(self._eval_model.weights)
     for prompt, reply in replies:
       self._progress.message(
         f'step {self.step}: sample {prompt!r} -> {reply!r}'
@@ -817,7 +818,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     _start_from(loop, fine.source)
   if s['sample-prompts']:
     try:
-      loop._sampler = samples.SampleReplies(tok, setup, s['sample-prompts'])
+      loop.sampler = samples.SampleReplies(tok, setup, s['sample-prompts'])
     except (UserError, AssertionError, ValueError, TypeError) as e:
       # The model trains whatever its predict mode makes of the settings.
       log(f'note: no sample replies during training ({e or type(e).__name__})')
