@@ -10,10 +10,25 @@ from src import chatformat, convert
 from src.errors import UserError
 
 
+def converted(fmt, source, out, trim=False, strict=False, **kw):
+  """Converts `source` into `out`; the report, the warnings and the
+  conversations read back from the written file."""
+  warnings = []
+  report = convert.convert(
+    fmt,
+    str(source),
+    str(out),
+    convert.Options(trim=trim, strict=strict),
+    warn=warnings.append,
+    **kw,
+  )
+  name = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
+  return report, warnings, chatformat.read_file(str(out / (name + '.txt')))
+
+
 def run(fmt, tmp_path, text, name='in.jsonl', strict=False, trim=False, **kw):
   src = tmp_path / name
   src.write_text(text, encoding='utf-8')
-  warnings = []
   options = dict(
     ai_roles=['gpt'],
     user_roles=['human'],
@@ -22,16 +37,9 @@ def run(fmt, tmp_path, text, name='in.jsonl', strict=False, trim=False, **kw):
     ai_prefix='Bot:',
   )
   options.update(kw)
-  report = convert.convert(
-    fmt,
-    str(src),
-    str(tmp_path / 'out'),
-    convert.Options(strict=strict, trim=trim),
-    warn=warnings.append,
-    **options,
+  return converted(
+    fmt, src, tmp_path / 'out', trim=trim, strict=strict, **options
   )
-  out = tmp_path / 'out' / (os.path.splitext(name)[0] + '.txt')
-  return report, warnings, chatformat.read_file(str(out))
 
 
 def roles_and_texts(convs):
@@ -258,17 +266,7 @@ def test_deeply_nested_json_and_bytes_that_are_not_utf8(tmp_path):
 
 
 def convert_to(fmt, source, out, trim=False, strict=False, **kw):
-  warnings = []
-  report = convert.convert(
-    fmt,
-    str(source),
-    str(out),
-    convert.Options(trim=trim, strict=strict),
-    warn=warnings.append,
-    **kw,
-  )
-  name = os.path.splitext(os.path.basename(os.path.normpath(source)))[0]
-  convs = chatformat.read_file(str(out / (name + '.txt')))
+  report, warnings, convs = converted(fmt, source, out, trim, strict, **kw)
   return report, warnings, roles_and_texts(convs)
 
 
