@@ -211,6 +211,7 @@ class ChunkBatches:
     ai_only: bool = False,
     pad_fraction: float = PAD_FRACTION,
     windows: str = 'moving',
+    part: tuple[int, int] | None = None,
   ):
     """Args:
     tokens: A `TokenView` (one span per conversation: the units that are
@@ -223,6 +224,9 @@ class ChunkBatches:
       pad_fraction)` and `max_len` tokens; 0 fills every window but the
       epoch's first and last.
     windows: 'moving' (a new cut every epoch) or 'fixed' (one grid).
+    part: `(i, n)`: batches hold only part i of n of each step's windows
+      (process i of a multi-process run; `batch_size` is the whole step's
+      and must split into n). None: all of them.
     """
     view = tokens if isinstance(tokens, TokenView) else TokenView(tokens)
     if len(view) == 0:
@@ -237,6 +241,15 @@ class ChunkBatches:
         f'pad-fraction {pad_fraction} must be at least 0 and below 1 '
         f'(e.g. {PAD_FRACTION})'
       )
+    if part is not None and (
+      not 0 <= part[0] < part[1] or batch_size % part[1]
+    ):
+      raise UserError(
+        f'a batch of {batch_size} windows does not split into {part[1]} '
+        'equal parts (one per process); use a batch-size that is a '
+        f'multiple of the number of devices'
+      )
+    self.part = part
     self.view = view
     self.ai_only = ai_only
     self.max_len = max_len
@@ -306,17 +319,23 @@ class ChunkBatches:
   # ---- batches
 
   def chunk_ids(self, step: int) -> np.ndarray:
-    """Indices (into the epoch's grid) of the windows of `step`."""
+    """Indices (into the epoch's grid) of the windows of `step` (of this
+    part's share of them, see `part`)."""
     epoch, k = self.locate(step)
-    order = self.layout(epoch)[3]
-    return order[k * self.batch_size : (k + 1) * self.batch_size]
+    ids = self.layout(epoch)[3][k * self.batch_size : (k + 1) * self.batch_size]
+    if self.part is not None:
+      i, n = self.part
+      share = self.batch_size // n
+      ids = ids[i * share : (i + 1) * share]
+    return ids
 
   def windows(self, step: int) -> list[Window]:
-    """The `batch_size` windows of `step`, one per batch row."""
-    epoch, k = self.locate(step)
-    view, starts, lengths, order = self.layout(epoch)
+    """The windows of `step`, one per batch row (`batch_size` of them, or
+    this part's share)."""
+    epoch, _ = self.locate(step)
+    view, starts, lengths, _ = self.layout(epoch)
     out = []
-    for index in order[k * self.batch_size : (k + 1) * self.batch_size]:
+    for index in self.chunk_ids(step):
       length = int(lengths[index])
       rng = np.random.default_rng([self.seed, epoch, int(index), 1])
       left = int(rng.integers(0, self.max_len - length + 1))

@@ -14,7 +14,7 @@ def run_main(main: Callable[[], int | None]) -> int:
     return main() or 0
   except UserError as e:
     sys.stdout.flush()
-    print(f'error: {e}', file=sys.stderr)
+    print(f'{e.prefix}error: {e}', file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     return 130

@@ -60,6 +60,13 @@ Fixes:
    and a `jaxboard.SummaryWriter` that writes scalars and text with
    TensorBoard's own event writer. Nothing is lost: anything else loads
    TensorFlow and works as before.
+11. ``all_reduce_one_local_device``: Trax's trainer takes its single-device
+   path (a plain `jit`, no gradient all-reduce) whenever *this process* has
+   one device. With one device per process, the usual layout of a GPU
+   cluster or of two CPU machines, every process would train its own model
+   and nothing would tell. Where more processes than one share a run, a
+   single local device gets Trax's multi-device path instead: a `pmap` over
+   one local device whose `psum` spans the devices of every process.
 """
 
 from __future__ import annotations
@@ -274,6 +281,63 @@ class _JaxForAcceleration(types.ModuleType):
     return getattr(jax, name)
 
 
+_TRAX_ACCELERATE_UPDATE_FN = []  # Trax's own, kept by fix 11.
+
+
+def accelerate_update_fn_compat(
+  forward_and_backward_fn, optimizer, n_devices, accelerate=True, adasum=False
+):
+  """Trax's `_accelerate_update_fn`, all-reducing with one local device when
+  several processes share the run (fix 11)."""
+  import jax
+  from jax import numpy as jnp
+  from trax.optimizers import trainer
+
+  own = _TRAX_ACCELERATE_UPDATE_FN[0]
+  if n_devices != 1 or not accelerate or jax.process_count() == 1:
+    return own(
+      forward_and_backward_fn, optimizer, n_devices, accelerate, adasum
+    )
+
+  def update(weights_and_slots, step, opt_params, batch, state, rng):
+    weights, slots = weights_and_slots
+    (loss, state), gradients = forward_and_backward_fn(
+      batch, weights, state, rng
+    )
+    gradients = trainer._average_multidevice_gradients(gradients, adasum)
+    weights, slots, stats = optimizer.tree_update(
+      step, gradients, weights, slots, opt_params, store_slots=False
+    )
+    stats['loss'] = loss
+    return (weights, slots), state, stats
+
+  pmapped = jax.pmap(update, axis_name='batch', donate_argnums=(0,))
+
+  def one_device_update(weights_and_slots, step, opt_params, batch, state, rng):
+    def add(tree):
+      return jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), tree)
+
+    out = pmapped(
+      add(weights_and_slots),
+      jnp.reshape(jnp.asarray(step, jnp.int32), (1,)),
+      add(opt_params),
+      add(batch),
+      add(state),
+      add(rng),
+    )
+    return jax.tree_util.tree_map(lambda x: x[0], out)
+
+  return one_device_update
+
+
+def _patch_trainer_all_reduce():
+  from trax.optimizers import trainer
+
+  if not _TRAX_ACCELERATE_UPDATE_FN:
+    _TRAX_ACCELERATE_UPDATE_FN.append(trainer._accelerate_update_fn)
+  trainer._accelerate_update_fn = accelerate_update_fn_compat
+
+
 def _hide_accelerators_from_tensorflow(tf):
   try:
     tf.config.set_visible_devices([], 'GPU')
@@ -291,6 +355,7 @@ def apply():
   _patch_fastmath()
   _patch_jax_aliases()
   _patch_trees_and_placement()
+  _patch_trainer_all_reduce()
   APPLIED.extend(
     [
       'fast_trax_import',
@@ -302,6 +367,7 @@ def apply():
       'tree_unflatten_arrays',
       'tensorflow_off_accelerators',
       'tensorflow_on_demand',
+      'all_reduce_one_local_device',
     ]
   )
 

@@ -79,6 +79,28 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     'batch-size can exceed what fits in memory at once (the per-device '
     'batch must split evenly).',
   ),
+  'coordinator': (
+    '',
+    'Multi-host training: HOST:PORT of process 0 (the same on every '
+    'process; process 0 opens the port), or "auto" where JAX finds the '
+    'processes itself (Cloud TPU pod slice, SLURM, Open MPI). Empty: one '
+    'process (the default).',
+  ),
+  'num-processes': (1, 'Multi-host: processes in the run (with coordinator).'),
+  'process-id': (
+    0,
+    'Multi-host: this process, 0..num-processes-1; 0 is the chief, the only '
+    'one that writes to out-dir.',
+  ),
+  'connect-timeout': (
+    300,
+    'Multi-host: seconds to wait for every process to join at start.',
+  ),
+  'heartbeat-timeout': (
+    100,
+    'Multi-host: seconds without a sign of life after which a process '
+    'counts as dead and the run stops on every process.',
+  ),
   'eval-fraction': (
     0.05,
     'Share of the tokens held out for evaluation, as whole conversations '

@@ -7,3 +7,6 @@ class UserError(Exception):
   The scripts print `error: <message>` and exit with status 2; no traceback
   is shown, and nothing in the output folder has been touched.
   """
+
+  # Names the process of a multi-process run ("[2/4] "); printed first.
+  prefix = ''

@@ -7,6 +7,8 @@ and any earlier run in out-dir are all checked before the first write.
 
 from __future__ import annotations
 
+import atexit
+import base64
 import collections
 import contextlib
 import dataclasses
@@ -30,6 +32,7 @@ from src import (
   checkpoint,
   chunks,
   corpus,
+  distributed,
   finetune,
   ginconf,
   model,
@@ -85,8 +88,10 @@ class Progress:
     stream=None,
     interval: float = 10.0,
     average: int = 10,
+    prefix: str = '',
   ):
     self.total, self.start = total, start
+    self.prefix = prefix  # Names the process in a multi-process run.
     # Device values, read only when shown (no per-step wait).
     self.recent = collections.deque(maxlen=max(1, average))
     self.stream = stream or sys.stdout
@@ -129,6 +134,7 @@ class Progress:
     return float(np.mean([np.mean(np.asarray(v)) for v in self.recent]))
 
   def _write(self, line: str):
+    line = self.prefix + line
     if self.tty:
       self.stream.write('\r\033[K' + line)
       self.live = True
@@ -141,7 +147,7 @@ class Progress:
     if self.live:
       self.stream.write('\r\033[K')
       self.live = False
-    self.stream.write(line + '\n')
+    self.stream.write(self.prefix + line + '\n')
     self.stream.flush()
 
 
@@ -210,8 +216,11 @@ class JadeLoop(trax_training.Loop):
     ranges=(),
     log_every: int = 10,
     accumulate: int = 1,
+    cluster: distributed.Cluster | None = None,
     **kwargs,
   ):
+    self._cluster = cluster or distributed.local()
+    self._rng_per_process = False  # Set once the weights are initialized.
     self._accumulate = accumulate
     self._ranges = tuple(ranges)  # Position ranges of the eval losses.
     # Running scalars every `log_every` steps: the loss is the progress
@@ -230,6 +239,16 @@ class JadeLoop(trax_training.Loop):
     self._tokens_per_step = tokens_per_step
     self._output_chunk = loss_chunk_size
     super().__init__(*args, **kwargs)
+    self._rng_per_process = self._cluster.count > 1
+
+  def new_rng(self):
+    """Trax's next key; after initialization, a different one on each
+    process (dropout and LSH hashing would otherwise repeat on every
+    process; the weights must start the same everywhere)."""
+    rng = super().new_rng()
+    if self._rng_per_process:
+      rng = jax.random.fold_in(rng, self._cluster.index)
+    return rng
 
   def _chunked(self, model_, with_accuracy: bool):
     """`model.chunked_model` for this Loop, or None where Trax's own path
@@ -275,7 +294,8 @@ class JadeLoop(trax_training.Loop):
     loss, stats = super()._run_one_step(task_index, task_changed)
     lr = float(self._tasks[task_index].learning_rate(self.step))
     tokens = self._tokens_per_step()
-    self._tokens += tokens
+    # This process's tokens; the others' are about as many.
+    self._tokens += tokens * self._cluster.count
     self._progress.step_done(self.step, loss, lr, tokens)
     self._window_tokens += tokens
     if self.step % self._log_every == 0:
@@ -358,6 +378,8 @@ class JadeLoop(trax_training.Loop):
   def log_summary(
     self, values, summary_writer, value_prefix, log_prefix, stdout=True
   ):
+    if value_prefix == 'metrics/':
+      values = self._mean_over_processes(values)
     values = model.range_losses(values)
     if 'loss' in values and not np.isfinite(float(values['loss'])):
       # Scored with the weights of this step, which were just checkpointed
@@ -376,6 +398,24 @@ class JadeLoop(trax_training.Loop):
       shown = ' | '.join(f'{k} {float(v):.4g}' for k, v in values.items())
       self._progress.message(f'step {self.step}: {log_prefix} {shown}')
 
+  def _mean_over_processes(self, values: dict) -> dict:
+    """Each process scored its own rows: the mean of all processes'."""
+    if self._cluster.count == 1 or not values:
+      return values
+    from jax.experimental import multihost_utils
+
+    names = list(values)
+    parts = [np.ravel(np.asarray(values[k], np.float64)) for k in names]
+    every = np.asarray(multihost_utils.process_allgather(np.concatenate(parts)))
+    mean, out, at = every.mean(axis=0), {}, 0
+    for k, p in zip(names, parts):
+      shape = np.shape(values[k])
+      # Scalars stay NumPy scalars: they go into the checkpoint's history.
+      part = mean[at : at + p.size]
+      out[k] = np.float64(part[0]) if shape == () else part.reshape(shape)
+      at += p.size
+    return out
+
   def save_checkpoint(self, basename):
     self._check_finite()
     leaves = jax.tree_util.tree_leaves(self._model.weights)
@@ -389,6 +429,15 @@ class JadeLoop(trax_training.Loop):
       self._progress.message(
         f'step {self.step}: checkpoint saved in {self.output_dir}'
       )
+
+
+def _devices_text(cluster: distributed.Cluster) -> str:
+  if cluster.count == 1:
+    return f'{cluster.devices} device(s)'
+  return (
+    f'{cluster.devices} devices in {cluster.count} processes '
+    f'({cluster.local_devices} in this one)'
+  )
 
 
 def time_lines(step_seconds: float, start: int, total: int) -> list[str]:
@@ -464,14 +513,29 @@ def _check_out_dir(s: Section) -> str:
   return out_dir
 
 
-def prepare(settings: Section, gin_bindings=(), log=print):
+def prepare(
+  settings: Section,
+  gin_bindings=(),
+  log=print,
+  cluster: distributed.Cluster | None = None,
+  leader: dict | None = None,
+):
   """Checks everything and builds the run's pieces without training.
+
+  Args:
+    cluster: The processes of the run (default: this one, all its devices).
+      Batches are sized for all their devices; this process gets its part.
+    leader: For a process other than the chief of a multi-process run: what
+      the chief decided (`_leader_message`): its tokenizer, the step it
+      resumes from, a pretrained model's settings. Out-dir is then neither
+      read nor written; the token cache goes to a private folder.
 
   Returns:
     A dict with the tokenizer, gin setup, batch iterators and sizes; the
     tokenizer is written to out-dir only after all checks passed.
   """
   s = settings
+  cluster = cluster or distributed.local()
   _check_run_settings(s)
   if s['tpu-ip']:
     log(
@@ -480,9 +544,17 @@ def prepare(settings: Section, gin_bindings=(), log=print):
       'TPU nodes by IP). Run train.py on the TPU VM.'
     )
   out_dir = _check_out_dir(s)
-  # Reads (and checks) the pretrained model of a fine-tune run; writes
-  # nothing.
-  fine = finetune.plan(s, out_dir)
+  if leader is None:
+    # Reads (and checks) the pretrained model of a fine-tune run; writes
+    # nothing.
+    fine = finetune.plan(s, out_dir)
+    base = fine.gin if fine else None
+  else:  # The chief read out-dir and any pretrained model.
+    fine = None
+    base = tuple(leader['base']) if leader['base'] else None
+    s = dataclasses.replace(
+      s, values={**s.values, **leader['tokenizer_settings']}
+    )
   if fine is not None:
     where = fine.source.path if fine.source else out_dir
     s = dataclasses.replace(
@@ -493,15 +565,22 @@ def prepare(settings: Section, gin_bindings=(), log=print):
       },
     )
   markers = _markers(s)
-  setup = ginconf.parse(
-    s['gin'], tuple(gin_bindings), base=fine.gin if fine else None
-  )
+  setup = ginconf.parse(s['gin'], tuple(gin_bindings), base=base)
   if fine is not None and fine.source is not None:
     finetune.check_settings(setup, fine.source, s['gin'])
-  ginconf.check_same_as_saved(setup, out_dir)
-  # Reads only; may raise. A damaged checkpoint gives a snapshot folder.
-  start_step, checkpoint_folder, damage = checkpoint.verify(out_dir)
-  devices = jax.local_device_count()
+  if leader is None:
+    ginconf.check_same_as_saved(setup, out_dir)
+    # Reads only; may raise. A damaged checkpoint gives a snapshot folder.
+    start_step, checkpoint_folder, damage = checkpoint.verify(out_dir)
+  else:
+    start_step, checkpoint_folder, damage = leader['start'], None, None
+  devices = cluster.devices
+  if devices != cluster.local_devices * cluster.count:
+    raise UserError(
+      f'the {cluster.count} processes have {devices} devices, not the same '
+      f'number each ({cluster.local_devices} here); give every process '
+      'the same number of devices'
+    )
   batch_size = chunks.batch_size_for(devices, s['batch-size'])
   if s['eval-data'] is None and not 0 <= s['eval-fraction'] < 1:
     raise UserError(
@@ -522,12 +601,21 @@ def prepare(settings: Section, gin_bindings=(), log=print):
   step_seconds = (
     preflight.step_seconds(setup, s['vocab-size'], per_device // k) * k
   )
-  adopted = None
+  adopted, data_settings = None, s
   if fine is not None and fine.source is not None:
     adopted = tokenizer.adopt(
       fine.source.tok, fine.source.tok_info, os.path.abspath(fine.source.path)
     )
-  tok, train_corpus, eval_corpus = _prepare_data(s, markers, log, adopted)
+  if leader is not None:
+    adopted = tokenizer.Tokenizer(
+      base64.b64decode(leader['tokenizer']), markers
+    )
+    data_settings = dataclasses.replace(
+      s, values={**s.values, 'out-dir': leader['private']}
+    )
+  tok, train_corpus, eval_corpus = _prepare_data(
+    data_settings, markers, log, adopted
+  )
   max_len = setup.max_len
   train_view = chunks.TokenView(
     train_corpus.tokens,
@@ -572,6 +660,7 @@ def prepare(settings: Section, gin_bindings=(), log=print):
     'ai_only': s['ai-only-loss'],
     'pad_fraction': s['pad-fraction'],
     'windows': s['windows'],
+    'part': cluster.part,
   }
   train_batches = chunks.ChunkBatches(
     train_view, max_len, batch_size, s['seed'], **window_options
@@ -587,6 +676,8 @@ def prepare(settings: Section, gin_bindings=(), log=print):
     )
   return {
     'settings': s,
+    'cluster': cluster,
+    'eval_corpus': eval_corpus,
     'finetune': fine,
     'corpus': train_corpus,
     'tokenizer': tok,
@@ -672,13 +763,108 @@ def _start_from(loop: JadeLoop, source: finetune.Source):
 def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
   """Trains (or resumes) a run as configured; returns the finished Loop.
 
-  The out-dir is locked for the run (`runlock`): one run per out-dir."""
-  with runlock.held(_check_out_dir(settings), log):
-    return _train(settings, gin_bindings, log)
+  The out-dir is locked for the run (`runlock`): one run per out-dir. With
+  `coordinator` set this process first joins the others of the run
+  (`src.distributed`); only process 0 locks and writes out-dir."""
+  cluster = distributed.start(settings)
+  prefix = cluster.prefix
+  if prefix:
+
+    def log(line, _log=log):  # noqa: PLR1704 (the given log, prefixed)
+      _log(prefix + line)
+
+  try:
+    if not cluster.chief:
+      return _train(settings, gin_bindings, log, cluster)
+    with runlock.held(_check_out_dir(settings), log):
+      return _train(settings, gin_bindings, log, cluster)
+  except UserError as e:
+    e.prefix = prefix
+    raise
+  except Exception as e:
+    if cluster.count > 1 and distributed.lost_contact(e):
+      # Another process is gone; JAX ends this one too (its shutdown would
+      # wait for the lost process): say why first, then leave at once.
+      detail = ' '.join(str(e).split())[:200]
+      sys.stdout.flush()
+      print(
+        f'{prefix}error: lost contact with another process of this run '
+        f'({detail}). Every process stops; fix the one that failed, then '
+        'run the same command on every machine to resume from the last '
+        'checkpoint',
+        file=sys.stderr,
+        flush=True,
+      )
+      os._exit(4)
+    raise
 
 
-def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
-  run = prepare(settings, gin_bindings, log=log)
+def _leader_message(run) -> dict:
+  """What the chief sends the other processes before training (JSON)."""
+  s, fine = run['settings'], run['finetune']
+  return {
+    'error': None,
+    'start': run['start_step'],
+    'base': list(fine.gin) if fine is not None and fine.gin else None,
+    'tokenizer': base64.b64encode(run['tokenizer'].model_proto).decode(),
+    'tokenizer_settings': {
+      k: s[k] for k in ('vocab-size', 'ai-start', 'ai-end', 'line-break')
+    },
+  }
+
+
+def _fingerprints(settings: Section, run) -> dict[str, str]:
+  """What every process of a run must agree on (see `check_same`)."""
+  given = {
+    k: v
+    for k, v in settings.values.items()
+    if k not in distributed.PER_PROCESS_KEYS
+  }
+  caches = [os.path.basename(run['corpus'].folder)]
+  if run['eval_corpus'] is not None:
+    caches.append(os.path.basename(run['eval_corpus'].folder))
+  return {
+    'settings': distributed.digest(given),
+    'gin': distributed.digest(run['gin'].text),
+    'data': distributed.digest(caches),
+  }
+
+
+def prepare_cluster(
+  settings: Section, gin_bindings, log, cluster: distributed.Cluster
+):
+  """`prepare` on every process of a run: the chief first, then the others
+  with what it sends; then all compare their settings, gin and data."""
+  if cluster.count == 1:
+    return prepare(settings, gin_bindings, log=log, cluster=cluster)
+  if cluster.chief:
+    try:
+      run = prepare(settings, gin_bindings, log=log, cluster=cluster)
+    except UserError as e:
+      cluster.broadcast_json({'error': str(e)})
+      raise
+    cluster.broadcast_json(_leader_message(run))
+  else:
+    leader = cluster.broadcast_json()
+    if leader['error']:
+      raise UserError(f'process 0 could not start the run: {leader["error"]}')
+    leader['private'] = distributed.private_folder(cluster)
+    atexit.register(shutil.rmtree, leader['private'], True)
+    try:
+      run = prepare(
+        settings, gin_bindings, log=log, cluster=cluster, leader=leader
+      )
+    except UserError:
+      distributed.check_same(cluster, None)  # Tells the others.
+      raise
+  distributed.check_same(cluster, _fingerprints(settings, run))
+  return run
+
+
+def _train(
+  settings: Section, gin_bindings, log, cluster: distributed.Cluster
+) -> JadeLoop | None:
+  run = prepare_cluster(settings, gin_bindings, log, cluster)
   s, fine = run['settings'], run['finetune']
   out_dir, total = s['out-dir'], s['steps']
   start = run['start_step']
@@ -704,7 +890,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
       )
   log(
     f'model: {setup.path}, context {setup.max_len} tokens, '
-    f'{setup.attention_name}; {run["devices"]} device(s) '
+    f'{setup.attention_name}; {_devices_text(cluster)} '
     f'({jax.devices()[0].platform}), batch {run["batch_size"]}'
     + (
       f' in {s["accumulate-steps"]} micro-batches'
@@ -723,7 +909,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
       'to train further'
     )
     return None
-  if run['checkpoint_damage']:
+  if run['checkpoint_damage'] and cluster.chief:
     log(
       f'note: the checkpoint in {out_dir} is damaged '
       f'({run["checkpoint_damage"]}); resuming from the intact one at step '
@@ -732,11 +918,12 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     checkpoint.restore(out_dir, run['checkpoint_folder'])
   if start:
     log(f'resuming from the checkpoint at step {start} in {out_dir}')
-  _write_text(os.path.join(out_dir, ginconf.MODEL_GIN), setup.text)
-  _write_text(
-    os.path.join(out_dir, SETTINGS_FILE),
-    json.dumps({'train': dict(s.values)}, indent=2) + '\n',
-  )
+  if cluster.chief:
+    _write_text(os.path.join(out_dir, ginconf.MODEL_GIN), setup.text)
+    _write_text(
+      os.path.join(out_dir, SETTINGS_FILE),
+      json.dumps({'train': dict(s.values)}, indent=2) + '\n',
+    )
   init_text = None
   if fine is not None and fine.source is not None:
     finetune.record(out_dir, fine.source)
@@ -785,7 +972,9 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
   def eval_at(step):
     return step == start + 1 or step % s['eval-every'] == 0 or step == total
 
-  progress = Progress(total, start, average=s['log-every'])
+  progress = Progress(
+    total, start, average=s['log-every'], prefix=cluster.prefix
+  )
   signals = StopSignals()
   vocab = tok.vocab_size
   loop = JadeLoop(
@@ -793,7 +982,7 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     [train_task],
     eval_model=model.reformer_lm(vocab, 'eval'),
     eval_tasks=[eval_task],
-    output_dir=out_dir,
+    output_dir=out_dir if cluster.chief else None,
     checkpoint_at=checkpoint_at,
     permanent_checkpoint_at=lambda step: False,
     eval_at=eval_at,
@@ -803,28 +992,36 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     loss_chunk_size=ginconf.output_loss(),
     signals=signals,
     keep_checkpoints=s['keep-checkpoints'],
-    tokens_before=(checkpoint.read_manifest(out_dir) or {}).get('tokens', 0),
+    tokens_before=(
+      (checkpoint.read_manifest(out_dir) or {}).get('tokens', 0)
+      if cluster.chief
+      else 0
+    ),
     init_text=init_text,
     ranges=ranges,
     log_every=s['log-every'],
     accumulate=s['accumulate-steps'],
+    cluster=cluster,
   )
+  if fine is not None and fine.source is not None:
+    _start_from(loop, fine.source)
+  # The others take the chief's step, weights and optimizer slots.
+  distributed.share_loop_state(cluster, loop)
   if loop.step != start:
     raise UserError(
       f'{out_dir}: the checkpoint says step {start} but loaded '
       f'as step {loop.step}; the checkpoint files disagree'
     )
-  if fine is not None and fine.source is not None:
-    _start_from(loop, fine.source)
-  if s['sample-prompts']:
+  if s['sample-prompts'] and cluster.chief:
     try:
       loop.sampler = samples.SampleReplies(tok, setup, s['sample-prompts'])
     except (UserError, AssertionError, ValueError, TypeError) as e:
       # The model trains whatever its predict mode makes of the settings.
       log(f'note: no sample replies during training ({e or type(e).__name__})')
-  _write_text(
-    os.path.join(out_dir, ginconf.OPERATIVE_GIN), ginconf.operative_text()
-  )
+  if cluster.chief:
+    _write_text(
+      os.path.join(out_dir, ginconf.OPERATIVE_GIN), ginconf.operative_text()
+    )
   n_weights = model.count_params(loop.model)
   log(
     f'{n_weights:,} weights; training steps {start + 1}..{total}; '
@@ -868,8 +1065,32 @@ def _train(settings: Section, gin_bindings, log) -> JadeLoop | None:
     raise
   finally:
     loop.close_writers()
+  if cluster.count > 1:
+    digest = _same_weights_everywhere(cluster, loop)
+    progress.message(
+      f'done: step {loop.step}; weights {digest[:12]} (SHA-256) on all '
+      f'{cluster.count} processes'
+    )
+    if not cluster.chief:
+      return loop
   progress.message(
     f'done: step {loop.step}. Chat with it: python evaluate.py --model-dir '
     f'{out_dir} | curves: tensorboard --logdir {out_dir}'
   )
   return loop
+
+
+def _same_weights_everywhere(cluster: distributed.Cluster, loop) -> str:
+  """The weights' SHA-256, checked to be the same on every process."""
+  flat = [np.asarray(w) for w in jax.tree_util.tree_leaves(loop.model.weights)]
+  digest = checkpoint.weights_digest(flat)
+  every = cluster.gather_digests([digest])
+  for p, (d,) in enumerate(every):
+    if d != every[0][0]:
+      raise UserError(
+        f'process {p} ended with different weights than process 0 '
+        f'({d[:12]} vs {every[0][0][:12]}); the processes did not train '
+        'the same model: check that they run the same versions of '
+        'jax/jaxlib and trax'
+      )
+  return digest

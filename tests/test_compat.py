@@ -38,9 +38,10 @@ def test_all_fixes_applied_once():
     'tree_unflatten_arrays',
     'tensorflow_off_accelerators',
     'tensorflow_on_demand',
+    'all_reduce_one_local_device',
   ]
   compat.apply()
-  assert len(compat.APPLIED) == 9
+  assert len(compat.APPLIED) == 10
 
 
 def test_fast_trax_import_assert_shape_skips_inspect_stack(monkeypatch):
@@ -128,6 +129,48 @@ def test_on_cpu_returns_uncommitted_host_arrays():
   y = tl.on_cpu(x)
   assert isinstance(y['a'], np.ndarray) and isinstance(y['b'][0], np.ndarray)
   assert trax.layers.on_cpu is acceleration.on_cpu
+
+
+def test_one_local_device_all_reduces_when_processes_share_a_run():
+  """Fix 11. Across real processes it is pinned by tests/test_distributed.py
+  (two 1-device processes end with one model, equal to a 2-device run;
+  without the fix each trains its own and the run refuses to finish). Here:
+  Trax's trainer with one device takes the all-reduce path when JAX reports
+  2 processes, and that path computes the same update (the sum over this
+  one device is the identity)."""
+  from trax.optimizers import trainer as trax_trainer
+
+  assert (
+    trax_trainer._accelerate_update_fn is compat.accelerate_update_fn_compat
+  )
+
+  def step_weights(processes):
+    model_ = tl.Serial(tl.Dense(4), tl.Dense(3))
+    loss = tl.Serial(model_, tl.CrossEntropyLossWithLogSoftmax())
+    x = np.ones((2, 5), np.float32)
+    y = np.array([1, 2], np.int32)
+    w = np.ones((2,), np.float32)
+    loss.init(
+      (jax.ShapeDtypeStruct(x.shape, x.dtype),)
+      + (
+        jax.ShapeDtypeStruct(y.shape, y.dtype),
+        jax.ShapeDtypeStruct(w.shape, w.dtype),
+      ),
+      rng=jax.random.PRNGKey(0),
+    )
+    opt = trax.optimizers.SGD(0.1)
+    opt.tree_init(loss.weights)
+    with mock.patch.object(jax, 'process_count', lambda: processes):
+      t = trax.optimizers.Trainer(loss, opt, n_devices=1)
+    before = [np.asarray(a) for a in jax.tree_util.tree_leaves(loss.weights)]
+    t.one_step((x, y, w), jax.random.PRNGKey(1), step=0)
+    after = t.accelerated_model_with_loss.weights
+    after = [np.asarray(a) for a in jax.tree_util.tree_leaves(after)]
+    assert any(not np.allclose(a, b) for a, b in zip(before, after))
+    return after
+
+  for a, b in zip(step_weights(1), step_weights(2), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_tree_unflatten_with_array_leaves():
