@@ -92,9 +92,9 @@ def output(proc) -> tuple[str, str]:
   return texts[0], texts[1]
 
 
-def start_pair(tmp_path, args, per_process=(), port=None, heartbeat=20):
+def start_pair(tmp_path, args, per_process=(), heartbeat=20, devices=1):
   """Processes 0 and 1 of one run, each in its own folder."""
-  port = port or free_port()
+  port = free_port()
   procs = []
   for i in (0, 1):
     extra = [
@@ -110,7 +110,7 @@ def start_pair(tmp_path, args, per_process=(), port=None, heartbeat=20):
       str(heartbeat),
       *(per_process[i] if per_process else ()),
     ]
-    procs.append(start(tmp_path / f'p{i}', args + extra))
+    procs.append(start(tmp_path / f'p{i}', args + extra, devices=devices))
   return procs
 
 
@@ -291,24 +291,6 @@ def test_fingerprints_name_what_differs():
   distributed.check_same(cluster, None)  # One process: nothing to compare.
 
 
-def start_pair_devices(tmp_path, args, devices):
-  port = free_port()
-  procs = []
-  for i in (0, 1):
-    extra = [
-      '--coordinator',
-      f'127.0.0.1:{port}',
-      '--num-processes',
-      '2',
-      '--process-id',
-      str(i),
-      '--connect-timeout',
-      '120',
-    ]
-    procs.append(start(tmp_path / f'p{i}', args + extra, devices=devices))
-  return procs
-
-
 @pytest.mark.slow
 def test_two_processes_of_two_devices_resume_like_one_of_four(tmp_path):
   """2 processes x 2 devices, stopped after 2 steps and resumed to 4, equal
@@ -318,7 +300,7 @@ def test_two_processes_of_two_devices_resume_like_one_of_four(tmp_path):
   for steps in (2, 4):
     args = train_args(steps, common)
     args[args.index('--batch-size') + 1] = '4'
-    results = finish(start_pair_devices(tmp_path, args, devices=2))
+    results = finish(start_pair(tmp_path, args, devices=2))
     for rc, _out, err in results:
       assert rc == 0, err[-3000:]
     done = [DONE.search(out).groups() for _, out, _ in results]
