@@ -52,30 +52,30 @@ def first_exchanges(convs):
   return answers, shown
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('run_dir')
-  parser.add_argument('data', nargs='?', default=None)
-  parser.add_argument('--prompts', type=int, default=200)
-  parser.add_argument('--show', type=int, default=8)
-  parser.add_argument('--markdown', action='store_true')
-  args = parser.parse_args(argv)
+def measure(run_dir: str, data: str | None = None, n_prompts: int = 200):
+  """Greedy replies to training and held-out prompts, scored.
+
+  Returns:
+    A dict: `hits`/`n` (training prompts answered with one of their
+    training answers), `ended`/`loops`/`n_held` (held-out replies that end
+    with the end marker within 64 tokens / hold a 4-gram loop), `samples`
+    `[(prompt, reply, trained answer, hit)]`, `held_samples` `[(prompt,
+    reply)]`, `seconds`, `step`.
+  """
   import io
 
   from src import chat, decoding, memorization, sampling
 
-  train, held = memorization.split(args.run_dir, args.data)
+  train, held = memorization.split(run_dir, data)
   answers, shown = first_exchanges(train)
   rng = np.random.default_rng(0)
   prompts = sorted(answers)
-  if len(prompts) > args.prompts:
-    prompts = [
-      prompts[i] for i in rng.choice(len(prompts), args.prompts, False)
-    ]
+  if len(prompts) > n_prompts:
+    prompts = [prompts[i] for i in rng.choice(len(prompts), n_prompts, False)]
   held_prompts = [
     c.turns[0].text for c in held if c.turns and c.turns[0].role == 'user'
-  ][: args.prompts]
-  decoder = decoding.Decoder.load(args.run_dir)
+  ][:n_prompts]
+  decoder = decoding.Decoder.load(run_dir)
   settings = sampling.SamplingSettings(temperature=0.0, max_new_tokens=64)
   session = chat.ChatSession(decoder, settings, out=io.StringIO())
 
@@ -86,30 +86,52 @@ def main(argv=None):
     return reply, ended
 
   t0 = time.time()
-  hits, samples = 0, []
+  samples = []
   for p in prompts:
     reply, _ = answer(p)
-    hit = normalize(reply) in answers[p]
-    hits += hit
-    samples.append((p, reply, shown[p], hit))
-  ended = loops = 0
-  held_samples = []
+    samples.append((p, reply, shown[p], normalize(reply) in answers[p]))
+  held_samples, ends = [], []
   for p in held_prompts:
     reply, end = answer(p)
-    ended += end
-    loops += has_loop(reply)
     held_samples.append((p, reply))
-  seconds = time.time() - t0
-  n, m = len(prompts), max(len(held_prompts), 1)
-  lines = [
-    f'training prompts: {hits}/{n} greedy replies equal a training answer '
-    f'({100 * hits / max(n, 1):.1f}%)',
-    f'held-out prompts: {ended}/{len(held_prompts)} end within 64 tokens '
-    f'({100 * ended / m:.1f}%), {loops} with a 4-gram loop '
-    f'({100 * loops / m:.1f}%)',
-    f'({seconds:.0f} s, step {decoder.step})',
+    ends.append(end)
+  return {
+    'hits': sum(hit for *_, hit in samples),
+    'n': len(samples),
+    'ended': sum(ends),
+    'loops': sum(has_loop(r) for _, r in held_samples),
+    'n_held': len(held_samples),
+    'samples': samples,
+    'held_samples': held_samples,
+    'seconds': time.time() - t0,
+    'step': decoder.step,
+  }
+
+
+def summary(m: dict) -> list[str]:
+  """The three lines of figures."""
+  n, held = max(m['n'], 1), max(m['n_held'], 1)
+  return [
+    f'training prompts: {m["hits"]}/{m["n"]} greedy replies equal a '
+    f'training answer ({100 * m["hits"] / n:.1f}%)',
+    f'held-out prompts: {m["ended"]}/{m["n_held"]} end within 64 tokens '
+    f'({100 * m["ended"] / held:.1f}%), {m["loops"]} with a 4-gram loop '
+    f'({100 * m["loops"] / held:.1f}%)',
+    f'({m["seconds"]:.0f} s, step {m["step"]})',
   ]
-  print('\n'.join(lines))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('run_dir')
+  parser.add_argument('data', nargs='?', default=None)
+  parser.add_argument('--prompts', type=int, default=200)
+  parser.add_argument('--show', type=int, default=8)
+  parser.add_argument('--markdown', action='store_true')
+  args = parser.parse_args(argv)
+  m = measure(args.run_dir, args.data, args.prompts)
+  print('\n'.join(summary(m)))
+  samples, held_samples = m['samples'], m['held_samples']
   if args.markdown:
     print('\n| prompt (training) | reply | trained answer |\n|-|-|-|')
     for p, r, a, hit in samples[: args.show]:

@@ -4,6 +4,8 @@
   python -m src.convert sharegpt   sharegpt.json    data/mine
   python -m src.convert chatterbot a.yml b.yml data/mine --ai-side second
   python -m src.convert chatterbot english data/chatterbot-english --trim
+  python -m src.convert chatterbot english data/smalltalk --trim \
+      --skip coding,computers,tech_support,trivia
   python -m src.convert transcript log.txt data/mine --user-prefix "Me:"
   python -m src.convert cornell    cornell-corpus/  data/movies --trim
   python -m src.convert taskmaster tm1.json ccpe.json data/tasks --trim
@@ -57,6 +59,24 @@ def convert(
   return base.write(records, source, out_dir, opts, warn, report)
 
 
+def skip(sources: list[str], names: str) -> list[str]:
+  """`sources` without those whose name (`base.stem`: the output file's
+  name without .txt) is in the comma-separated `names`; a name that matches
+  no input is an error."""
+  wanted = [n.strip() for n in names.split(',') if n.strip()]
+  stems = {base.stem(s) for s in sources}
+  unknown = [n for n in wanted if n not in stems]
+  if unknown:
+    raise UserError(
+      f'--skip {",".join(unknown)}: no such input (the inputs are '
+      f'{", ".join(sorted(stems))})'
+    )
+  kept = [s for s in sources if base.stem(s) not in wanted]
+  if not kept:
+    raise UserError(f'--skip {names}: leaves no input to convert')
+  return kept
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(
     prog='python -m src.convert', description=__doc__.split('\n')[0]
@@ -95,6 +115,13 @@ def main(argv=None):
     default='second',
     help='chatterbot: which speaker of each list is the AI',
   )
+  parser.add_argument(
+    '--skip',
+    default='',
+    metavar='NAMES',
+    help='comma-separated input names (file names without extension, e.g. '
+    'chatterbot categories: coding,trivia) to leave out',
+  )
   parser.add_argument('--user-prefix', default='User:', help='transcript')
   parser.add_argument('--ai-prefix', default='Bot:', help='transcript')
   parser.add_argument(
@@ -112,7 +139,7 @@ def main(argv=None):
     return 0
   if args.gap <= 0:
     raise UserError(f'--gap {args.gap}: must be above 0 seconds (e.g. 5)')
-  sources = FORMATS[args.format].sources(args.source)
+  sources = skip(FORMATS[args.format].sources(args.source), args.skip)
   total = Report()
   for source in sources:
     total.add(

@@ -240,6 +240,23 @@ def test_chatterbot_language_name_finds_the_installed_corpus(tmp_path, capsys):
   summary = capsys.readouterr().out.strip().splitlines()[-1]
   assert summary.startswith(f'chatterbot: {len(files)} file(s): ')
   assert len(chatformat.read_data(str(out))) > 1000
+  # The quick start's small talk: four categories left out by name.
+  small = tmp_path / 'small'
+  skipped = 'coding,computers,tech_support,trivia'
+  assert (
+    convert.main(
+      ['chatterbot', 'english', str(small), '--trim', '--skip', skipped]
+    )
+    == 0
+  )
+  names = sorted(os.listdir(small))
+  assert 'greetings.txt' in names and len(names) == len(files) - 4
+  assert not {'coding.txt', 'trivia.txt'} & set(names)
+  with pytest.raises(UserError, match='--skip cooking: no such input'):
+    convert.main(
+      ['chatterbot', 'english', str(tmp_path / 'x'), '--skip', 'cooking']
+    )
+  assert not os.path.exists(tmp_path / 'x')
 
 
 def test_deeply_nested_json_and_bytes_that_are_not_utf8(tmp_path):
