@@ -4,9 +4,10 @@ import importlib.util
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from .conftest import ROOT
+from .conftest import DATA, ROOT
 
 
 @pytest.mark.slow
@@ -56,6 +57,7 @@ def load_bench(name):
     f'bench_{name}', f'{ROOT}/bench/{name}.py'
   )
   module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # Dataclasses look their module up.
   spec.loader.exec_module(module)
   return module
 
@@ -93,3 +95,33 @@ def test_chat_quality_scores_a_trained_model(tiny_run):
   for prompt, reply, _, hit in m['samples']:
     assert hit == (q.normalize(reply) in answers[prompt])
   assert len(q.summary(m)) == 3
+
+
+def test_recall_samples_hold_the_fact_once_at_the_distance_asked():
+  q = load_bench('recall')
+  from src import chatformat
+
+  filler = chatformat.read_data(DATA)
+  rng = np.random.default_rng(0)
+
+  def count(role, text):
+    return len(text.split()) + 2
+
+  for distance in (0, 50, 400):
+    s = q.make_sample(rng, filler, distance, count)
+    statement, question, values = q.FACTS[s.kind]
+    assert s.answer in values
+    assert s.turns[0] == ('user', statement.format(s.answer))
+    assert s.turns[-2:] == [('user', question), ('ai', s.answer)]
+    # The fact is stated once; the filler between holds at least the
+    # distance asked, counted the way `count` counts.
+    said = [t for r, t in s.turns if t == statement.format(s.answer)]
+    assert len(said) == 1
+    between = s.turns[2:-2]
+    assert sum(count(r, t) for r, t in between) == s.distance >= distance
+    roles = [r for r, _ in s.turns]
+    assert all(a != b for a, b in zip(roles, roles[1:]))  # Alternating.
+    blank = q.make_sample(rng, filler, distance, count, with_fact=False)
+    assert all(t != statement.format(blank.answer) for _, t in blank.turns)
+  text = q.to_text([s], chatformat.Markers())
+  assert chatformat.parse_text(text, 'x.txt')[0].turns[-1].text == s.answer

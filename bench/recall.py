@@ -1,0 +1,282 @@
+"""Long-range recall: does the model use what was said thousands of tokens ago?
+
+  python bench/recall.py WORK_DIR [--context 4096] [--steps 2000]
+      [--attention lsh,full] [--samples 20] [--smoke]
+
+The task, built from real dialogue (ChatterBot English, all categories):
+early in a conversation the user states a fact, a name, a number or a code
+word drawn at random ("The code word is river."), the AI acknowledges it,
+then other real conversations' turns follow for N tokens, then the user
+asks for it ("What is the code word?") and the AI answers it ("river").
+
+1. Writes a training set: conversations of this shape with N drawn
+   uniformly up to the context (less room for the question).
+2. Trains the tiny model (gin/tiny.gin) at `--context` tokens, with LSH
+   attention and, for comparison, full attention (`SelfAttention`, the same
+   size, the same steps), loss on the AI turns.
+3. Scores greedy answers on fresh samples (new facts, new filler order) by
+   distance in tokens (measured with the run's tokenizer), for 1, 2 and 4
+   hashes at sampling time (LSH), and a no-fact baseline (the statement
+   left out: what guessing scores).
+
+Prints a markdown table for BENCHMARKS.md; results in WORK_DIR/recall.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+NAMES = (
+  'Alice Bruno Carmen Dmitri Elena Farid Greta Hiro Ines Jonas Kofi Lena '
+  'Mateo Nadia Oskar Priya Quinn Rosa Sami Tomas Uma Viktor Wanda Xavier '
+  'Yara Zoltan'
+).split()
+WORDS = (
+  'river lantern pepper violin glacier saddle meadow harbor cobalt walnut '
+  'falcon marble thunder velvet orchid copper canyon puzzle ember tulip '
+  'anchor biscuit comet dolphin'
+).split()
+NUMBERS = [str(n) for n in range(100, 1000, 37)]
+
+# kind -> (statement, question, values)
+FACTS = {
+  'name': ('My name is {}.', 'What is my name?', NAMES),
+  'number': (
+    'Please remember the number {}.',
+    'What number did I ask you to remember?',
+    NUMBERS,
+  ),
+  'code word': ('The code word is {}.', 'What is the code word?', WORDS),
+}
+ACK = 'Okay, I will remember that.'
+
+
+@dataclasses.dataclass
+class Sample:
+  turns: list[tuple[str, str]]  # (role, text), the answer last
+  answer: str
+  kind: str
+  distance: int  # Tokens between the fact's end and the question.
+
+
+def make_sample(rng, filler, distance: int, count, with_fact: bool = True):
+  """One conversation of the task.
+
+  Args:
+    rng: A NumPy Generator.
+    filler: Conversations (`chatformat.Conversation`) to draw turns from.
+    distance: At least this many tokens of filler between fact and question.
+    count: `(role, text) -> tokens` the turn takes in the context.
+    with_fact: False for the no-fact baseline (the statement and its
+      acknowledgement are left out; the filler and question are the same).
+  """
+  kind = list(FACTS)[int(rng.integers(len(FACTS)))]
+  statement, question, values = FACTS[kind]
+  value = values[int(rng.integers(len(values)))]
+  turns = []
+  if with_fact:
+    turns += [('user', statement.format(value)), ('ai', ACK)]
+  used = 0
+  while used < distance:
+    conv = filler[int(rng.integers(len(filler)))]
+    if not conv.turns or conv.turns[0].role != 'user':
+      continue  # Keep user/AI alternating.
+    for t in conv.turns:
+      turns.append((t.role, t.text))
+      used += count(t.role, t.text)
+    if turns[-1][0] == 'user':  # Keep user/AI alternating.
+      turns.append(('ai', ACK))
+      used += count('ai', ACK)
+  turns += [('user', question), ('ai', value)]
+  return Sample(turns, value, kind, used)
+
+
+def to_text(samples, markers) -> str:
+  from src import chatformat
+
+  convs = [
+    chatformat.Conversation(
+      tuple(chatformat.Turn(r, t, '', 0) for r, t in s.turns)
+    )
+    for s in samples
+  ]
+  return '\n\n'.join(chatformat.format_conversation(c, markers) for c in convs)
+
+
+def filler_conversations(work: str):
+  from src import chatformat, convert
+
+  folder = os.path.join(work, 'chatterbot')
+  if not os.path.isdir(folder):
+    convert.main(['chatterbot', 'english', folder, '--trim'])
+  return chatformat.read_data(folder)
+
+
+def write_training_set(path, filler, n, max_distance, seed=0):
+  """`n` samples, distances uniform in [0, max_distance] (estimated at 4
+  characters a token; the run's tokenizer measures them when scoring)."""
+  from src import chatformat
+
+  rng = np.random.default_rng(seed)
+  samples = [
+    make_sample(
+      rng,
+      filler,
+      int(rng.integers(0, max_distance + 1)),
+      lambda r, t: len(t) // 4 + 2,
+    )
+    for _ in range(n)
+  ]
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(to_text(samples, chatformat.Markers()) + '\n')
+
+
+def model_binds(context: int, attention: str) -> list[str]:
+  side = int(np.sqrt(context))
+  axial = (side, context // side)
+  binds = [
+    f'ReformerLM.max_len = {context}',
+    f'ReformerLM.pos_axial_shape = {axial}',
+    'ReformerLM.dropout = 0.0',
+    'LSHSelfAttention.chunk_len = 64',
+    f'LSHSelfAttention.n_buckets = {context // 64}',
+    f'LSHSelfAttention.predict_mem_len = {context}',
+    'LSHSelfAttention.predict_drop_len = 64',
+  ]
+  if attention == 'full':
+    binds += [
+      'ReformerLM.attention_type = @trax.layers.SelfAttention',
+      f'SelfAttention.predict_mem_len = {context}',
+      'SelfAttention.predict_drop_len = 64',
+    ]
+  return binds
+
+
+def train(work, data, context, attention, steps):
+  from src import config, training
+
+  out = os.path.join(work, f'run-{attention}')
+  values = {
+    'out-dir': out,
+    'data': data,
+    'gin': os.path.join(ROOT, 'gin', 'tiny.gin'),
+    'steps': steps,
+    'eval-every': max(steps // 4, 1),
+    'eval-batches': 4,
+    'checkpoint-every': max(steps // 4, 1),
+    'vocab-size': 1000,
+    'ai-only-loss': True,
+    'batch-size': 2,
+    'sample-prompts': [],
+  }
+  t0 = time.time()
+  training.train(
+    config.from_values('train', values),
+    gin_bindings=model_binds(context, attention),
+    log=lambda line: None,
+  )
+  return out, time.time() - t0
+
+
+def score(run, filler, distances, samples, n_hashes=None, seed=1):
+  """Exact-match share of greedy answers by distance (and no-fact)."""
+  import io
+
+  from src import chat, chatformat, decoding, sampling
+
+  decoder = decoding.Decoder.load(run, n_hashes=n_hashes)
+  tok = decoder.tokenizer
+  settings = sampling.SamplingSettings(temperature=0.0, max_new_tokens=8)
+  session = chat.ChatSession(decoder, settings, out=io.StringIO())
+
+  def count(role, text):
+    return len(tok.encode_turn(chatformat.Turn(role, text, '', 0)))
+
+  rng = np.random.default_rng(seed)
+  # What `ChatSession.load` keeps of a context (it drops the oldest turns
+  # beyond this), less room for the question.
+  budget = decoder.max_len - settings.max_new_tokens - 64 - 2 - 32
+  results = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, 'context.txt')
+    for d in [*distances, 'no fact']:
+      hits, measured = 0, []
+      for _ in range(samples):
+        distance = distances[-1] if d == 'no fact' else d
+        while True:  # A sample whose context fits whole.
+          s = make_sample(rng, filler, distance, count, d != 'no fact')
+          if sum(count(r, t) for r, t in s.turns[:-2]) <= budget:
+            break
+        context = chatformat.Conversation(
+          tuple(chatformat.Turn(r, t, '', 0) for r, t in s.turns[:-2])
+        )
+        with open(path, 'w', encoding='utf-8') as f:
+          f.write(chatformat.format_conversation(context, tok.markers))
+        session.load(path)
+        reply = session.reply(s.turns[-2][1], stream=False) or ''
+        hits += reply.strip().rstrip('.!').lower() == s.answer.lower()
+        measured.append(s.distance)
+      results[str(d)] = {
+        'accuracy': hits / samples,
+        'mean_distance': float(np.mean(measured)),
+      }
+  return results
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('work')
+  parser.add_argument('--context', type=int, default=4096)
+  parser.add_argument('--steps', type=int, default=2000)
+  parser.add_argument('--train-samples', type=int, default=3000)
+  parser.add_argument('--attention', default='lsh,full')
+  parser.add_argument('--samples', type=int, default=20)
+  parser.add_argument('--smoke', action='store_true')
+  args = parser.parse_args(argv)
+  if args.smoke:
+    args.context, args.steps, args.train_samples, args.samples = 512, 4, 40, 2
+  os.makedirs(args.work, exist_ok=True)
+  filler = filler_conversations(args.work)
+  data = os.path.join(args.work, 'recall-train.txt')
+  room = args.context - 128
+  write_training_set(data, filler, args.train_samples, room)
+  # Scored up to half a typical conversation short of the context, so a
+  # sample's context fits whole.
+  longest = args.context - 512
+  distances = [d for d in (256, 1024, 2048, 3072, 6144) if d < longest]
+  distances = [*distances, longest] if longest > 0 else [args.context // 4]
+  report = {'context': args.context, 'steps': args.steps, 'runs': {}}
+  for attention in args.attention.split(','):
+    run, seconds = train(args.work, data, args.context, attention, args.steps)
+    hashes = (1, 2, 4) if attention == 'lsh' else (None,)
+    for h in hashes:
+      name = attention if h is None else f'lsh, {h} hash(es)'
+      report['runs'][name] = {
+        'train_seconds': round(seconds),
+        'by_distance': score(run, filler, distances, args.samples, h),
+      }
+      print(json.dumps({name: report['runs'][name]}), flush=True)
+  with open(os.path.join(args.work, 'recall.json'), 'w') as f:
+    json.dump(report, f, indent=2)
+  head = [str(d) for d in distances] + ['no fact']
+  print('| model | ' + ' | '.join(head) + ' |')
+  print('|-|' + '-|' * len(head))
+  for name, r in report['runs'].items():
+    cells = [f'{100 * r["by_distance"][h]["accuracy"]:.0f}%' for h in head]
+    print(f'| {name} | ' + ' | '.join(cells) + ' |')
+  return 0
+
+
+if __name__ == '__main__':
+  main()
