@@ -116,9 +116,7 @@ def tokens_per_second(out: str, after: int) -> float:
   acc = event_accumulator.EventAccumulator(os.path.join(out, 'train'))
   acc.Reload()
   values = [
-    e.value
-    for e in acc.Scalars('running/tokens_per_second')
-    if e.step > after
+    e.value for e in acc.Scalars('running/tokens_per_second') if e.step > after
   ]
   return sum(values) / len(values)
 

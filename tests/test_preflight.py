@@ -57,7 +57,8 @@ print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 
 
 @pytest.mark.parametrize(
-  'length,axial', [(1024, (32, 32)), (16384, (128, 128))]
+  'length,axial',
+  [(1024, (32, 32)), pytest.param(16384, (128, 128), marks=pytest.mark.slow)],
 )
 def test_estimate_is_within_35_percent_of_measured_peak(
   length, axial, tmp_path

@@ -213,6 +213,7 @@ print(json.dumps({{'devices': jax.local_device_count(), 'rows': rows,
 """
 
 
+@pytest.mark.slow  # 2 devices train in the suite: tests/test_distributed.py
 def test_eight_devices_each_train_on_a_different_chunk(tmp_path):
   out = str(tmp_path / 'run8')
   code = MULTI_DEVICE.format(root=ROOT, out=out)
