@@ -29,7 +29,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -143,7 +142,7 @@ def write_training_set(path, filler, n, max_distance, seed=0):
 
 
 def model_binds(context: int, attention: str) -> list[str]:
-  side = int(np.sqrt(context))
+  side = 2 ** (int(np.log2(context)) // 2)  # A power of two for the context.
   axial = (side, context // side)
   binds = [
     f'ReformerLM.max_len = {context}',
@@ -190,47 +189,59 @@ def train(work, data, context, attention, steps):
 
 
 def score(run, filler, distances, samples, n_hashes=None, seed=1):
-  """Exact-match share of greedy answers by distance (and no-fact)."""
-  import io
+  """Exact-match share of greedy answers by distance (and no fact).
 
-  from src import chat, chatformat, decoding, sampling
+  Teacher-forced: the whole conversation goes through the eval-mode model
+  once, and an answer counts when the most likely token at each of its
+  positions (its words and the end marker, after the AI start marker) is
+  the answer's: exactly when greedy decoding would write the answer and
+  stop (one forward pass per sample instead of a decoding loop).
+  """
+  import jax
 
-  decoder = decoding.Decoder.load(run, n_hashes=n_hashes)
-  tok = decoder.tokenizer
-  settings = sampling.SamplingSettings(temperature=0.0, max_new_tokens=8)
-  session = chat.ChatSession(decoder, settings, out=io.StringIO())
+  from src import chat, chatformat, decoding
+
+  bindings = []
+  if n_hashes is not None:
+    bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
+  setup, tok, layer, _ = decoding.load_run(run, 'eval', bindings)
+  forward = jax.jit(layer.pure_fn)
+  weights, state = layer.weights, layer.state
+  max_len = setup.max_len
+
+  def ids_of(role, text):
+    return tok.encode_turn(chatformat.Turn(role, text, '', 0))
 
   def count(role, text):
-    return len(tok.encode_turn(chatformat.Turn(role, text, '', 0)))
+    return len(ids_of(role, text))
 
   rng = np.random.default_rng(seed)
-  # What `ChatSession.load` keeps of a context (it drops the oldest turns
-  # beyond this), less room for the question.
-  budget = decoder.max_len - settings.max_new_tokens - 64 - 2 - 32
+  key = jax.random.PRNGKey(seed)
   results = {}
-  with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, 'context.txt')
-    for d in [*distances, 'no fact']:
-      hits, measured = 0, []
-      for _ in range(samples):
-        distance = distances[-1] if d == 'no fact' else d
-        while True:  # A sample whose context fits whole.
-          s = make_sample(rng, filler, distance, count, d != 'no fact')
-          if sum(count(r, t) for r, t in s.turns[:-2]) <= budget:
-            break
-        context = chatformat.Conversation(
-          tuple(chatformat.Turn(r, t, '', 0) for r, t in s.turns[:-2])
-        )
-        with open(path, 'w', encoding='utf-8') as f:
-          f.write(chatformat.format_conversation(context, tok.markers))
-        session.load(path)
-        reply = session.reply(s.turns[-2][1], stream=False) or ''
-        hits += reply.strip().rstrip('.!').lower() == s.answer.lower()
-        measured.append(s.distance)
-      results[str(d)] = {
-        'accuracy': hits / samples,
-        'mean_distance': float(np.mean(measured)),
-      }
+  for d in [*distances, 'no fact']:
+    hits, measured = 0, []
+    for _ in range(samples):
+      distance = distances[-1] if d == 'no fact' else d
+      while True:  # A sample that fits the context whole.
+        s = make_sample(rng, filler, distance, count, d != 'no fact')
+        ids = list(chat.START)
+        for r, t in s.turns:
+          ids += ids_of(r, t)
+        if len(ids) <= max_len:
+          break
+      answer = ids_of('ai', s.answer)
+      first = len(ids) - len(answer) + 1  # After the AI start marker.
+      x = np.zeros((1, max_len), np.int32)
+      x[0, : len(ids)] = ids
+      key, sub = jax.random.split(key)
+      logits, _ = forward(x, weights, state, sub)
+      guess = np.asarray(logits[0, first : len(ids)]).argmax(-1)
+      hits += bool((guess == np.asarray(ids[first:])).all())
+      measured.append(s.distance)
+    results[str(d)] = {
+      'accuracy': hits / samples,
+      'mean_distance': float(np.mean(measured)),
+    }
   return results
 
 
