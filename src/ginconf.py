@@ -227,7 +227,8 @@ def operative_text() -> str:
 
 
 def lr_peak() -> float:
-  """The configured peak learning rate (for advice in messages)."""
+  """The configured peak learning rate (the optimizer starts there; advice
+  in messages)."""
   try:
     return float(gin.query_parameter('lr_schedule.peak'))
   except ValueError:

@@ -68,9 +68,18 @@ def lr_schedule(
   return schedule
 
 
-def optimizer(kind=trax.optimizers.Adam):
-  """The optimizer: `kind` is a Trax optimizer class, its settings in gin."""
-  return kind()
+def optimizer(kind=trax.optimizers.Adam, learning_rate: float | None = None):
+  """The optimizer: `kind` is a Trax optimizer class, its settings in gin.
+
+  Args:
+    learning_rate: Where to start; the training loop sets the rate from
+      `lr_schedule` at every step. Passing the schedule's peak keeps the
+      class's own default (Adam: 1e-4, never used) out of the saved gin
+      text, where it read as the run's rate.
+  """
+  if learning_rate is None:
+    return kind()
+  return kind(learning_rate=learning_rate)
 
 
 def reformer_lm(vocab_size: int, mode: str):

@@ -951,7 +951,7 @@ def _train(
   train_task = trax_training.TrainTask(
     labeled_data=train_data(),
     loss_layer=model.loss_layer(),
-    optimizer=ginconf.optimizer(),
+    optimizer=ginconf.optimizer(learning_rate=ginconf.lr_peak()),
     lr_schedule=schedule,
     n_steps_per_checkpoint=s['checkpoint-every'],
     loss_name='loss',

@@ -45,6 +45,9 @@ def test_run_writes_checkpoint_tokenizer_and_gin(tiny_run):
   operative = open(os.path.join(out, 'config.gin')).read()
   assert 'ReformerLM.n_layers = 2' in operative
   assert 'lr_schedule.warmup_steps = 2' in operative
+  # The schedule sets the rate; Trax's unused Adam default is not shown.
+  assert 'Adam.learning_rate' not in operative
+  assert 'Adam.b2 = 0.98' in operative
   assert tiny_run['loop'].step == 4
 
 
