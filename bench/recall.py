@@ -19,7 +19,9 @@ asks for it ("What is the code word?") and the AI answers it ("river").
    hashes at sampling time (LSH), and a no-fact baseline (the statement
    left out: what guessing scores).
 
-Prints a markdown table for BENCHMARKS.md; results in WORK_DIR/recall.json.
+Prints a markdown table for BENCHMARKS.md (exact answers, and in brackets
+the share of the value's tokens predicted right); results in
+WORK_DIR/recall.json.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ def model_binds(context: int, attention: str) -> list[str]:
   return binds
 
 
-def train(work, data, context, attention, steps):
+def train(work, data, context, attention, steps, batch=2):
   from src import config, training
 
   out = os.path.join(work, f'run-{attention}')
@@ -176,7 +178,7 @@ def train(work, data, context, attention, steps):
     'checkpoint-every': max(steps // 4, 1),
     'vocab-size': 1000,
     'ai-only-loss': True,
-    'batch-size': 2,
+    'batch-size': batch,
     'sample-prompts': [],
   }
   t0 = time.time()
@@ -219,7 +221,7 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
   key = jax.random.PRNGKey(seed)
   results = {}
   for d in [*distances, 'no fact']:
-    hits, measured = 0, []
+    hits, measured, pieces = 0, [], []
     for _ in range(samples):
       distance = distances[-1] if d == 'no fact' else d
       while True:  # A sample that fits the context whole.
@@ -236,10 +238,15 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
       key, sub = jax.random.split(key)
       logits, _ = forward(x, weights, state, sub)
       guess = np.asarray(logits[0, first : len(ids)]).argmax(-1)
-      hits += bool((guess == np.asarray(ids[first:])).all())
+      right = guess == np.asarray(ids[first:])
+      hits += bool(right.all())
+      pieces.append(float(right[:-1].mean()))  # The value's own tokens.
       measured.append(s.distance)
     results[str(d)] = {
       'accuracy': hits / samples,
+      # Share of the value's tokens predicted right: shows partial recall
+      # (a name's first letters) that exact match does not.
+      'token_accuracy': float(np.mean(pieces)),
       'mean_distance': float(np.mean(measured)),
     }
   return results
@@ -253,6 +260,7 @@ def main(argv=None):
   parser.add_argument('--train-samples', type=int, default=3000)
   parser.add_argument('--attention', default='lsh,full')
   parser.add_argument('--samples', type=int, default=20)
+  parser.add_argument('--batch', type=int, default=2)
   parser.add_argument('--smoke', action='store_true')
   args = parser.parse_args(argv)
   if args.smoke:
@@ -267,9 +275,16 @@ def main(argv=None):
   longest = args.context - 512
   distances = [d for d in (256, 1024, 2048, 3072, 6144) if d < longest]
   distances = [*distances, longest] if longest > 0 else [args.context // 4]
-  report = {'context': args.context, 'steps': args.steps, 'runs': {}}
+  report = {
+    'context': args.context,
+    'steps': args.steps,
+    'batch': args.batch,
+    'runs': {},
+  }
   for attention in args.attention.split(','):
-    run, seconds = train(args.work, data, args.context, attention, args.steps)
+    run, seconds = train(
+      args.work, data, args.context, attention, args.steps, args.batch
+    )
     hashes = (1, 2, 4) if attention == 'lsh' else (None,)
     for h in hashes:
       name = attention if h is None else f'lsh, {h} hash(es)'
@@ -284,7 +299,11 @@ def main(argv=None):
   print('| model | ' + ' | '.join(head) + ' |')
   print('|-|' + '-|' * len(head))
   for name, r in report['runs'].items():
-    cells = [f'{100 * r["by_distance"][h]["accuracy"]:.0f}%' for h in head]
+    cells = [
+      f'{100 * r["by_distance"][h]["accuracy"]:.0f}% '
+      f'({100 * r["by_distance"][h]["token_accuracy"]:.0f}%)'
+      for h in head
+    ]
     print(f'| {name} | ' + ' | '.join(cells) + ' |')
   return 0
 
