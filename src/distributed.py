@@ -126,7 +126,7 @@ def check_settings(s) -> None:
     raise UserError(
       f'{where}: train.num-processes must be at least 1 (got {n})'
     )
-  if not 0 <= i < max(n, 1):
+  if not 0 <= i < n:
     raise UserError(
       f'{where}: train.process-id {i} must be between 0 and '
       f'num-processes - 1 = {n - 1}; number the processes 0..{n - 1}, '
@@ -258,6 +258,16 @@ FINGERPRINTS = ('settings', 'gin', 'data')
 _FAILED = '00' * 32  # Sent instead by a process that could not start.
 
 
+def first_mismatch(every: list[list[str]]) -> tuple[int, int] | None:
+  """`(process, index)` of the first of `gather_digests`'s values that
+  differs from process 0's, or None if all agree."""
+  for p, values in enumerate(every[1:], start=1):
+    for i, (value, chief_value) in enumerate(zip(values, every[0])):
+      if value != chief_value:
+        return p, i
+  return None
+
+
 def check_same(cluster: Cluster, named: dict[str, str] | None) -> None:
   """Refuses to go on if any process's fingerprints differ from the chief's.
 
@@ -283,30 +293,29 @@ def check_same(cluster: Cluster, named: dict[str, str] | None) -> None:
         f'process {p} could not start the run (its error is in its '
         'output); nothing was trained'
       )
-  for p, values in enumerate(every[1:], start=1):
-    for name, chief_value, value in zip(FINGERPRINTS, every[0], values):
-      if value != chief_value:
-        raise UserError(
-          f'process {p} has different {name} than process 0 '
-          f'({value[:12]} vs {chief_value[:12]}); run the same command '
-          'with the same config, gin file and data on every machine '
-          '(only process-id differs)'
-        )
+  mismatch = first_mismatch(every)
+  if mismatch is not None:
+    p, i = mismatch
+    raise UserError(
+      f'process {p} has different {FINGERPRINTS[i]} than process 0 '
+      f'({every[p][i][:12]} vs {every[0][i][:12]}); run the same command '
+      'with the same config, gin file and data on every machine '
+      '(only process-id differs)'
+    )
 
 
 def lost_contact(e: BaseException) -> bool:
   """Whether `e` is a collective failing because another process is gone."""
-  text = str(e)
+  text = str(e).lower()
   return any(
     s in text
     for s in (
-      'Gloo',
       'gloo',
       'coordination service',
       'heartbeat',
-      'NCCL',
-      'DEADLINE_EXCEEDED',
-      'Connection reset',
+      'nccl',
+      'deadline_exceeded',
+      'connection reset',
     )
   )
 

@@ -676,13 +676,11 @@ def prepare(
     )
   return {
     'settings': s,
-    'cluster': cluster,
     'eval_corpus': eval_corpus,
     'finetune': fine,
     'corpus': train_corpus,
     'tokenizer': tok,
     'gin': setup,
-    'devices': devices,
     'batch_size': batch_size,
     'start_step': start_step,
     'checkpoint_folder': checkpoint_folder,
@@ -1085,12 +1083,13 @@ def _same_weights_everywhere(cluster: distributed.Cluster, loop) -> str:
   flat = [np.asarray(w) for w in jax.tree_util.tree_leaves(loop.model.weights)]
   digest = checkpoint.weights_digest(flat)
   every = cluster.gather_digests([digest])
-  for p, (d,) in enumerate(every):
-    if d != every[0][0]:
-      raise UserError(
-        f'process {p} ended with different weights than process 0 '
-        f'({d[:12]} vs {every[0][0][:12]}); the processes did not train '
-        'the same model: check that they run the same versions of '
-        'jax/jaxlib and trax'
-      )
+  mismatch = distributed.first_mismatch(every)
+  if mismatch is not None:
+    p, _ = mismatch
+    raise UserError(
+      f'process {p} ended with different weights than process 0 '
+      f'({every[p][0][:12]} vs {every[0][0][:12]}); the processes did not '
+      'train the same model: check that they run the same versions of '
+      'jax/jaxlib and trax'
+    )
   return digest

@@ -31,6 +31,28 @@ MICRO = (
 )
 
 
+def micro_args(out, steps):
+  """`train.py` arguments for the sample data and the MICRO model."""
+  args = [
+    'train.py',
+    '--data',
+    DATA,
+    '--gin',
+    TINY_GIN,
+    '--out-dir',
+    out,
+    '--steps',
+    str(steps),
+    '--vocab-size',
+    '300',
+    '--eval-batches',
+    '1',
+  ]
+  for b in MICRO:
+    args += ['--bind', b]
+  return args
+
+
 def train_settings(out_dir, **overrides):
   """A `train` Section for the sample data and tiny gin, with overrides."""
   values = {

@@ -22,7 +22,7 @@ import pytest
 
 from src import checkpoint, config, distributed
 from src.errors import UserError
-from tests.conftest import DATA, MICRO, ROOT, TINY_GIN
+from tests.conftest import MICRO, ROOT, micro_args
 
 # Attention that sees the whole (128-token) window whatever the hashing,
 # and no dropout: nothing random differs between a multi-process and a
@@ -42,26 +42,12 @@ def free_port() -> int:
 
 
 def train_args(steps, extra=()):
-  args = [
-    os.path.join(ROOT, 'train.py'),
-    '--data',
-    DATA,
-    '--gin',
-    TINY_GIN,
-    '--out-dir',
-    'run',
-    '--steps',
-    str(steps),
-    '--vocab-size',
-    '300',
-    '--eval-batches',
-    '1',
-    '--batch-size',
-    '2',
-    '--sample-prompts',
-    '[]',
-  ]
-  for b in EXACT:
+  """`micro_args` with an out-dir relative to each process's folder (so
+  `train.py` by its full path), exact attention, batch 2, no samples."""
+  args = micro_args('run', steps)
+  args[0] = os.path.join(ROOT, 'train.py')
+  args += ['--batch-size', '2', '--sample-prompts', '[]']
+  for b in EXACT[len(MICRO) :]:  # After MICRO's own binds: these win.
     args += ['--bind', b]
   return args + list(extra)
 
@@ -289,6 +275,9 @@ def test_fingerprints_name_what_differs():
   assert distributed.Cluster(1, 4, 2, 8).prefix == '[2/4] '
   assert cluster.broadcast_json({'k': [1]}) == {'k': [1]}
   distributed.check_same(cluster, None)  # One process: nothing to compare.
+  a, b = 'a' * 64, 'b' * 64
+  assert distributed.first_mismatch([[a, a], [a, a], [a, a]]) is None
+  assert distributed.first_mismatch([[a, a], [a, a], [a, b]]) == (2, 1)
 
 
 @pytest.mark.slow

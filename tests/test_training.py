@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from src import checkpoint, ginconf, training
 from src.errors import UserError
 
-from .conftest import DATA, MICRO, ROOT, TINY_GIN, train_settings
+from .conftest import DATA, MICRO, ROOT, micro_args, train_settings
 
 
 def scalars(folder):
@@ -150,27 +150,6 @@ def run_script(args, env=None, **kwargs):
     text=True,
     **kwargs,
   )
-
-
-def micro_args(out, steps):
-  args = [
-    'train.py',
-    '--data',
-    DATA,
-    '--gin',
-    TINY_GIN,
-    '--out-dir',
-    out,
-    '--steps',
-    str(steps),
-    '--vocab-size',
-    '300',
-    '--eval-batches',
-    '1',
-  ]
-  for b in MICRO:
-    args += ['--bind', b]
-  return args
 
 
 def test_train_script_output_is_quiet_and_useful(tmp_path):
