@@ -49,6 +49,19 @@ WORDS = (
   'anchor biscuit comet dolphin'
 ).split()
 NUMBERS = [str(n) for n in range(100, 1000, 37)]
+COLORS = (
+  'red blue green yellow purple orange pink brown black white grey teal '
+  'maroon navy olive silver gold beige coral indigo'
+).split()
+CITIES = (
+  'Paris Lisbon Oslo Cairo Lima Quito Dublin Vienna Prague Madrid Seoul '
+  'Tokyo Nairobi Boston Denver Austin Sydney Perth Toronto Havana Athens '
+  'Warsaw Zurich Rome'
+).split()
+PETS = (
+  'Biscuit Pepper Shadow Luna Milo Rocky Daisy Oscar Ziggy Coco Buster '
+  'Nala Simba Rusty Mochi Pixel Waffles Juno Toby Ginger'
+).split()
 
 # kind -> (statement, question, values)
 FACTS = {
@@ -59,6 +72,9 @@ FACTS = {
     NUMBERS,
   ),
   'code word': ('The code word is {}.', 'What is the code word?', WORDS),
+  'color': ('My favorite color is {}.', 'What is my favorite color?', COLORS),
+  'city': ('I live in {}.', 'Where do I live?', CITIES),
+  'pet': ('My dog is called {}.', 'What is my dog called?', PETS),
 }
 ACK = 'Okay, I will remember that.'
 
@@ -103,14 +119,68 @@ def make_sample(rng, filler, distance: int, count, with_fact: bool = True):
   return Sample(turns, value, kind, used)
 
 
-def to_text(samples, markers) -> str:
+def _filler_turns(rng, filler):
+  """One whole filler conversation's turns, user first and AI last."""
+  while True:
+    conv = filler[int(rng.integers(len(filler)))]
+    if conv.turns and conv.turns[0].role == 'user':
+      break
+  turns = [(t.role, t.text) for t in conv.turns]
+  if turns[-1][0] == 'user':  # Keep user/AI alternating.
+    turns.append(('ai', ACK))
+  return turns
+
+
+def make_training_conversation(rng, filler, length: int, count):
+  """A training conversation of about `length` tokens holding every kind.
+
+  Each kind of fact is stated once at a random point and asked once at a
+  random later point (the answer is the stated value), with whole real
+  conversations between: one window carries several examples of the skill
+  at distances from a few tokens to about `length`.
+
+  Args:
+    rng: A NumPy Generator.
+    filler: Conversations (`chatformat.Conversation`) to draw turns from.
+    length: Tokens of filler in all (as `count` counts them).
+    count: `(role, text) -> tokens` the turn takes in the context.
+
+  Returns:
+    `(turns, asked)`: `(role, text)` pairs, and `(kind, value, distance)`
+    for each question, distance in filler tokens since the statement.
+  """
+  events = []
+  for kind in FACTS:
+    said = float(rng.uniform(0, 0.8 * length))
+    events.append((said, 0, kind))
+    events.append((float(rng.uniform(said, length)), 1, kind))
+  events.sort()
+  values = {k: v[2][int(rng.integers(len(v[2])))] for k, v in FACTS.items()}
+  turns, asked, used, said_at = [], [], 0, {}
+  for at, is_question, kind in events:
+    while used < at:
+      for role, text in _filler_turns(rng, filler):
+        turns.append((role, text))
+        used += count(role, text)
+    statement, question, _ = FACTS[kind]
+    if is_question:
+      turns += [('user', question), ('ai', values[kind])]
+      asked.append((kind, values[kind], used - said_at[kind]))
+    else:
+      turns += [('user', statement.format(values[kind])), ('ai', ACK)]
+      said_at[kind] = used
+  return turns, asked
+
+
+def to_text(conversations, markers) -> str:
+  """Conversations (lists of `(role, text)`) in the line format."""
   from src import chatformat
 
   convs = [
     chatformat.Conversation(
-      tuple(chatformat.Turn(r, t, '', 0) for r, t in s.turns)
+      tuple(chatformat.Turn(r, t, '', 0) for r, t in turns)
     )
-    for s in samples
+    for turns in conversations
   ]
   return '\n\n'.join(chatformat.format_conversation(c, markers) for c in convs)
 
@@ -124,23 +194,24 @@ def filler_conversations(work: str):
   return chatformat.read_data(folder)
 
 
-def write_training_set(path, filler, n, max_distance, seed=0):
-  """`n` samples, distances uniform in [0, max_distance] (estimated at 4
-  characters a token; the run's tokenizer measures them when scoring)."""
+def write_training_set(path, filler, n, length, seed=0):
+  """`n` conversations (`make_training_conversation`), each with about
+  `length` tokens of filler (estimated at 4 characters a token; the run's
+  tokenizer measures distances when scoring). Returns the distances asked."""
   from src import chatformat
 
   rng = np.random.default_rng(seed)
-  samples = [
-    make_sample(
-      rng,
-      filler,
-      int(rng.integers(0, max_distance + 1)),
+  convs, distances = [], []
+  for _ in range(n):
+    turns, asked = make_training_conversation(
+      rng, filler, int(rng.integers(length // 4, length + 1)),
       lambda r, t: len(t) // 4 + 2,
     )
-    for _ in range(n)
-  ]
+    convs.append(turns)
+    distances += [d for _, _, d in asked]
   with open(path, 'w', encoding='utf-8') as f:
-    f.write(to_text(samples, chatformat.Markers()) + '\n')
+    f.write(to_text(convs, chatformat.Markers()) + '\n')
+  return distances
 
 
 def model_binds(context: int, attention: str) -> list[str]:
@@ -164,7 +235,7 @@ def model_binds(context: int, attention: str) -> list[str]:
   return binds
 
 
-def train(work, data, context, attention, steps, batch=2):
+def train(work, data, context, attention, steps, batch=2, binds=()):
   from src import config, training
 
   out = os.path.join(work, f'run-{attention}')
@@ -184,8 +255,8 @@ def train(work, data, context, attention, steps, batch=2):
   t0 = time.time()
   training.train(
     config.from_values('train', values),
-    gin_bindings=model_binds(context, attention),
-    log=lambda line: None,
+    gin_bindings=model_binds(context, attention) + list(binds),
+    log=lambda line: print(line, flush=True),
   )
   return out, time.time() - t0
 
@@ -261,6 +332,10 @@ def main(argv=None):
   parser.add_argument('--attention', default='lsh,full')
   parser.add_argument('--samples', type=int, default=20)
   parser.add_argument('--batch', type=int, default=2)
+  parser.add_argument(
+    '--bind', action='append', default=[],
+    help='an extra gin binding for training (repeatable)',
+  )
   parser.add_argument('--smoke', action='store_true')
   args = parser.parse_args(argv)
   if args.smoke:
@@ -268,8 +343,14 @@ def main(argv=None):
   os.makedirs(args.work, exist_ok=True)
   filler = filler_conversations(args.work)
   data = os.path.join(args.work, 'recall-train.txt')
-  room = args.context - 128
-  write_training_set(data, filler, args.train_samples, room)
+  room = args.context - 256  # The questions and statements take the rest.
+  asked = write_training_set(data, filler, args.train_samples, room)
+  print(
+    f'training set: {args.train_samples} conversations, {len(asked)} '
+    f'questions, distances (estimated) median {np.median(asked):.0f}, '
+    f'90th percentile {np.percentile(asked, 90):.0f}',
+    flush=True,
+  )
   # Scored up to half a typical conversation short of the context, so a
   # sample's context fits whole.
   longest = args.context - 512
@@ -283,7 +364,8 @@ def main(argv=None):
   }
   for attention in args.attention.split(','):
     run, seconds = train(
-      args.work, data, args.context, attention, args.steps, args.batch
+      args.work, data, args.context, attention, args.steps, args.batch,
+      args.bind,
     )
     hashes = (1, 2, 4) if attention == 'lsh' else (None,)
     for h in hashes:

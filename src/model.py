@@ -249,6 +249,7 @@ def chunked_cross_entropy(
   chunk_size,
   with_accuracy=False,
   ranges=(),
+  with_hits=False,
 ):
   """Weighted cross-entropy of `x @ kernel + bias`, `chunk_size` rows at a time.
 
@@ -265,11 +266,13 @@ def chunked_cross_entropy(
     with_accuracy: Also return the weighted accuracy (evaluation).
     ranges: With `with_accuracy`, also `range_sums` for these position
       ranges.
+    with_hits: Also return the weighted count of right guesses and the
+      weight total (training: the running accuracy), without gradient.
 
   Returns:
     The weighted mean loss, a float32 scalar; with `with_accuracy`, the
     pair (loss, accuracy) as `WeightedCategoryAccuracy` computes it,
-    followed by the `range_sums`.
+    followed by the `range_sums`; with `with_hits`, (loss, hits, total).
   """
   shape = targets.shape
   d = x.shape[-1]
@@ -290,10 +293,11 @@ def chunked_cross_entropy(
     lse = jax.nn.logsumexp(logits, axis=-1)
     true = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
     loss = jnp.sum(wc * (lse - true))
-    if not with_accuracy:
+    if not (with_accuracy or with_hits):
       return loss, jnp.zeros([], jnp.float32), jnp.zeros([0], jnp.float32)
     hits = (jnp.argmax(logits, axis=-1) == tc).astype(jnp.float32)
-    return loss, jnp.sum(wc * hits), lse - true
+    hits = jax.lax.stop_gradient(jnp.sum(wc * hits))
+    return loss, hits, (lse - true) if with_accuracy else jnp.zeros([0])
 
   def body(totals, inputs):
     loss, hits, each = piece(*inputs, kernel, bias)
@@ -310,6 +314,8 @@ def chunked_cross_entropy(
     per_token = each.reshape(-1)[:n].reshape(shape)
     sums = range_sums(per_token, weights.astype(jnp.float32), ranges)
     return (loss / total, hits / total, *sums)
+  if with_hits:
+    return loss / total, hits, jax.lax.stop_gradient(total)
   return loss / total
 
 
@@ -377,7 +383,13 @@ def _dense_position(head):
 class ChunkedOutput(tl.Layer):
   """`(activations, kernel, bias, targets, weights)` -> the weighted mean
   loss (training) or (loss, accuracy, position range sums...) (evaluation),
-  via `chunked_cross_entropy`."""
+  via `chunked_cross_entropy`.
+
+  In training its state is `(hits, total)` of the last call: the weighted
+  count of positions whose most likely token was the target, and the
+  weight total (float32 scalars). The loop reads them for the running
+  accuracy; they are not part of the model's state or checkpoints.
+  """
 
   def __init__(self, chunk_size: int, with_accuracy: bool = False, ranges=()):
     n_out = 2 + 2 * len(ranges) if with_accuracy else 1
@@ -386,9 +398,13 @@ class ChunkedOutput(tl.Layer):
     self._with_accuracy = with_accuracy
     self._ranges = tuple(ranges) if with_accuracy else ()
 
+  def init_weights_and_state(self, input_signature):
+    if not self._with_accuracy:
+      self.state = hit_counts_zero()
+
   def forward(self, inputs):
     x, kernel, bias, targets, weights = inputs
-    return chunked_cross_entropy(
+    out = chunked_cross_entropy(
       x,
       kernel,
       bias,
@@ -397,7 +413,29 @@ class ChunkedOutput(tl.Layer):
       self._chunk_size,
       with_accuracy=self._with_accuracy,
       ranges=self._ranges,
+      with_hits=not self._with_accuracy,
     )
+    if self._with_accuracy:
+      return out
+    loss, hits, total = out
+    self.state = (hits, total)
+    return loss
+
+
+def hit_counts_zero():
+  """`ChunkedOutput`'s training state before any step: (hits, total)."""
+  return (jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+
+
+def hit_counts(model_with_loss_state):
+  """`(hits, total)` of the last training step, summed over devices (from
+  the trainer's model-with-loss state), or None when the loss is not the
+  chunked one (no counts there). Device values: nothing waits."""
+  try:
+    hits, total = model_with_loss_state[1]
+  except (TypeError, ValueError, IndexError):
+    return None
+  return jnp.stack([jnp.sum(hits), jnp.sum(total)])
 
 
 def chunked_model(
@@ -461,17 +499,26 @@ class Accumulate(_Wraps):
     def body(carry, xs):
       total, state = carry
       *batch, rng = xs
-      loss, state = one(weights, state, batch, rng)
+      loss, new = one(weights, state, batch, rng)
+      # The chunked loss's hit counts add up over the micro-batches.
+      state = _add_hit_counts(state, new) if counts else new
       # Each micro-batch's mean loss weighted by its loss tokens: the
       # result is the whole batch's token-weighted mean.
       return (total + loss * jnp.sum(batch[-1]), state), None
 
     zero = jnp.zeros([], jnp.float32)
-    (total, state), _ = jax.lax.scan(
-      body, (zero, self._wrapped.state), (*micro, rngs)
-    )
+    state = self._wrapped.state
+    counts = isinstance(self._wrapped.sublayers[-1], ChunkedOutput)
+    if counts:
+      state = (state[0], hit_counts_zero())
+    (total, state), _ = jax.lax.scan(body, (zero, state), (*micro, rngs))
     self.state = state
     return total / jnp.sum(inputs[-1])
+
+
+def _add_hit_counts(before, after):
+  """`after` with its `ChunkedOutput` counts added to `before`'s."""
+  return (after[0], tuple(a + b for a, b in zip(before[1], after[1])))
 
 
 class RangeSum(tl.Layer):

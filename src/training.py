@@ -227,6 +227,7 @@ class JadeLoop(trax_training.Loop):
     # line's running mean (over `log_every` steps, see `_train`).
     self._log_every = log_every
     self._window_tokens = 0.0  # Loss tokens since the last log.
+    self._window_hits = None  # Device [hits, total] since the last log.
     self._window_start = time.time()
     self._running_writer = None
     self.sampler = None  # samples.SampleReplies, set once the Loop exists.
@@ -298,6 +299,12 @@ class JadeLoop(trax_training.Loop):
     self._tokens += tokens * self._cluster.count
     self._progress.step_done(self.step, loss, lr, tokens)
     self._window_tokens += tokens
+    counts = model.hit_counts(
+      self._trainer_per_task[task_index].accelerated_model_with_loss.state
+    )
+    if counts is not None:  # Added on the device: no wait here.
+      w = self._window_hits
+      self._window_hits = counts if w is None else w + counts
     if self.step % self._log_every == 0:
       self._write_running(lr)
     # The previous step's values are ready by now; checking this step's
@@ -312,6 +319,7 @@ class JadeLoop(trax_training.Loop):
   def _write_running(self, lr: float):
     """Running training scalars of the last `log_every` steps."""
     tokens, self._window_tokens = self._window_tokens, 0.0
+    counts, self._window_hits = self._window_hits, None
     now, start = time.time(), self._window_start
     self._window_start = now
     if not self.is_chief or self.output_dir is None:
@@ -329,6 +337,9 @@ class JadeLoop(trax_training.Loop):
       'learning_rate': lr,
       'tokens_per_second': tokens / max(now - start, 1e-9),
     }
+    if counts is not None:  # The chunked loss counts right guesses.
+      hits, total = (float(v) for v in np.asarray(counts))
+      values['accuracy'] = hits / max(total, 1e-9)
     for name, value in values.items():
       self._running_writer.scalar(f'running/{name}', value, step=self.step)
     self._running_writer.flush()

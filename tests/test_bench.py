@@ -123,5 +123,5 @@ def test_recall_samples_hold_the_fact_once_at_the_distance_asked():
     assert all(a != b for a, b in zip(roles, roles[1:]))  # Alternating.
     blank = q.make_sample(rng, filler, distance, count, with_fact=False)
     assert all(t != statement.format(blank.answer) for _, t in blank.turns)
-  text = q.to_text([s], chatformat.Markers())
+  text = q.to_text([s.turns], chatformat.Markers())
   assert chatformat.parse_text(text, 'x.txt')[0].turns[-1].text == s.answer

@@ -163,6 +163,13 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
     logits = x @ kernel + bias
     acc_want = tl.WeightedCategoryAccuracy()((logits, targets, weights))
     np.testing.assert_allclose(accuracy, acc_want, rtol=1e-6)
+    # Training: the same loss, plus the counts of the running accuracy.
+    loss, hits, total = model.chunked_cross_entropy(
+      x, kernel, bias, targets, weights, size, with_hits=True
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    assert float(total) == float(jnp.sum(weights))
+    np.testing.assert_allclose(hits / total, acc_want, rtol=1e-6)
 
 
 def test_chunked_model_shares_the_models_weights():
@@ -241,3 +248,41 @@ def test_position_range_losses_add_up_to_the_loss():
   # A range without any loss weight is left out, not reported as 0.
   values = model.range_losses({'range loss 0-2': 0.0, 'range count 0-2': 0.0})
   assert values == {}
+
+
+def test_training_hit_counts_cover_every_micro_batch():
+  """The running training accuracy's counts: the positions whose most
+  likely token is the target, summed over all micro-batches when
+  gradients are accumulated (not only the last one)."""
+  import jax
+
+  ginconf.parse(
+    TINY_GIN,
+    (
+      'ReformerLM.dropout = 0.0',
+      'LSHSelfAttention.chunk_len = 256',  # 2 chunks: attention is exact.
+      'LSHSelfAttention.n_buckets = 2',
+    ),
+  )
+  vocab, length = 40, 512
+  m = model.init_model(vocab, 'train', length, batch=2)
+  rng = np.random.default_rng(0)
+  inputs = jnp.asarray(rng.integers(1, vocab, (2, length)), jnp.int32)
+  guess = np.asarray(m(inputs)).argmax(-1)
+  # Row 0 mostly asks for the model's own guesses, row 1 for random ids.
+  targets = rng.integers(0, vocab, (2, length))
+  targets[0, :300] = guess[0, :300]
+  weights = np.ones((2, length), np.float32)
+  want = float(np.sum(guess == targets))
+  assert want >= 300
+  batch = (inputs, jnp.asarray(targets, jnp.int32), jnp.asarray(weights))
+  key = jax.random.PRNGKey(0)
+  for k in (1, 2):
+    fused = model.chunked_model(m, 128)
+    if k > 1:
+      fused = model.Accumulate(fused, k)
+    _, state = fused.pure_fn(batch, fused.weights, fused.state, key)
+    hits, total = np.asarray(model.hit_counts(state))
+    assert total == 2 * length
+    assert hits == pytest.approx(want, abs=2)
+  assert model.hit_counts(((), ())) is None  # Trax's own loss: no counts.

@@ -75,6 +75,8 @@ def test_tensorboard_events_read_back(tiny_run):
     ppl = dict(train['running/perplexity'])[step]
     assert ppl == pytest.approx(np.exp(loss), rel=1e-4)
   assert all(v > 0 for _, v in train['running/tokens_per_second'])
+  assert [s for s, _ in train['running/accuracy']] == [2, 4]
+  assert all(0 <= v <= 1 for _, v in train['running/accuracy'])
   lr = dict(train['running/learning_rate'])
   assert lr[4] == pytest.approx(dict(train['training/learning_rate'])[4])
 
@@ -432,7 +434,12 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
       train_settings(
         tmp_path / f'k{k}',
         steps=2,
-        **{'batch-size': 2, 'accumulate-steps': k, 'eval-every': 100},
+        **{
+          'batch-size': 2,
+          'accumulate-steps': k,
+          'eval-every': 100,
+          'log-every': 1,
+        },
       ),
       gin_bindings=exact,
       log=lambda line: None,
@@ -448,6 +455,12 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     for k in (1, 2)
   ]
   assert losses[0][-1][1] == pytest.approx(losses[1][-1][1], rel=1e-4)
+  # The running accuracy counts every micro-batch, not only the last.
+  accuracy = [
+    scalars(os.path.join(tmp_path / f'k{k}', 'train'))['running/accuracy']
+    for k in (1, 2)
+  ]
+  assert accuracy[0] == pytest.approx(accuracy[1], abs=1e-3)
   with pytest.raises(UserError, match='accumulate-steps 3 does not split'):
     training.train(
       train_settings(tmp_path / 'k3', **{'accumulate-steps': 3}),
