@@ -1,27 +1,33 @@
 """Long-range recall: does the model use what was said thousands of tokens ago?
 
   python bench/recall.py WORK_DIR [--context 4096] [--steps 2000]
-      [--attention lsh,full] [--samples 20] [--smoke]
+      [--batch 2] [--attention lsh,full] [--samples 20]
+      [--loss ai|answers] [--bind GIN]... [--score-only] [--smoke]
 
 The task, built from real dialogue (ChatterBot English, all categories):
-early in a conversation the user states a fact, a name, a number or a code
-word drawn at random ("The code word is river."), the AI acknowledges it,
-then other real conversations' turns follow for N tokens, then the user
-asks for it ("What is the code word?") and the AI answers it ("river").
+the user states a fact drawn at random, of six kinds (a name, a number, a
+code word, a color, a city, a dog's name: "The code word is river."), the
+AI acknowledges it, other real conversations follow, and later the user
+asks for it ("What is the code word?") and the AI answers the bare value.
 
-1. Writes a training set: conversations of this shape with N drawn
-   uniformly up to the context (less room for the question).
+1. Writes a training set: long conversations (up to the context) in which
+   every kind is stated once and asked once at a random later point, so a
+   window holds several examples of the skill at distances from a few
+   tokens to the context (`make_training_conversation`).
 2. Trains the tiny model (gin/tiny.gin) at `--context` tokens, with LSH
    attention and, for comparison, full attention (`SelfAttention`, the same
-   size, the same steps), loss on the AI turns.
-3. Scores greedy answers on fresh samples (new facts, new filler order) by
-   distance in tokens (measured with the run's tokenizer), for 1, 2 and 4
-   hashes at sampling time (LSH), and a no-fact baseline (the statement
-   left out: what guessing scores).
+   size, the same steps); loss on the AI turns (`--loss answers`: only on
+   the answers, the other AI turns are `|noloss|` context).
+3. Scores answers on fresh samples (one fact, then filler, then the
+   question) by distance in tokens (measured with the run's tokenizer), for
+   1, 2 and 4 hashes at sampling time (LSH), and a no-fact baseline (the
+   statement left out: what guessing scores).
 
-Prints a markdown table for BENCHMARKS.md (exact answers, and in brackets
-the share of the value's tokens predicted right); results in
-WORK_DIR/recall.json.
+Prints a markdown table for BENCHMARKS.md; for each distance: the share of
+exact greedy answers; the probability the model gives the stated value
+(found the fact; chance is 1/20 to 1/26); and in brackets the probability
+on the asked kind's values (understood the question, which is right
+there). Results in WORK_DIR/recall.json.
 """
 
 from __future__ import annotations
@@ -172,14 +178,26 @@ def make_training_conversation(rng, filler, length: int, count):
   return turns, asked
 
 
-def to_text(conversations, markers) -> str:
-  """Conversations (lists of `(role, text)`) in the line format."""
+QUESTIONS = {question for _, question, _ in FACTS.values()}
+
+
+def to_text(conversations, markers, loss: str = 'ai') -> str:
+  """Conversations (lists of `(role, text)`) in the line format.
+
+  `loss`: 'ai' trains on every AI turn; 'answers' only on the answers to
+  the questions (the other AI turns are written `|noloss|`: context only).
+  """
   from src import chatformat
 
+  def turns_of(turns):
+    for i, (r, t) in enumerate(turns):
+      train = loss == 'ai' or (
+        r == 'ai' and i > 0 and turns[i - 1][1] in QUESTIONS
+      )
+      yield chatformat.Turn(r, t, '', 0, train or r != 'ai')
+
   convs = [
-    chatformat.Conversation(
-      tuple(chatformat.Turn(r, t, '', 0) for r, t in turns)
-    )
+    chatformat.Conversation(tuple(turns_of(turns)))
     for turns in conversations
   ]
   return '\n\n'.join(chatformat.format_conversation(c, markers) for c in convs)
@@ -194,10 +212,11 @@ def filler_conversations(work: str):
   return chatformat.read_data(folder)
 
 
-def write_training_set(path, filler, n, length, seed=0):
+def write_training_set(path, filler, n, length, seed=0, loss='ai'):
   """`n` conversations (`make_training_conversation`), each with about
   `length` tokens of filler (estimated at 4 characters a token; the run's
-  tokenizer measures distances when scoring). Returns the distances asked."""
+  tokenizer measures distances when scoring); `loss` as in `to_text`.
+  Returns the distances asked."""
   from src import chatformat
 
   rng = np.random.default_rng(seed)
@@ -210,7 +229,7 @@ def write_training_set(path, filler, n, length, seed=0):
     convs.append(turns)
     distances += [d for _, _, d in asked]
   with open(path, 'w', encoding='utf-8') as f:
-    f.write(to_text(convs, chatformat.Markers()) + '\n')
+    f.write(to_text(convs, chatformat.Markers(), loss) + '\n')
   return distances
 
 
@@ -288,11 +307,16 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
   def count(role, text):
     return len(ids_of(role, text))
 
+  # First token of each value (after the AI start marker), by kind.
+  first_ids = {
+    kind: sorted({ids_of('ai', v)[1] for v in values})
+    for kind, (_, _, values) in FACTS.items()
+  }
   rng = np.random.default_rng(seed)
   key = jax.random.PRNGKey(seed)
   results = {}
   for d in [*distances, 'no fact']:
-    hits, measured, pieces = 0, [], []
+    hits, measured, pieces, kind_mass, value_prob = 0, [], [], [], []
     for _ in range(samples):
       distance = distances[-1] if d == 'no fact' else d
       while True:  # A sample that fits the context whole.
@@ -312,12 +336,20 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
       right = guess == np.asarray(ids[first:])
       hits += bool(right.all())
       pieces.append(float(right[:-1].mean()))  # The value's own tokens.
+      # Where the value's first token is predicted: the probability on
+      # the asked kind's values (knows what is asked: the question is
+      # right there) and on the stated value (found the fact).
+      p = np.asarray(jax.nn.softmax(logits[0, first].astype(np.float32)))
+      kind_mass.append(float(p[first_ids[s.kind]].sum()))
+      value_prob.append(float(p[ids[first]]))
       measured.append(s.distance)
     results[str(d)] = {
       'accuracy': hits / samples,
       # Share of the value's tokens predicted right: shows partial recall
       # (a name's first letters) that exact match does not.
       'token_accuracy': float(np.mean(pieces)),
+      'kind_mass': float(np.mean(kind_mass)),
+      'value_probability': float(np.mean(value_prob)),
       'mean_distance': float(np.mean(measured)),
     }
   return results
@@ -336,6 +368,15 @@ def main(argv=None):
     '--bind', action='append', default=[],
     help='an extra gin binding for training (repeatable)',
   )
+  parser.add_argument(
+    '--loss', choices=('ai', 'answers'), default='ai',
+    help="train on every AI turn, or only on the answers (the other AI "
+    "turns are context: '|noloss|')",
+  )
+  parser.add_argument(
+    '--score-only', action='store_true',
+    help='score the runs already in WORK_DIR (run-lsh, run-full) again',
+  )
   parser.add_argument('--smoke', action='store_true')
   args = parser.parse_args(argv)
   if args.smoke:
@@ -344,7 +385,9 @@ def main(argv=None):
   filler = filler_conversations(args.work)
   data = os.path.join(args.work, 'recall-train.txt')
   room = args.context - 256  # The questions and statements take the rest.
-  asked = write_training_set(data, filler, args.train_samples, room)
+  asked = write_training_set(
+    data, filler, args.train_samples, room, loss=args.loss
+  )
   print(
     f'training set: {args.train_samples} conversations, {len(asked)} '
     f'questions, distances (estimated) median {np.median(asked):.0f}, '
@@ -360,13 +403,18 @@ def main(argv=None):
     'context': args.context,
     'steps': args.steps,
     'batch': args.batch,
+    'loss': args.loss,
+    'bindings': args.bind,
     'runs': {},
   }
   for attention in args.attention.split(','):
-    run, seconds = train(
-      args.work, data, args.context, attention, args.steps, args.batch,
-      args.bind,
-    )
+    if args.score_only:
+      run, seconds = os.path.join(args.work, f'run-{attention}'), 0
+    else:
+      run, seconds = train(
+        args.work, data, args.context, attention, args.steps, args.batch,
+        args.bind,
+      )
     hashes = (1, 2, 4) if attention == 'lsh' else (None,)
     for h in hashes:
       name = attention if h is None else f'lsh, {h} hash(es)'
@@ -377,17 +425,28 @@ def main(argv=None):
       print(json.dumps({name: report['runs'][name]}), flush=True)
   with open(os.path.join(args.work, 'recall.json'), 'w') as f:
     json.dump(report, f, indent=2)
-  head = [str(d) for d in distances] + ['no fact']
-  print('| model | ' + ' | '.join(head) + ' |')
-  print('|-|' + '-|' * len(head))
-  for name, r in report['runs'].items():
-    cells = [
-      f'{100 * r["by_distance"][h]["accuracy"]:.0f}% '
-      f'({100 * r["by_distance"][h]["token_accuracy"]:.0f}%)'
-      for h in head
-    ]
-    print(f'| {name} | ' + ' | '.join(cells) + ' |')
+  print('\n'.join(table(report, distances)))
   return 0
+
+
+def table(report, distances) -> list[str]:
+  """Markdown rows: per distance, exact answers, then the probability of
+  the stated value and (in brackets) on the asked kind's values."""
+  head = [str(d) for d in distances] + ['no fact']
+  lines = [
+    '| model | ' + ' | '.join(head) + ' |',
+    '|-|' + '-|' * len(head),
+  ]
+  for name, r in report['runs'].items():
+    cells = []
+    for h in head:
+      c = r['by_distance'][h]
+      cells.append(
+        f'{100 * c["accuracy"]:.0f}% · {c["value_probability"]:.2f} '
+        f'({c["kind_mass"]:.2f})'
+      )
+    lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+  return lines
 
 
 if __name__ == '__main__':

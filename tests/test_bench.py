@@ -125,3 +125,56 @@ def test_recall_samples_hold_the_fact_once_at_the_distance_asked():
     assert all(t != statement.format(blank.answer) for _, t in blank.turns)
   text = q.to_text([s.turns], chatformat.Markers())
   assert chatformat.parse_text(text, 'x.txt')[0].turns[-1].text == s.answer
+
+
+def test_recall_training_conversations_ask_what_they_stated():
+  q = load_bench('recall')
+  from src import chatformat
+
+  filler = chatformat.read_data(DATA)
+  rng = np.random.default_rng(1)
+
+  def count(role, text):
+    return len(text.split()) + 2
+
+  turns, asked = q.make_training_conversation(rng, filler, 300, count)
+  assert len(asked) == len(q.FACTS)  # Every kind, asked once.
+  said = {}
+  for i, (role, text) in enumerate(turns):
+    for kind, (statement, question, values) in q.FACTS.items():
+      for v in values:
+        if role == 'user' and text == statement.format(v):
+          assert kind not in said  # Stated once,
+          said[kind] = v
+      if role == 'user' and text == question:
+        assert turns[i + 1] == ('ai', said[kind])  # answered after it.
+  assert {k: v for k, v, _ in asked} == said
+  assert all(d >= 0 for _, _, d in asked)
+  roles = [r for r, _ in turns]
+  assert all(a != b for a, b in zip(roles, roles[1:]))
+  # Loss on the answers only: every other AI turn is context.
+  text = q.to_text([turns], chatformat.Markers(), loss='answers')
+  parsed = chatformat.parse_text(text, 'x.txt')[0].turns
+  trained = [t.text for t in parsed if t.role == 'ai' and t.train]
+  assert sorted(trained) == sorted(said.values())
+  everything = chatformat.parse_text(
+    q.to_text([turns], chatformat.Markers()), 'x.txt'
+  )[0].turns
+  assert all(t.train for t in everything)
+
+
+def test_recall_scores_a_trained_model(tiny_run):
+  """Scoring on the shared tiny run (128 tokens): shares and probabilities
+  in range; the stated value's probability is part of its kind's."""
+  q = load_bench('recall')
+  from src import chatformat
+
+  filler = chatformat.read_data(DATA)
+  got = q.score(tiny_run['out'], filler, [8, 24], samples=3, n_hashes=2)
+  assert set(got) == {'8', '24', 'no fact'}
+  for r in got.values():
+    assert 0 <= r['accuracy'] <= r['token_accuracy'] <= 1
+    assert 0 <= r['value_probability'] <= r['kind_mass'] <= 1 + 1e-5
+    assert r['mean_distance'] >= 8
+  rows = q.table({'runs': {'lsh': {'by_distance': got}}}, [8, 24])
+  assert rows[0] == '| model | 8 | 24 | no fact |' and len(rows) == 3
