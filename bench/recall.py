@@ -137,13 +137,13 @@ def _filler_turns(rng, filler):
   return turns
 
 
-def make_training_conversation(rng, filler, length: int, count):
+def make_training_conversation(rng, filler, length: int, count, asks=1):
   """A training conversation of about `length` tokens holding every kind.
 
-  Each kind of fact is stated once at a random point and asked once at a
-  random later point (the answer is the stated value), with whole real
-  conversations between: one window carries several examples of the skill
-  at distances from a few tokens to about `length`.
+  Each kind of fact is stated once at a random point and asked `asks`
+  times at random later points (the answer is the stated value), with
+  whole real conversations between: one window carries several examples of
+  the skill at distances from a few tokens to about `length`.
 
   Args:
     rng: A NumPy Generator.
@@ -159,7 +159,8 @@ def make_training_conversation(rng, filler, length: int, count):
   for kind in FACTS:
     said = float(rng.uniform(0, 0.8 * length))
     events.append((said, 0, kind))
-    events.append((float(rng.uniform(said, length)), 1, kind))
+    for _ in range(asks):
+      events.append((float(rng.uniform(said, length)), 1, kind))
   events.sort()
   values = {k: v[2][int(rng.integers(len(v[2])))] for k, v in FACTS.items()}
   turns, asked, used, said_at = [], [], 0, {}
@@ -212,7 +213,9 @@ def filler_conversations(work: str):
   return chatformat.read_data(folder)
 
 
-def write_training_set(path, filler, n, length, seed=0, loss='ai'):
+def write_training_set(
+  path, filler, n, length, seed=0, loss='ai', asks=1
+):
   """`n` conversations (`make_training_conversation`), each with about
   `length` tokens of filler (estimated at 4 characters a token; the run's
   tokenizer measures distances when scoring); `loss` as in `to_text`.
@@ -225,6 +228,7 @@ def write_training_set(path, filler, n, length, seed=0, loss='ai'):
     turns, asked = make_training_conversation(
       rng, filler, int(rng.integers(length // 4, length + 1)),
       lambda r, t: len(t) // 4 + 2,
+      asks,
     )
     convs.append(turns)
     distances += [d for _, _, d in asked]
@@ -374,6 +378,10 @@ def main(argv=None):
     "turns are context: '|noloss|')",
   )
   parser.add_argument(
+    '--asks', type=int, default=1,
+    help='times each kind is asked in a training conversation',
+  )
+  parser.add_argument(
     '--score-only', action='store_true',
     help='score the runs already in WORK_DIR (run-lsh, run-full) again',
   )
@@ -386,7 +394,7 @@ def main(argv=None):
   data = os.path.join(args.work, 'recall-train.txt')
   room = args.context - 256  # The questions and statements take the rest.
   asked = write_training_set(
-    data, filler, args.train_samples, room, loss=args.loss
+    data, filler, args.train_samples, room, loss=args.loss, asks=args.asks
   )
   print(
     f'training set: {args.train_samples} conversations, {len(asked)} '
@@ -404,6 +412,7 @@ def main(argv=None):
     'steps': args.steps,
     'batch': args.batch,
     'loss': args.loss,
+    'asks': args.asks,
     'bindings': args.bind,
     'runs': {},
   }

@@ -161,6 +161,12 @@ def test_recall_training_conversations_ask_what_they_stated():
     q.to_text([turns], chatformat.Markers()), 'x.txt'
   )[0].turns
   assert all(t.train for t in everything)
+  turns, asked = q.make_training_conversation(rng, filler, 300, count, asks=3)
+  assert len(asked) == 3 * len(q.FACTS)
+  for i, (role, text) in enumerate(turns):
+    if role == 'user' and text in q.QUESTIONS:
+      kind = next(k for k, f in q.FACTS.items() if f[1] == text)
+      assert turns[i + 1] == ('ai', dict((k, v) for k, v, _ in asked)[kind])
 
 
 def test_recall_scores_a_trained_model(tiny_run):

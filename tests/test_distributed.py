@@ -60,6 +60,9 @@ def start(folder, args, devices=1):
   env = {
     **os.environ,
     'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}',
+    # A killed process leaves its private cache: keep it in the test's
+    # own folder, not the machine's temp folder.
+    'TMPDIR': os.path.dirname(os.path.abspath(folder)),
   }
   logs = [open(f'{folder}.{name}', 'w') for name in ('out', 'err')]  # noqa: SIM115
   proc = subprocess.Popen(
