@@ -33,6 +33,7 @@ there). Results in WORK_DIR/recall.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -301,9 +302,17 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
   if n_hashes is not None:
     bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
   setup, tok, layer, _ = decoding.load_run(run, 'eval', bindings)
-  forward = jax.jit(layer.pure_fn)
   weights, state = layer.weights, layer.state
   max_len = setup.max_len
+  buckets = []  # Each LSH layer's and head's buckets, in call order.
+  with recording_buckets(buckets):  # Traced (and so recorded) once here.
+    forward = jax.jit(layer.pure_fn)
+    x = np.zeros((1, max_len), np.int32)
+    jax.block_until_ready(forward(x, weights, state, jax.random.PRNGKey(0)))
+  lsh = bool(buckets)  # Full attention records nothing.
+  if lsh:
+    chunk_len = int(setup.attention['chunk_len'])
+    before = int(setup.attention['n_chunks_before'])
 
   def ids_of(role, text):
     return tok.encode_turn(chatformat.Turn(role, text, '', 0))
@@ -317,10 +326,12 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
     for kind, (_, _, values) in FACTS.items()
   }
   rng = np.random.default_rng(seed)
+  view_rng = np.random.default_rng(seed + 1)  # Keeps `rng`'s samples.
   key = jax.random.PRNGKey(seed)
   results = {}
   for d in [*distances, 'no fact']:
     hits, measured, pieces, kind_mass, value_prob = 0, [], [], [], []
+    seen_value, seen_question, seen_random = [], [], []
     for _ in range(samples):
       distance = distances[-1] if d == 'no fact' else d
       while True:  # A sample that fits the context whole.
@@ -335,7 +346,33 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
       x = np.zeros((1, max_len), np.int32)
       x[0, : len(ids)] = ids
       key, sub = jax.random.split(key)
+      buckets.clear()
       logits, _ = forward(x, weights, state, sub)
+      if lsh and d != 'no fact':
+        jax.block_until_ready(logits)
+        # Input positions are the ids' shifted by one (the model's
+        # ShiftRight): the answer's query sits at `first`.
+        statement = ids_of(*s.turns[0])
+        value_at = len(chat.START) + statement.index(ids[first]) + 1
+        question = ids_of(*s.turns[-2])
+        asked_at = range(first - len(question), first)
+        layers = {}  # Layer -> what some head of it may attend to.
+        for i, b in buckets:
+          for head in np.atleast_2d(b):  # Vectorized heads come together.
+            seen = in_view(head, max_len, chunk_len, before, first)
+            layers[i] = layers.get(i, set()) | seen
+        layers = [layers[i] for i in sorted(layers)]
+        # The same with buckets drawn at random (what hashing gives when
+        # queries and keys are unrelated), for each head of a layer.
+        n_buckets, rounds = int(setup.attention['n_buckets']), n_hashes or 1
+        random = set()
+        for _ in range(int(setup.model['n_heads'])):
+          b = view_rng.integers(0, n_buckets, (rounds, max_len))
+          b = (b + n_buckets * np.arange(rounds)[:, None]).reshape(-1)
+          random |= in_view(b, max_len, chunk_len, before, first)
+        seen_random.append(value_at in random)
+        seen_value.append([value_at in v for v in layers])
+        seen_question.append([any(a in v for a in asked_at) for v in layers])
       guess = np.asarray(logits[0, first : len(ids)]).argmax(-1)
       right = guess == np.asarray(ids[first:])
       hits += bool(right.all())
@@ -356,7 +393,60 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
       'value_probability': float(np.mean(value_prob)),
       'mean_distance': float(np.mean(measured)),
     }
+    if seen_value:
+      # Per LSH layer: the share of samples where the answer's query could
+      # attend to the stated value (some head, some hash round), and to
+      # the question's tokens right before it.
+      results[str(d)]['value_in_view'] = np.mean(seen_value, 0).tolist()
+      results[str(d)]['question_in_view'] = np.mean(seen_question, 0).tolist()
+      results[str(d)]['value_in_view_at_random'] = float(np.mean(seen_random))
   return results
+
+
+@contextlib.contextmanager
+def recording_buckets(found: list):
+  """Inside, tracing an LSH layer makes every later call of it append
+  `(layer index, buckets)` to `found`: buckets `[n_hashes * length]` int32,
+  one array per head."""
+  import jax
+  from trax.layers.research import efficient_attention as ea
+
+  plain = ea.LSHSelfAttention.hash_vectors
+  traced = []  # LSH layers in the order the model calls them.
+
+  def hash_vectors(self, vecs, rng, mask=None):
+    b = plain(self, vecs, rng, mask)
+    layer = id(self)  # Calls may come back in any order: tag them.
+    if layer not in traced:
+      traced.append(layer)
+    jax.debug.callback(
+      lambda v: found.append((traced.index(layer), np.asarray(v))), b
+    )
+    return b
+
+  ea.LSHSelfAttention.hash_vectors = hash_vectors
+  try:
+    yield
+  finally:
+    ea.LSHSelfAttention.hash_vectors = plain
+
+
+def in_view(buckets, length: int, chunk_len: int, before: int, query: int):
+  """Positions the query at `query` may attend to, given one head's
+  buckets: Trax sorts all hash rounds' (bucket, position) pairs, cuts the
+  order into `chunk_len` chunks, and a chunk attends to itself and the
+  `before` chunks just before it; causal, never itself."""
+  buckets = np.asarray(buckets, np.int64)
+  n = len(buckets)
+  position = np.arange(n) % length
+  order = np.argsort(length * buckets + position, kind='stable')
+  chunk = np.empty(n, np.int64)
+  chunk[order] = np.arange(n) // chunk_len
+  seen = set()
+  for c in chunk[position == query]:  # One per hash round.
+    near = (chunk <= c) & (chunk >= c - before) & (position < query)
+    seen.update(int(p) for p in position[near])
+  return seen
 
 
 def main(argv=None):
@@ -455,6 +545,28 @@ def table(report, distances) -> list[str]:
         f'({c["kind_mass"]:.2f})'
       )
     lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+  # LSH: could the answer's query attend to the fact at all?
+  views = [
+    (name, r) for name, r in report['runs'].items()
+    if 'value_in_view' in r['by_distance'][head[0]]
+  ]
+  if views:
+    lines += [
+      '',
+      '| value in view, by layer (random buckets); question in view | '
+      + ' | '.join(head[:-1]) + ' |',
+      '|-|' + '-|' * (len(head) - 1),
+    ]
+    for name, r in views:
+      cells = []
+      for h in head[:-1]:
+        c = r['by_distance'][h]
+        cells.append(
+          '/'.join(f'{100 * v:.0f}%' for v in c['value_in_view'])
+          + f' ({100 * c["value_in_view_at_random"]:.0f}%); '
+          + '/'.join(f'{100 * v:.0f}%' for v in c['question_in_view'])
+        )
+      lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
   return lines
 
 

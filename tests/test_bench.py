@@ -182,5 +182,30 @@ def test_recall_scores_a_trained_model(tiny_run):
     assert 0 <= r['accuracy'] <= r['token_accuracy'] <= 1
     assert 0 <= r['value_probability'] <= r['kind_mass'] <= 1 + 1e-5
     assert r['mean_distance'] >= 8
+  for d in ('8', '24'):  # LSH: what the answer's query could attend to.
+    assert len(got[d]['value_in_view']) == 2  # One share per layer.
+    shares = got[d]['value_in_view'] + got[d]['question_in_view']
+    assert all(0 <= v <= 1 for v in shares)
+    assert 0 <= got[d]['value_in_view_at_random'] <= 1
+  assert 'value_in_view' not in got['no fact']
   rows = q.table({'runs': {'lsh': {'by_distance': got}}}, [8, 24])
-  assert rows[0] == '| model | 8 | 24 | no fact |' and len(rows) == 3
+  assert rows[0] == '| model | 8 | 24 | no fact |' and len(rows) == 7
+  assert rows[4].startswith('| value in view') and rows[6].startswith('| lsh')
+
+
+def test_recall_in_view_follows_trax_lsh_chunking():
+  """Sorted by (bucket, position), cut into chunks; a chunk sees itself and
+  the chunk before it; causal, never itself."""
+  q = load_bench('recall')
+  # One bucket: the sorted order is the positions' own.
+  one = np.zeros(128, np.int64)
+  assert q.in_view(one, 128, 32, 1, 100) == set(range(64, 100))
+  assert q.in_view(one, 128, 32, 0, 100) == set(range(96, 100))
+  # Two hash rounds (offset buckets, as Trax adds): the same view.
+  two = np.concatenate([one, one + 1])
+  assert q.in_view(two, 128, 32, 1, 100) == set(range(64, 100))
+  # Even positions in bucket 0, odd in bucket 1: an odd query sees only
+  # odd positions, back two chunks' worth.
+  parity = np.arange(128) % 2
+  assert q.in_view(parity, 128, 32, 1, 101) == set(range(1, 101, 2))
+  assert q.in_view(parity, 128, 16, 1, 101) == set(range(65, 101, 2))
