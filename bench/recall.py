@@ -199,8 +199,7 @@ def to_text(conversations, markers, loss: str = 'ai') -> str:
       yield chatformat.Turn(r, t, '', 0, train or r != 'ai')
 
   convs = [
-    chatformat.Conversation(tuple(turns_of(turns)))
-    for turns in conversations
+    chatformat.Conversation(tuple(turns_of(turns))) for turns in conversations
   ]
   return '\n\n'.join(chatformat.format_conversation(c, markers) for c in convs)
 
@@ -214,9 +213,7 @@ def filler_conversations(work: str):
   return chatformat.read_data(folder)
 
 
-def write_training_set(
-  path, filler, n, length, seed=0, loss='ai', asks=1
-):
+def write_training_set(path, filler, n, length, seed=0, loss='ai', asks=1):
   """`n` conversations (`make_training_conversation`), each with about
   `length` tokens of filler (estimated at 4 characters a token; the run's
   tokenizer measures distances when scoring); `loss` as in `to_text`.
@@ -227,7 +224,9 @@ def write_training_set(
   convs, distances = [], []
   for _ in range(n):
     turns, asked = make_training_conversation(
-      rng, filler, int(rng.integers(length // 4, length + 1)),
+      rng,
+      filler,
+      int(rng.integers(length // 4, length + 1)),
       lambda r, t: len(t) // 4 + 2,
       asks,
     )
@@ -459,20 +458,27 @@ def main(argv=None):
   parser.add_argument('--samples', type=int, default=20)
   parser.add_argument('--batch', type=int, default=2)
   parser.add_argument(
-    '--bind', action='append', default=[],
+    '--bind',
+    action='append',
+    default=[],
     help='an extra gin binding for training (repeatable)',
   )
   parser.add_argument(
-    '--loss', choices=('ai', 'answers'), default='ai',
-    help="train on every AI turn, or only on the answers (the other AI "
+    '--loss',
+    choices=('ai', 'answers'),
+    default='ai',
+    help='train on every AI turn, or only on the answers (the other AI '
     "turns are context: '|noloss|')",
   )
   parser.add_argument(
-    '--asks', type=int, default=1,
+    '--asks',
+    type=int,
+    default=1,
     help='times each kind is asked in a training conversation',
   )
   parser.add_argument(
-    '--score-only', action='store_true',
+    '--score-only',
+    action='store_true',
     help='score the runs already in WORK_DIR (run-lsh, run-full) again',
   )
   parser.add_argument('--smoke', action='store_true')
@@ -506,12 +512,29 @@ def main(argv=None):
     'bindings': args.bind,
     'runs': {},
   }
+  earlier = {}
+  if args.score_only and os.path.exists(os.path.join(args.work, 'recall.json')):
+    with open(os.path.join(args.work, 'recall.json')) as f:
+      before = json.load(f)
+    for name, r in before.get('runs', {}).items():
+      key = 'run-full' if name == 'full' else 'run-lsh'
+      earlier[key] = r.get('train_seconds', 0) or earlier.get(key, 0)
+    # How the runs were trained is what the earlier report says.
+    for k in ('steps', 'batch', 'loss', 'asks', 'bindings'):
+      if k in before:
+        report[k] = before[k]
   for attention in args.attention.split(','):
-    if args.score_only:
-      run, seconds = os.path.join(args.work, f'run-{attention}'), 0
+    if args.score_only:  # Keeps the training time measured before.
+      run = os.path.join(args.work, f'run-{attention}')
+      seconds = earlier.get(f'run-{attention}', 0)
     else:
       run, seconds = train(
-        args.work, data, args.context, attention, args.steps, args.batch,
+        args.work,
+        data,
+        args.context,
+        attention,
+        args.steps,
+        args.batch,
         args.bind,
       )
     hashes = (1, 2, 4) if attention == 'lsh' else (None,)
@@ -547,14 +570,16 @@ def table(report, distances) -> list[str]:
     lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
   # LSH: could the answer's query attend to the fact at all?
   views = [
-    (name, r) for name, r in report['runs'].items()
+    (name, r)
+    for name, r in report['runs'].items()
     if 'value_in_view' in r['by_distance'][head[0]]
   ]
   if views:
     lines += [
       '',
       '| value in view, by layer (random buckets); question in view | '
-      + ' | '.join(head[:-1]) + ' |',
+      + ' | '.join(head[:-1])
+      + ' |',
       '|-|' + '-|' * (len(head) - 1),
     ]
     for name, r in views:
