@@ -2,7 +2,8 @@
 
   python bench/recall.py WORK_DIR [--context 4096] [--steps 2000]
       [--batch 2] [--attention lsh,full] [--samples 20]
-      [--loss ai|answers] [--bind GIN]... [--score-only] [--smoke]
+      [--loss ai|answers] [--asks N] [--spread TOKENS] [--distances D,...]
+      [--bind GIN]... [--score-only] [--smoke]
 
 The task, built from real dialogue (ChatterBot English, all categories):
 the user states a fact drawn at random, of six kinds (a name, a number, a
@@ -13,7 +14,8 @@ asks for it ("What is the code word?") and the AI answers the bare value.
 1. Writes a training set: long conversations (up to the context) in which
    every kind is stated once and asked once at a random later point, so a
    window holds several examples of the skill at distances from a few
-   tokens to the context (`make_training_conversation`).
+   tokens to the context (`make_training_conversation`; `--spread`
+   shortens them, so questions come within that many tokens of the fact).
 2. Trains the tiny model (gin/tiny.gin) at `--context` tokens, with LSH
    attention and, for comparison, full attention (`SelfAttention`, the same
    size, the same steps); loss on the AI turns (`--loss answers`: only on
@@ -25,7 +27,9 @@ asks for it ("What is the code word?") and the AI answers the bare value.
 
 Prints a markdown table for BENCHMARKS.md; for each distance: the share of
 exact greedy answers; the probability the model gives the stated value
-(found the fact; chance is 1/20 to 1/26); and in brackets the probability
+(found the fact; chance is 1/20 to 1/26 where every value starts with its
+own piece, more where values share first pieces: the no-fact column is
+the control); and in brackets the probability
 on the asked kind's values (understood the question, which is right
 there). Results in WORK_DIR/recall.json.
 """
@@ -477,6 +481,18 @@ def main(argv=None):
     help='times each kind is asked in a training conversation',
   )
   parser.add_argument(
+    '--spread',
+    type=int,
+    help='tokens of filler in a training conversation (default: the '
+    'context less 256): a small value puts each question within that many '
+    'tokens of its fact',
+  )
+  parser.add_argument(
+    '--distances',
+    help='comma-separated distances to score (default: 256, 1024, 2048, '
+    '3072, 6144 below the context less 512, and that)',
+  )
+  parser.add_argument(
     '--score-only',
     action='store_true',
     help='score the runs already in WORK_DIR (run-lsh, run-full) again',
@@ -488,7 +504,8 @@ def main(argv=None):
   os.makedirs(args.work, exist_ok=True)
   filler = filler_conversations(args.work)
   data = os.path.join(args.work, 'recall-train.txt')
-  room = args.context - 256  # The questions and statements take the rest.
+  # The questions and statements take the rest of the context.
+  room = args.spread or args.context - 256
   asked = write_training_set(
     data, filler, args.train_samples, room, loss=args.loss, asks=args.asks
   )
@@ -503,12 +520,15 @@ def main(argv=None):
   longest = args.context - 512
   distances = [d for d in (256, 1024, 2048, 3072, 6144) if d < longest]
   distances = [*distances, longest] if longest > 0 else [args.context // 4]
+  if args.distances:
+    distances = [int(d) for d in args.distances.split(',')]
   report = {
     'context': args.context,
     'steps': args.steps,
     'batch': args.batch,
     'loss': args.loss,
     'asks': args.asks,
+    'spread': room,
     'bindings': args.bind,
     'runs': {},
   }
@@ -520,7 +540,7 @@ def main(argv=None):
       key = 'run-full' if name == 'full' else 'run-lsh'
       earlier[key] = r.get('train_seconds', 0) or earlier.get(key, 0)
     # How the runs were trained is what the earlier report says.
-    for k in ('steps', 'batch', 'loss', 'asks', 'bindings'):
+    for k in ('steps', 'batch', 'loss', 'asks', 'spread', 'bindings'):
       if k in before:
         report[k] = before[k]
   for attention in args.attention.split(','):
