@@ -1,11 +1,14 @@
 """Gin: the one place configurables are registered, and gin file handling.
 
 Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
-`trax.optimizers.Adam`, ...) and two of ours, registered here:
+`trax.optimizers.Adam`, ...) and ours, registered here:
 
 - `lr_schedule`: warmup then rsqrt / cosine / linear / constant decay
   (`src.model.lr_schedule`; `total_steps` comes from the run settings).
 - `optimizer.kind`: which Trax optimizer class to use.
+- `output_loss.chunk_size`: positions whose logits exist at once.
+- `positions.axial_init_scale`: how large the axial position embeddings
+  start, relative to the token embeddings.
 
 `mode` and `vocab_size` are never bound in gin: the scripts pass them.
 """
@@ -28,6 +31,7 @@ lr_schedule = gin.external_configurable(
 )
 optimizer = gin.external_configurable(model.optimizer, module='jade')
 output_loss = gin.external_configurable(model.output_loss, module='jade')
+positions = gin.external_configurable(model.positions, module='jade')
 
 MODEL_GIN = 'model.gin'  # The run's bindings, saved in out-dir.
 OPERATIVE_GIN = 'config.gin'  # What the run actually used (gin's view).

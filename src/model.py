@@ -82,9 +82,56 @@ def optimizer(kind=trax.optimizers.Adam, learning_rate: float | None = None):
   return kind(learning_rate=learning_rate)
 
 
-def reformer_lm(vocab_size: int, mode: str):
-  """`trax.models.ReformerLM` with the gin-bound settings."""
-  return trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
+def positions(axial_init_scale: float = 1.0) -> float:
+  """How the axial position embeddings start (gin: positions).
+
+  Args:
+    axial_init_scale: Their standard deviation at initialization, relative
+      to the token embeddings' (Trax draws those with std 1/sqrt(d_model)).
+      1.0: position and token start at the same scale. Trax's own start,
+      std 1.0, is `sqrt(d_model)` here (11 at d_model 128, 23 at 512): the
+      position then swamps the token in every layer's input, and a model
+      learns little from content (BENCHMARKS.md, "The position swamps the
+      token"). Only a run from scratch uses it: resumed and fine-tuned runs
+      load their weights.
+
+  Returns:
+    The scale.
+  """
+  if not axial_init_scale > 0:
+    raise UserError(
+      f'positions.axial_init_scale = {axial_init_scale!r} must be above 0; '
+      "fix it in the gin file (1.0: the token embeddings' scale)"
+    )
+  return float(axial_init_scale)
+
+
+def reformer_lm(
+  vocab_size: int, mode: str, axial_init_scale: float | None = None
+):
+  """`trax.models.ReformerLM` with the gin-bound settings.
+
+  `axial_init_scale` (see `positions`): where given, the axial position
+  embeddings are drawn with std `axial_init_scale / sqrt(d_model)` when
+  the model is initialized; None keeps Trax's initializer (std 1.0), which
+  only matters for a model that is then initialized, not loaded.
+  """
+  lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
+  if axial_init_scale is not None:
+    for layer in _sublayers(lm):
+      if isinstance(layer, tl.AxialPositionalEncoding):
+        d_model = sum(layer._d_embs)
+        std = axial_init_scale / math.sqrt(d_model)
+        layer._kernel_initializer = tl.RandomNormalInitializer(std)
+  return lm
+
+
+def _sublayers(layer) -> list:
+  """`layer` and every layer inside it."""
+  found = [layer]
+  for sub in getattr(layer, 'sublayers', ()) or ():
+    found += _sublayers(sub)
+  return found
 
 
 def _defaults(fn) -> dict:

@@ -42,7 +42,7 @@ _ACTIVATIONS = {
 }
 # Configurables a binding may name (the part before the last dot).
 CONFIGURABLES = frozenset(
-  {'ReformerLM', 'lr_schedule', 'optimizer', 'output_loss'}
+  {'ReformerLM', 'lr_schedule', 'optimizer', 'output_loss', 'positions'}
   | _ATTENTION
   | _OPTIMIZERS
 )

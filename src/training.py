@@ -987,7 +987,7 @@ def _train(
   signals = StopSignals()
   vocab = tok.vocab_size
   loop = JadeLoop(
-    model.reformer_lm(vocab, 'train'),
+    model.reformer_lm(vocab, 'train', ginconf.positions()),
     [train_task],
     eval_model=model.reformer_lm(vocab, 'eval'),
     eval_tasks=[eval_task],

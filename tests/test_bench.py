@@ -209,3 +209,30 @@ def test_recall_in_view_follows_trax_lsh_chunking():
   parity = np.arange(128) % 2
   assert q.in_view(parity, 128, 32, 1, 101) == set(range(1, 101, 2))
   assert q.in_view(parity, 128, 16, 1, 101) == set(range(65, 101, 2))
+
+
+def test_positions_echo_conversations_answer_the_word_asked():
+  p = load_bench('positions')
+  convs = p.echo_conversations(5, seed=3)
+  assert len(convs) == 5
+  for turns in convs:
+    assert len(turns) == 12
+    for (r1, ask), (r2, answer) in zip(turns[::2], turns[1::2]):
+      assert (r1, r2) == ('user', 'ai')
+      assert ask == f'Repeat {answer}.'
+  words = {t for turns in convs for r, t in turns if r == 'ai'}
+  assert len(words) > 10  # Drawn at random, not one word.
+
+
+@pytest.mark.slow
+def test_positions_smoke(tmp_path):
+  result = subprocess.run(
+    [sys.executable, 'bench/positions.py', str(tmp_path), '--steps', '4']
+    + ['--variants', 'tokens,fixed'],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=1200,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert '| tokens | ' in result.stdout and '| fixed | ' in result.stdout

@@ -54,6 +54,57 @@ def test_axial_positions_are_really_axial():
     ginconf.parse(TINY_GIN, ('ReformerLM.pos_type = None',))
 
 
+def _axial_and_token_std(lm):
+  """Standard deviations of the axial position and token embeddings."""
+  found = {}
+
+  def walk(layer):
+    if isinstance(layer, (tl.AxialPositionalEncoding, tl.Embedding)):
+      found.setdefault(type(layer).__name__, layer.weights)
+    for sub in getattr(layer, 'sublayers', ()) or ():
+      walk(sub)
+
+  walk(lm)
+  axial = np.concatenate(
+    [np.ravel(w) for w in found['AxialPositionalEncoding']]
+  )
+  return float(np.std(axial)), float(np.std(found['Embedding']))
+
+
+def test_axial_positions_start_at_the_token_scale():
+  """Trax draws axial position embeddings with std 1.0, sqrt(d_model) times
+  the token embeddings' (1/sqrt(d_model)), which swamps the token; the
+  training model starts them at `positions.axial_init_scale` times the
+  tokens' scale."""
+  ginconf.parse(TINY_GIN)
+  lm = model.reformer_lm(500, 'train', ginconf.positions())
+  lm.init(tl.ShapeDtype((1, 512), np.int32))
+  axial, token = _axial_and_token_std(lm)
+  assert abs(token - 1 / math.sqrt(128)) < 0.01
+  assert abs(axial / token - 1.0) < 0.1
+  ginconf.parse(TINY_GIN, ('positions.axial_init_scale = 4.0',))
+  lm = model.reformer_lm(500, 'train', ginconf.positions())
+  lm.init(tl.ShapeDtype((1, 512), np.int32))
+  axial, token = _axial_and_token_std(lm)
+  assert abs(axial / token - 4.0) < 0.4
+  lm = model.reformer_lm(500, 'train')  # Trax's own start.
+  lm.init(tl.ShapeDtype((1, 512), np.int32))
+  assert abs(_axial_and_token_std(lm)[0] - 1.0) < 0.1
+  with pytest.raises(UserError, match='must be above 0'):
+    ginconf.parse(TINY_GIN, ('positions.axial_init_scale = 0.0',))
+    ginconf.positions()
+
+
+def test_training_starts_positions_at_the_token_scale(tiny_run):
+  """The training path uses the setting: after a few steps the shared run's
+  axial embeddings are still near the tokens' scale, far from Trax's 1.0."""
+  from src import decoding
+
+  _, _, layer, _ = decoding.load_run(tiny_run['out'], 'eval', [])
+  axial, token = _axial_and_token_std(layer)
+  assert axial < 0.3 and axial / token < 3
+
+
 def test_bucket_count_is_fixed_and_equal_in_train_and_predict():
   with pytest.raises(UserError, match='set "LSHSelfAttention.n_buckets"'):
     ginconf.parse(TINY_GIN, ('LSHSelfAttention.n_buckets = None',))
