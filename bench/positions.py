@@ -1,12 +1,14 @@
 """Does the model learn from content? A copy task, by position encoding.
 
-  python bench/positions.py WORK_DIR [--steps 600] [--variants trax,tokens]
+  python bench/positions.py WORK_DIR [--steps 600]
+      [--variants trax,tokens,fixed] [--attention full,lsh]
 
 Each training conversation is six turns of "Repeat river." answered by
 "river" (the word drawn at random from the 143 values of bench/recall.py),
 so the answer is the word three tokens back: the simplest use of context
-there is. The tiny model (gin/tiny.gin, LSH attention, context 128, no
-dropout, batch 8) is trained on it once per variant:
+there is. The tiny model (gin/tiny.gin, context 128, no dropout, batch 8)
+is trained on it once per variant, with full attention and with LSH
+(`--attention`; chunk 64, 2 buckets):
 
 - `trax`: axial positions drawn as Trax draws them (std 1.0, that is
   `positions.axial_init_scale = sqrt(d_model)`),
@@ -26,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 
@@ -63,12 +64,11 @@ def echo_conversations(n: int, seed: int = 0) -> list:
   return convs
 
 
-def train(work, data, name, steps):
+def train(work, data, name, attention, steps):
   from src import config, training
 
-  lines = []
   values = {
-    'out-dir': os.path.join(work, f'run-{name}'),
+    'out-dir': os.path.join(work, f'run-{attention}-{name}'),
     'data': data,
     'gin': os.path.join(ROOT, 'gin', 'tiny.gin'),
     'steps': steps,
@@ -83,15 +83,19 @@ def train(work, data, name, steps):
   t0 = time.time()
   training.train(
     config.from_values('train', values),
-    gin_bindings=recall.model_binds(128, 'lsh') + VARIANTS[name],
-    log=lambda line: (lines.append(line), print(line, flush=True)),
+    gin_bindings=recall.model_binds(128, attention) + VARIANTS[name],
+    log=lambda line: print(line, flush=True),
   )
-  curve = {}
-  for line in lines:
-    m = re.match(r'step (\d+): eval loss ([0-9.]+)', line)
-    if m:
-      curve[int(m.group(1))] = float(m.group(2))
-  return curve, time.time() - t0
+  return eval_curve(values['out-dir']), time.time() - t0
+
+
+def eval_curve(run_dir) -> dict:
+  """`{step: held-out loss}` from the run's TensorBoard events."""
+  from tensorboard.backend.event_processing import event_accumulator
+
+  acc = event_accumulator.EventAccumulator(os.path.join(run_dir, 'eval'))
+  acc.Reload()
+  return {e.step: e.value for e in acc.Scalars('metrics/loss')}
 
 
 def main(argv=None):
@@ -99,6 +103,7 @@ def main(argv=None):
   parser.add_argument('work')
   parser.add_argument('--steps', type=int, default=600)
   parser.add_argument('--variants', default='trax,tokens,fixed')
+  parser.add_argument('--attention', default='full,lsh')
   args = parser.parse_args(argv)
   from src import chatformat
 
@@ -108,17 +113,23 @@ def main(argv=None):
     f.write(recall.to_text(echo_conversations(3000), chatformat.Markers()))
     f.write('\n')
   report = {'steps': args.steps, 'runs': {}}
-  for name in args.variants.split(','):
-    if name not in VARIANTS:
-      raise SystemExit(
-        f'error: --variants: {name!r} is not one of {list(VARIANTS)}'
-      )
-    curve, seconds = train(args.work, data, name, args.steps)
-    report['runs'][name] = {'eval_loss': curve, 'seconds': round(seconds)}
+  for attention in args.attention.split(','):
+    for name in args.variants.split(','):
+      if name not in VARIANTS:
+        raise SystemExit(
+          f'error: --variants: {name!r} is not one of {list(VARIANTS)}'
+        )
+      curve, seconds = train(args.work, data, name, attention, args.steps)
+      report['runs'][f'{attention}, {name}'] = {
+        'eval_loss': curve,
+        'seconds': round(seconds),
+      }
   with open(os.path.join(args.work, 'positions.json'), 'w') as f:
     json.dump(report, f, indent=2)
   steps = sorted({s for r in report['runs'].values() for s in r['eval_loss']})
-  print('| positions | ' + ' | '.join(f'step {s}' for s in steps) + ' |')
+  print(
+    '| attention, positions | ' + ' | '.join(f'step {s}' for s in steps) + ' |'
+  )
   print('|-|' + '-|' * len(steps))
   for name, r in report['runs'].items():
     cells = [f'{r["eval_loss"].get(s, float("nan")):.2f}' for s in steps]

@@ -228,11 +228,13 @@ def test_positions_echo_conversations_answer_the_word_asked():
 def test_positions_smoke(tmp_path):
   result = subprocess.run(
     [sys.executable, 'bench/positions.py', str(tmp_path), '--steps', '4']
-    + ['--variants', 'tokens,fixed'],
+    + ['--variants', 'tokens,fixed', '--attention', 'full'],
     cwd=ROOT,
     capture_output=True,
     text=True,
     timeout=1200,
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  assert '| tokens | ' in result.stdout and '| fixed | ' in result.stdout
+  assert (
+    '| full, tokens | ' in result.stdout and '| full, fixed | ' in result.stdout
+  )
