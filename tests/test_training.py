@@ -448,8 +448,12 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     [np.asarray(w) for w in jax.tree_util.tree_leaves(loops[k].model.weights)]
     for k in (1, 2)
   )
+  # Float sums differ in order between the two; Adam's first steps scale a
+  # near-zero gradient's noise up to a fraction of the rate (0.0015 here),
+  # so a few elements differ by ~1e-4, where counting the last micro-batch
+  # only would move most weights by up to twice the rate.
   for a, b in zip(one, two, strict=True):
-    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=3e-4)
   losses = [
     scalars(os.path.join(tmp_path / f'k{k}', 'train'))['metrics/loss']
     for k in (1, 2)
