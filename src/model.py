@@ -118,7 +118,7 @@ def reformer_lm(
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
   if axial_init_scale is not None:
-    for layer in _sublayers(lm):
+    for layer in all_layers(lm):
       if isinstance(layer, tl.AxialPositionalEncoding):
         d_model = sum(layer._d_embs)
         std = axial_init_scale / math.sqrt(d_model)
@@ -126,11 +126,11 @@ def reformer_lm(
   return lm
 
 
-def _sublayers(layer) -> list:
-  """`layer` and every layer inside it."""
+def all_layers(layer) -> list:
+  """`layer` and every layer inside it, depth first."""
   found = [layer]
   for sub in getattr(layer, 'sublayers', ()) or ():
-    found += _sublayers(sub)
+    found += all_layers(sub)
   return found
 
 
@@ -223,16 +223,11 @@ def init_model(vocab_size: int, mode: str, max_len: int, batch: int = 1):
 
 def lsh_layers(layer) -> list:
   """Every LSH attention layer inside `layer`."""
-  found = []
-
-  def walk(node):
-    if type(node).__name__ in ('LSHSelfAttention', 'PureLSHSelfAttention'):
-      found.append(node)
-    for sub in getattr(node, 'sublayers', ()) or ():
-      walk(sub)
-
-  walk(layer)
-  return found
+  return [
+    node
+    for node in all_layers(layer)
+    if type(node).__name__ in ('LSHSelfAttention', 'PureLSHSelfAttention')
+  ]
 
 
 def loss_layer():
@@ -625,7 +620,9 @@ def range_losses(values: dict) -> dict:
 __all__ = [
   'lr_schedule',
   'optimizer',
+  'positions',
   'reformer_lm',
+  'all_layers',
   'check_settings',
   'count_params',
   'init_model',

@@ -57,14 +57,9 @@ def test_axial_positions_are_really_axial():
 def _axial_and_token_std(lm):
   """Standard deviations of the axial position and token embeddings."""
   found = {}
-
-  def walk(layer):
+  for layer in model.all_layers(lm):
     if isinstance(layer, (tl.AxialPositionalEncoding, tl.Embedding)):
       found.setdefault(type(layer).__name__, layer.weights)
-    for sub in getattr(layer, 'sublayers', ()) or ():
-      walk(sub)
-
-  walk(lm)
   axial = np.concatenate(
     [np.ravel(w) for w in found['AxialPositionalEncoding']]
   )
