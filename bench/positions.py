@@ -7,14 +7,18 @@ Each training conversation is six turns of "Repeat river." answered by
 "river" (the word drawn at random from the 143 values of bench/recall.py),
 so the answer is the word three tokens back: the simplest use of context
 there is. The tiny model (gin/tiny.gin, context 128, no dropout, batch 8)
-is trained on it once per variant, with full attention and with LSH
-(`--attention`; chunk 64, 2 buckets):
+is trained on it once per variant and attention (`--attention`): `full`
+(every position in view), `lsh` (the shipped design: a local block, then
+an LSH block with chunk 64 and 2 buckets) or `lsh-only` (LSH in both
+blocks, the design before):
 
 - `trax`: axial positions drawn as Trax draws them (std 1.0, that is
   `positions.axial_init_scale = sqrt(d_model)`),
 - `tokens`: axial positions at the token embeddings' scale (scale 1.0, the
   default),
-- `fixed`: Trax's fixed sinusoidal positions (`pos_type = 'fixed-base'`).
+- `fixed`: Trax's fixed sinusoidal positions (`pos_type = 'fixed-base'`),
+- `shared-qk`: queries and keys shared in `SelfAttention` (as LSH does);
+  with `--attention full`, the mechanism without the hashing.
 
 Prints, per variant, the held-out loss on the AI turns at each evaluation.
 Chance: the word is a guess among 143 and the end marker is certain, so a
@@ -46,6 +50,9 @@ VARIANTS = {
     "ReformerLM.pos_type = 'fixed-base'",
     'ReformerLM.pos_axial_shape = None',
   ],
+  # Full attention whose queries are its keys (as in LSH): the mechanism
+  # without the hashing.
+  'shared-qk': ['SelfAttention.share_qk = True'],
 }
 
 

@@ -256,9 +256,19 @@ def model_binds(context: int, attention: str) -> list[str]:
   if attention == 'full':
     binds += [
       'ReformerLM.attention_type = @trax.layers.SelfAttention',
-      f'SelfAttention.predict_mem_len = {context}',
-      'SelfAttention.predict_drop_len = 64',
+      'SelfAttention.chunk_len = None',  # Unchunked: every position in view.
+      'SelfAttention.n_chunks_before = 0',
     ]
+  elif attention == 'lsh-only':  # LSH in every block, no local blocks.
+    binds += ['ReformerLM.attention_type = @LSHSelfAttention']
+  elif attention != 'lsh':  # 'lsh': the shipped mix of local and LSH.
+    raise SystemExit(
+      f'error: --attention {attention!r}: use full, lsh or lsh-only'
+    )
+  binds += [
+    f'SelfAttention.predict_mem_len = {context}',
+    'SelfAttention.predict_drop_len = 64',
+  ]
   return binds
 
 

@@ -10,6 +10,7 @@ updated in place instead of copied every token.
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -48,15 +49,17 @@ def predict_bindings(n_heads: int) -> list[str]:
 
 
 def attention_bindings(setup: ginconf.GinSetup) -> list[str]:
-  """Predict mode keeps a memory of past keys and values; Trax's full
-  attention (`SelfAttention`) has no size for it unless bound, and then
-  fails with an assertion. Give it the whole context."""
-  if setup.attention_name != 'SelfAttention':
+  """Predict mode keeps a memory of past keys and values; Trax's
+  `SelfAttention` (full, or the local blocks of a mixed model) has no size
+  for it unless bound, and then fails with an assertion. Give it the whole
+  context (a local block's step still reads only its window)."""
+  if 'SelfAttention' not in setup.layer_attention:
     return []
+  settings = setup.local if setup.local is not None else setup.attention
   found = []
-  if setup.attention.get('predict_mem_len') is None:
+  if settings.get('predict_mem_len') is None:
     found.append(f'SelfAttention.predict_mem_len = {setup.max_len}')
-  if setup.attention.get('predict_drop_len') is None:
+  if settings.get('predict_drop_len') is None:
     found.append(
       f'SelfAttention.predict_drop_len = {max(1, setup.max_len // 4)}'
     )
@@ -109,12 +112,15 @@ class Decoder:
     """
     self.model = predict_model
     self.max_len = max_len
-    for layer in model.lsh_layers(predict_model):
+    lsh = model.lsh_layers(predict_model)
+    local = model.local_layers(predict_model)
+    for layer in lsh + local:
       # feed() never lets the context outgrow the memory (see fast_lsh).
       setattr(layer, fast_lsh.NO_ROLL, True)
       if layer._predict_mem_len < max_len:
+        name = type(layer).__name__
         raise UserError(
-          f'LSHSelfAttention.predict_mem_len {layer._predict_mem_len} is '
+          f'{name}.predict_mem_len {layer._predict_mem_len} is '
           f'below max_len {max_len}; set it to {max_len} in model.gin'
         )
     self.tokenizer = tok
@@ -130,8 +136,9 @@ class Decoder:
     # length; lengths are multiples of `block`.
     *body, self._head = predict_model.sublayers
     self._body = trax.layers.Serial(*body)
-    lsh = model.lsh_layers(predict_model)
-    self.block = max([layer._chunk_len for layer in lsh] or [64])
+    # A block is read in chunks, as training reads a window: a multiple
+    # of every attention layer's chunk length.
+    self.block = math.lcm(*[layer._chunk_len for layer in lsh + local] or [64])
     # Shorter feeds go token by token: compiling a block length costs
     # seconds (bench/reread.py), about what 1k tokens cost one at a time.
     self.min_block = MIN_BLOCK

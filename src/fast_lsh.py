@@ -28,6 +28,7 @@ from trax.layers.research import position_encodings as pe
 
 _ORIGINAL = ea.LSHSelfAttention._incremental_forward_unbatched
 _ORIGINAL_MEM = ea.LSHSelfAttention._use_predict_mem
+_ORIGINAL_LOCAL_MEM = ea.SelfAttention._use_predict_mem
 NO_ROLL = '_jade_memory_never_rolls'
 
 
@@ -43,7 +44,9 @@ def _use_predict_mem(self, inputs, state):
   """
   seqlen = inputs[0].shape[-2]
   if seqlen != 1 or not getattr(self, NO_ROLL, False):
-    return _ORIGINAL_MEM(self, inputs, state)
+    if isinstance(self, ea.LSHSelfAttention):
+      return _ORIGINAL_MEM(self, inputs, state)
+    return _ORIGINAL_LOCAL_MEM(self, inputs, state)
   mem_end, mem, state = state
 
   def append(buf, new):
@@ -209,11 +212,57 @@ def _axial_forward(self, inputs):
   return inputs + emb[None]
 
 
+_ORIGINAL_LOCAL = ea.SelfAttention._incremental_forward_unbatched
+_TRAX_MASK = ea.mask_self_attention
+
+
+def window_mask(dots, q_info, kv_info, *, chunk_len, n_chunks_before, **kw):
+  """Trax's self-attention mask plus the local window training used.
+
+  Chunked `SelfAttention` in training lets a query in chunk c see chunks
+  c - n_chunks_before .. c. `attend` numbers positions from 1.
+  """
+  dots = _TRAX_MASK(dots, q_info, kv_info, **kw)
+  q = q_info.astype(jnp.int32) - 1
+  k = kv_info.astype(jnp.int32) - 1
+  first = (q // chunk_len - n_chunks_before) * chunk_len
+  return dots - 1e9 * (k < first).astype(dots.dtype)
+
+
+def _local_incremental_forward_unbatched(self, x, mask=None, **kwargs):
+  """`SelfAttention`'s predict step, seeing only what training saw.
+
+  Trax's chunked (local) `SelfAttention` attends within a chunk and the
+  `n_chunks_before` before it in training, but its predict mode attends
+  to the whole memory: a local block of a mixed model would read, while
+  chatting, thousands of tokens it never learned to weigh. Here the
+  predict step keeps the training window (`window_mask`); unchunked
+  (full) attention is untouched.
+  """
+  if not self._chunk_len:
+    return _ORIGINAL_LOCAL(self, x, mask, **kwargs)
+  windowed = functools.partial(
+    window_mask,
+    chunk_len=int(self._chunk_len),
+    n_chunks_before=int(self._n_chunks_before),
+  )
+  ea.mask_self_attention = windowed  # Read by Trax's step as it is traced.
+  try:
+    return _ORIGINAL_LOCAL(self, x, mask, **kwargs)
+  finally:
+    ea.mask_self_attention = _TRAX_MASK
+
+
 def install():
-  """Routes LSH attention's one-token predict step through `select_kv`."""
+  """Routes LSH attention's one-token predict step through `select_kv`;
+  local attention's predict step keeps its training window."""
   ea.LSHSelfAttention._incremental_forward_unbatched = (
     _incremental_forward_unbatched
   )
+  ea.SelfAttention._incremental_forward_unbatched = (
+    _local_incremental_forward_unbatched
+  )
+  ea.SelfAttention._use_predict_mem = _use_predict_mem
   ea.LSHSelfAttention._use_predict_mem = _use_predict_mem
   pe.AxialPositionalEncoding.forward = _axial_forward
 
@@ -221,5 +270,7 @@ def install():
 def uninstall():
   """Restores Trax's sorting step (for comparisons)."""
   ea.LSHSelfAttention._incremental_forward_unbatched = _ORIGINAL
+  ea.SelfAttention._incremental_forward_unbatched = _ORIGINAL_LOCAL
+  ea.SelfAttention._use_predict_mem = _ORIGINAL_LOCAL_MEM
   ea.LSHSelfAttention._use_predict_mem = _ORIGINAL_MEM
   pe.AxialPositionalEncoding.forward = _ORIGINAL_AXIAL

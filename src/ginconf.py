@@ -45,8 +45,14 @@ class GinSetup:
     path: The gin file.
     text: Gin's normalized listing of every binding (compared on resume).
     model: ReformerLM settings, defaults filled in.
-    attention: Attention-layer settings, defaults filled in.
-    attention_name: The attention layer's class name.
+    attention: Settings of the long-range attention layer (LSH where the
+      model has any), defaults filled in.
+    attention_name: That layer's class name.
+    layer_attention: Each decoder block's attention class name, in order
+      (`ReformerLM.attention_type` may be one class or a list that Trax
+      cycles through the blocks).
+    local: Settings of the `SelfAttention` blocks of a mixed model (a list
+      of local and LSH attention), else None.
   """
 
   path: str
@@ -54,6 +60,8 @@ class GinSetup:
   model: dict
   attention: dict
   attention_name: str
+  layer_attention: tuple = ()
+  local: dict | None = None
 
   @property
   def max_len(self) -> int:
@@ -185,14 +193,26 @@ def parse_text(
     )
   model_settings = {**model._defaults(trax.models.ReformerLM), **bound}
   model_settings['_bound'] = tuple(bound)
-  attention_cls = model_settings['attention_type']
-  attention = model._defaults(attention_cls)
-  try:
-    attention.update(gin.get_bindings(attention_cls.__name__))
-  except (ValueError, TypeError, AttributeError):
-    pass
-  name = model.check_settings(model_settings, attention, attention_cls, path)
-  return GinSetup(path, gin.config_str(), model_settings, attention, name)
+  kinds = model.attention_kinds(model_settings, path)
+  settings = {}
+  for cls in kinds:
+    settings[cls.__name__] = model._defaults(cls)
+    try:
+      settings[cls.__name__].update(gin.get_bindings(cls.__name__))
+    except (ValueError, TypeError, AttributeError):
+      pass
+  main = next((c for c in kinds if 'LSH' in c.__name__), kinds[0])
+  attention = settings[main.__name__]
+  name = model.check_settings(model_settings, attention, main, path)
+  local = None
+  if len({c.__name__ for c in kinds}) > 1:
+    local = settings.get('SelfAttention')
+    model.check_local(model_settings, local, path)
+  n_layers = int(model_settings['n_layers'])
+  per_layer = tuple(kinds[i % len(kinds)].__name__ for i in range(n_layers))
+  return GinSetup(
+    path, gin.config_str(), model_settings, attention, name, per_layer, local
+  )
 
 
 def add_bindings(bindings) -> None:

@@ -144,6 +144,50 @@ def _defaults(fn) -> dict:
   }
 
 
+def attention_kinds(model: dict, where: str) -> list:
+  """The attention classes of `ReformerLM.attention_type`, as a list.
+
+  Trax cycles a list through the decoder blocks (block i gets entry
+  `i % len`), so `n_layers` must be a multiple of its length.
+  """
+  kinds = model['attention_type']
+  if not isinstance(kinds, (list, tuple)):
+    return [kinds]
+  kinds = list(kinds)
+  if not kinds or int(model['n_layers']) % len(kinds):
+    raise UserError(
+      f'{where}: ReformerLM.n_layers {model["n_layers"]} must be a multiple '
+      f'of the {len(kinds)} entries of ReformerLM.attention_type (Trax '
+      'cycles the list through the blocks)'
+    )
+  return kinds
+
+
+def check_local(model: dict, local: dict | None, where: str):
+  """A mixed model's `SelfAttention` blocks must be local (chunked).
+
+  Unchunked, they would hold the whole context's scores, which the
+  32k model cannot afford, and the mix would no longer be a Reformer.
+  """
+  chunk = (local or {}).get('chunk_len')
+  if not chunk:
+    raise UserError(
+      f'{where}: ReformerLM.attention_type mixes attention kinds, so bind '
+      '"SelfAttention.chunk_len" (e.g. 64): the SelfAttention blocks are '
+      'the local ones, attending within their chunk and the one before'
+    )
+  if int(model['max_len']) % int(chunk):
+    raise UserError(
+      f'{where}: max_len {model["max_len"]} must be a multiple of '
+      f'SelfAttention.chunk_len {chunk}'
+    )
+  if local.get('n_chunks_after'):
+    raise UserError(
+      f'{where}: SelfAttention.n_chunks_after must be 0 in a causal '
+      'language model (it would look ahead)'
+    )
+
+
 def check_settings(model: dict, attention: dict, attention_type, where: str):
   """Rejects settings that Trax would silently get wrong.
 
@@ -227,6 +271,15 @@ def lsh_layers(layer) -> list:
     node
     for node in all_layers(layer)
     if type(node).__name__ in ('LSHSelfAttention', 'PureLSHSelfAttention')
+  ]
+
+
+def local_layers(layer) -> list:
+  """Every chunked (local) `SelfAttention` layer inside `layer`."""
+  return [
+    node
+    for node in all_layers(layer)
+    if type(node).__name__ == 'SelfAttention' and node._chunk_len
   ]
 
 

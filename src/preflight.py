@@ -216,12 +216,16 @@ def step_flops(setup, vocab_size: int, batch_per_device: int) -> float:
   d = m['d_model']
   dense = count_weights(setup, vocab_size) - vocab_size * d  # No lookups.
   heads, dk, dv = m['n_heads'], m['d_attention_key'], m['d_attention_value']
-  if setup.attention_name in ('LSHSelfAttention', 'PureLSHSelfAttention'):
-    keys = (a.get('chunk_len') or 64) * (1 + (a.get('n_chunks_before') or 0))
-    keys *= a.get('n_hashes') or 1
-  else:
-    keys = length / 2  # Causal full attention: half the scores on average.
-  attention = m['n_layers'] * heads * keys * 2 * (dk + dv)
+  keys = 0.0  # Scores per query, summed over the blocks.
+  for name in setup.layer_attention or [setup.attention_name] * m['n_layers']:
+    if 'LSH' in name:
+      span = (a.get('chunk_len') or 64) * (1 + (a.get('n_chunks_before') or 0))
+      keys += span * (a.get('n_hashes') or 1)
+    elif setup.local is not None:  # A local block of a mixed model.
+      keys += setup.local['chunk_len'] * (1 + setup.local['n_chunks_before'])
+    else:
+      keys += length / 2  # Causal full attention: half the scores on average.
+  attention = heads * keys * 2 * (dk + dv)
   return 3.0 * tokens * (2.0 * dense + attention)
 
 

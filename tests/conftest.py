@@ -27,6 +27,8 @@ MICRO = (
   'LSHSelfAttention.n_buckets = 8',
   'LSHSelfAttention.predict_mem_len = 128',
   'LSHSelfAttention.predict_drop_len = 32',
+  'SelfAttention.predict_mem_len = 128',
+  'SelfAttention.predict_drop_len = 32',
   'lr_schedule.warmup_steps = 2',
 )
 

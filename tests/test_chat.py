@@ -448,7 +448,11 @@ def test_full_attention_model_trains_samples_and_chats(tmp_path, capsys):
   lines = []
   training.train(
     train_settings(out, steps=2, **{'sample-prompts': ['Hi']}),
-    gin_bindings=MICRO + ('ReformerLM.attention_type = @SelfAttention',),
+    gin_bindings=MICRO
+    + (
+      'ReformerLM.attention_type = @SelfAttention',
+      'SelfAttention.chunk_len = None',  # Full, not local.
+    ),
     log=lines.append,
   )
   assert not any('no sample replies' in line for line in lines)

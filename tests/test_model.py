@@ -35,15 +35,38 @@ def test_both_gin_files_parse_with_the_seed_setup():
   assert big.model['dropout'] == 0.2 and big.model['pos_type'] == 'axial'
   assert math.prod(big.model['pos_axial_shape']) == 32768
   assert big.attention['n_buckets'] == 512
+  assert big.layer_attention == ('SelfAttention', 'LSHSelfAttention') * 3
+  assert big.local['chunk_len'] == 64 and big.local['n_chunks_before'] == 1
   tiny = ginconf.parse(TINY_GIN)
   assert tiny.max_len == 512
+  assert tiny.layer_attention == ('SelfAttention', 'LSHSelfAttention')
+
+
+def test_a_mixed_model_must_have_local_blocks_and_whole_cycles():
+  mixed = ('ReformerLM.attention_type = [@SelfAttention, @LSHSelfAttention]',)
+  with pytest.raises(UserError, match='bind "SelfAttention.chunk_len"'):
+    ginconf.parse(TINY_GIN, mixed + ('SelfAttention.chunk_len = None',))
+  with pytest.raises(UserError, match='must be a multiple of the 2 entries'):
+    ginconf.parse(TINY_GIN, mixed + ('ReformerLM.n_layers = 3',))
+  with pytest.raises(UserError, match='n_chunks_after must be 0'):
+    ginconf.parse(TINY_GIN, mixed + ('SelfAttention.n_chunks_after = 1',))
+  # One kind (full attention) needs no local settings.
+  full = ginconf.parse(
+    TINY_GIN,
+    (
+      'ReformerLM.attention_type = @SelfAttention',
+      'SelfAttention.chunk_len = None',
+    ),
+  )
+  assert full.local is None and full.attention_name == 'SelfAttention'
 
 
 def test_axial_positions_are_really_axial():
   """Without pos_type='axial' Trax builds a full max_len x d_model table."""
   ginconf.parse(TINY_GIN)
   axial = model.count_params(model.init_model(500, 'train', 512))
-  assert axial == 378_100
+  # The local block's keys (128 x 32 per head, 2 heads) are its own.
+  assert axial == 378_100 + 128 * 32 * 2
   ginconf.parse(
     TINY_GIN, ('ReformerLM.pos_type = None', 'ReformerLM.pos_axial_shape = ()')
   )
@@ -106,8 +129,8 @@ def test_bucket_count_is_fixed_and_equal_in_train_and_predict():
   ginconf.parse(TINY_GIN)
   for mode in ('train', 'eval', 'predict'):
     layers = model.lsh_layers(model.reformer_lm(300, mode))
-    assert len(layers) == 2
-    assert [layer._n_buckets for layer in layers] == [16, 16], mode
+    assert len(layers) == 1  # The second block (the first is local).
+    assert [layer._n_buckets for layer in layers] == [16], mode
 
 
 @pytest.mark.parametrize(
