@@ -1,8 +1,10 @@
 """Decode speed: Jade V8's incremental decoder against naive re-running.
 
 Both contenders use the same small model and weights (4 layers, d_model 256,
-4 heads of 64, d_ff 1024, vocabulary 500, LSH attention with chunks of 64
-and 1 hash, a 4160-token context = 4096 + 64) and run one after another in
+4 heads of 64, d_ff 1024, vocabulary 500, local attention (chunks of 64
+and the one before) and LSH attention (chunks of 64, 1 hash) in turns, or
+LSH in every block with `--attention lsh-only`; a 4160-token context =
+4096 + 64) and run one after another in
 this process:
 
 - incremental: `src.decoding.Decoder`, the path `evaluate.py` uses: a
@@ -56,13 +58,21 @@ BINDINGS = (
   'LSHSelfAttention.n_hashes = 1',
   f'LSHSelfAttention.predict_mem_len = {CONTEXT}',
   'LSHSelfAttention.predict_drop_len = 64',
+  'SelfAttention.chunk_len = 64',
+  f'SelfAttention.predict_mem_len = {CONTEXT}',
+  'SelfAttention.predict_drop_len = 64',
 )
+ATTENTION = {
+  'lsh': (),  # gin/tiny.gin's: local and LSH blocks in turns.
+  'lsh-only': ('ReformerLM.attention_type = @LSHSelfAttention',),
+}
+CHOSEN = ['lsh']
 GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
 
 
 def build(mode: str, length: int):
   extra = decoding.predict_bindings(4) if mode == 'predict' else []
-  ginconf.parse(GIN, BINDINGS + tuple(extra))
+  ginconf.parse(GIN, BINDINGS + ATTENTION[CHOSEN[0]] + tuple(extra))
   layer = model.reformer_lm(VOCAB, mode)
   layer.rng = jax.random.PRNGKey(0)  # Same weights for both contenders.
   layer.init(trax.shapes.ShapeDtype((1, length), np.int32))
@@ -123,7 +133,15 @@ def main():
     action='store_true',
     help="also time Trax's stock one-token step (sorting) for comparison",
   )
+  parser.add_argument(
+    '--attention',
+    choices=sorted(ATTENTION),
+    default='lsh',
+    help='lsh: local and LSH blocks in turns (as shipped); lsh-only: LSH '
+    'in every block (the design before)',
+  )
   args = parser.parse_args()
+  CHOSEN[0] = args.attention
   prefixes = [int(p) for p in args.prefixes.split(',')]
   prompt = np.random.default_rng(0).integers(3, VOCAB, CONTEXT)
   results = {

@@ -211,7 +211,7 @@ A ReformerLM chat model exported from a Jade V8 training run at step
 | quality | {quality} |
 | context | {info['context_length']} tokens |
 | model | {m['n_layers']} layers, d_model {m['d_model']}, d_ff {m['d_ff']}, \
-{m['n_heads']} heads, {setup.attention_name} ({a.get('n_hashes', '-')} hashes) |
+{m['n_heads']} heads, {setup.attention_text} ({a.get('n_hashes', '-')} hashes) |
 | weights | {info['n_weights']:,} ({info['n_arrays']} arrays) |
 | vocabulary | {info['vocab_size']} sentencepiece pieces |
 | markers | `{'`, `'.join(info['markers'])}` |

@@ -208,6 +208,7 @@ def check_settings(setup: ginconf.GinSetup, source: Source, gin_path: str):
   for group, mine, theirs in (
     ('ReformerLM', setup.model, source.setup.model),
     (source.setup.attention_name, setup.attention, source.setup.attention),
+    ('SelfAttention', setup.local or {}, source.setup.local or {}),
   ):
     for key in sorted(set(mine) | set(theirs)):
       if key.startswith('_') or any(d in key for d in MAY_DIFFER):

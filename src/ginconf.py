@@ -67,6 +67,16 @@ class GinSetup:
   def max_len(self) -> int:
     return int(self.model['max_len'])
 
+  @property
+  def attention_text(self) -> str:
+    """The attention in words, for logs and model cards."""
+    if self.local is None:
+      return self.attention_name
+    return (
+      f'local SelfAttention (chunk {self.local["chunk_len"]}) and '
+      f'{self.attention_name} in turns'
+    )
+
 
 def _one_line(e: Exception) -> str:
   return ' '.join(str(e).split())

@@ -899,7 +899,7 @@ def _train(
       )
   log(
     f'model: {setup.path}, context {setup.max_len} tokens, '
-    f'{setup.attention_name}; {_devices_text(cluster)} '
+    f'{setup.attention_text}; {_devices_text(cluster)} '
     f'({jax.devices()[0].platform}), batch {run["batch_size"]}'
     + (
       f' in {s["accumulate-steps"]} micro-batches'

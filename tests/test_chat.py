@@ -435,6 +435,31 @@ def test_block_reading_equals_token_by_token(tiny_run):
     np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)
 
 
+def test_local_blocks_read_their_training_window_while_chatting(tiny_run):
+  """The tiny model's first block is local attention (32-token chunks and
+  the chunk before). Token by token, predict mode must weigh the same
+  positions the training (eval) forward pass does, also past 64 tokens,
+  where Trax's own predict step would read the whole memory: the logits
+  at every position agree (LSH made exact as in the test above)."""
+  d = exact_decoder(tiny_run['out'])
+  assert [layer._chunk_len for layer in model.local_layers(d.model)] == [32]
+  full_model = model.reformer_lm(d.tokenizer.vocab_size, 'eval')
+  checkpoint.load_weights(
+    tiny_run['out'], full_model, trax.shapes.ShapeDtype((1, 128), np.int32)
+  )
+  ids = [int(i) for i in np.random.default_rng(2).integers(3, 300, 127)]
+  x = np.zeros((1, 128), np.int32)
+  x[0, :127] = ids  # The model shifts right: output i sees ids before i.
+  w, st = full_model.weights, full_model.state
+  whole = np.asarray(full_model.pure_fn(x, w, st, jax.random.PRNGKey(0))[0])
+  d.block = 10**9  # Token by token.
+  d.reset()
+  by_token = [d.feed(ids[:1])] + [d.feed([t]) for t in ids[1:]]
+  np.testing.assert_allclose(
+    np.stack(by_token), whole[0, 1:], atol=2e-4, rtol=1e-4
+  )
+
+
 @pytest.mark.slow
 def test_full_attention_model_trains_samples_and_chats(tmp_path, capsys):
   """A run with Trax's full attention (SelfAttention) samples while it
