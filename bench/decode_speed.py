@@ -1,10 +1,10 @@
 """Decode speed: Jade V8's incremental decoder against naive re-running.
 
 Both contenders use the same small model and weights (4 layers, d_model 256,
-4 heads of 64, d_ff 1024, vocabulary 500, local attention (chunks of 64
-and the one before) and LSH attention (chunks of 64, 1 hash) in turns, or
-LSH in every block with `--attention lsh-only`; a 4160-token context =
-4096 + 64) and run one after another in
+4 heads of 64, d_ff 1024, vocabulary 500, LSH attention with chunks of 64
+and 1 hash, with the directed score term as shipped or as in Trax
+(`--attention lsh-shared`), or local and LSH blocks in turns (`mixed`);
+a 4160-token context = 4096 + 64) and run one after another in
 this process:
 
 - incremental: `src.decoding.Decoder`, the path `evaluate.py` uses: a
@@ -63,8 +63,9 @@ BINDINGS = (
   'SelfAttention.predict_drop_len = 64',
 )
 ATTENTION = {
-  'lsh': (),  # gin/tiny.gin's: local and LSH blocks in turns.
-  'lsh-only': ('ReformerLM.attention_type = @LSHSelfAttention',),
+  'lsh': (),  # gin/tiny.gin's: LSH with the directed score term.
+  'lsh-shared': ('lsh.directed = False',),  # Trax's LSH.
+  'mixed': ('ReformerLM.attention_type = [@SelfAttention, @LSHSelfAttention]',),
 }
 CHOSEN = ['lsh']
 GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
@@ -73,7 +74,7 @@ GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
 def build(mode: str, length: int):
   extra = decoding.predict_bindings(4) if mode == 'predict' else []
   ginconf.parse(GIN, BINDINGS + ATTENTION[CHOSEN[0]] + tuple(extra))
-  layer = model.reformer_lm(VOCAB, mode)
+  layer = model.reformer_lm(VOCAB, mode, directed=ginconf.lsh())
   layer.rng = jax.random.PRNGKey(0)  # Same weights for both contenders.
   layer.init(trax.shapes.ShapeDtype((1, length), np.int32))
   return layer
@@ -137,8 +138,8 @@ def main():
     '--attention',
     choices=sorted(ATTENTION),
     default='lsh',
-    help='lsh: local and LSH blocks in turns (as shipped); lsh-only: LSH '
-    'in every block (the design before)',
+    help="lsh: directed LSH (as shipped); lsh-shared: Trax's LSH (the "
+    'design before); mixed: local and LSH blocks in turns',
   )
   args = parser.parse_args()
   CHOSEN[0] = args.attention

@@ -16,18 +16,21 @@ the variant's bindings; d_model 128, 2 heads), trained by Trax's own
 
 - `full`: full attention (`SelfAttention`, separate queries and keys) in
   every block;
-- `lsh`: LSH attention in every block, `--train-hashes` hashes;
-- `mixed`: the shipped design (gin/tiny.gin): local attention
-  (`SelfAttention` within 32-token chunks and the chunk before) and LSH
-  attention in turns. The second `w` is `length / 2` tokens after the
-  first, beyond the local blocks' reach: only the LSH blocks can copy it.
+- `lsh`: the shipped attention (gin/tiny.gin): LSH in every block with
+  the directed score term (`lsh.directed`), `--train-hashes` hashes;
+- `lsh-shared`: Trax's LSH as it is (shared queries and keys only);
+- `mixed`: local attention (`SelfAttention` within 32-token chunks and the
+  chunk before) and directed LSH in turns. The second `w` is `length / 2`
+  tokens after the first, beyond the local blocks' reach: only the LSH
+  blocks can copy it.
 
 `--trax-alone` builds `trax.models.ReformerLM` directly instead (Trax's
 own axial start; the same gin settings, Trax's Loop and loss).
 
-LSH-trained models are evaluated with full attention over shared queries
-and keys (the paper's "full" column: `SelfAttention.share_qk = True` on
-the same weights) and with each of `--eval-hashes`. Prints the learning
+LSH-trained models are evaluated with each of `--eval-hashes`, and
+`lsh-shared` also with full attention over its shared queries and keys
+(the paper's "full" column: `SelfAttention.share_qk = True` on the same
+weights). Prints the learning
 curve (held-out accuracy every `--steps / 10` steps) and the paper's
 train x eval table; results in WORK_DIR/duplication.json.
 """
@@ -70,7 +73,14 @@ VARIANTS = {
     'SelfAttention.chunk_len = None',
     'SelfAttention.n_chunks_before = 0',
   ],
+  # The shipped attention: LSH in every block, with the directed term.
   'lsh': ['ReformerLM.attention_type = @LSHSelfAttention'],
+  # Trax's LSH as it is: shared queries and keys only.
+  'lsh-shared': [
+    'ReformerLM.attention_type = @LSHSelfAttention',
+    'lsh.directed = False',
+  ],
+  # Local blocks (their own queries and keys) and directed LSH in turns.
   'mixed': [
     'ReformerLM.attention_type = [@SelfAttention, @LSHSelfAttention]',
     *LOCAL,
@@ -119,7 +129,7 @@ def build(mode: str, bindings: list[str]):
   ginconf.parse(os.path.join(ROOT, 'gin', 'tiny.gin'), tuple(bindings))
   if TRAX_ALONE:
     return trax.models.ReformerLM(VOCAB, mode=mode)
-  return model.reformer_lm(VOCAB, mode, ginconf.positions())
+  return model.reformer_lm(VOCAB, mode, ginconf.positions(), ginconf.lsh())
 
 
 def accuracy(layer, weights, data, n_batches: int) -> float:
@@ -269,7 +279,7 @@ def main(argv=None):
   parser.add_argument('--layers', type=int, default=2)
   parser.add_argument('--rate', type=float, default=0.001)
   parser.add_argument('--warmup', type=int, default=200)
-  parser.add_argument('--variants', default='full,lsh,mixed')
+  parser.add_argument('--variants', default='full,lsh,lsh-shared')
   parser.add_argument('--train-hashes', type=int, default=2)
   parser.add_argument('--eval-hashes', default='1,2,4,8')
   parser.add_argument('--bind', action='append', default=[])
@@ -298,7 +308,7 @@ def main(argv=None):
     binds = base + VARIANTS[name] + args.bind
     weights, curve, seconds = train(name, binds, args)
     evals = {}
-    if name == 'lsh':  # (A mixed model's local blocks have their own keys.)
+    if name == 'lsh-shared':  # The others have weights full attention lacks.
       evals['full'] = evaluate(weights, binds, 'full', args.length)
     if name != 'full':
       for h in args.eval_hashes.split(','):

@@ -259,11 +259,16 @@ def model_binds(context: int, attention: str) -> list[str]:
       'SelfAttention.chunk_len = None',  # Unchunked: every position in view.
       'SelfAttention.n_chunks_before = 0',
     ]
-  elif attention == 'lsh-only':  # LSH in every block, no local blocks.
-    binds += ['ReformerLM.attention_type = @LSHSelfAttention']
-  elif attention != 'lsh':  # 'lsh': the shipped mix of local and LSH.
+  elif attention == 'lsh-shared':  # Trax's LSH: shared queries/keys only.
+    binds += ['lsh.directed = False']
+  elif attention == 'mixed':  # Local blocks and LSH blocks in turns.
+    binds += [
+      'ReformerLM.attention_type = [@SelfAttention, @LSHSelfAttention]',
+      'SelfAttention.chunk_len = 32',
+    ]
+  elif attention != 'lsh':  # 'lsh': as shipped (directed LSH).
     raise SystemExit(
-      f'error: --attention {attention!r}: use full, lsh or lsh-only'
+      f'error: --attention {attention!r}: use full, lsh, lsh-shared or mixed'
     )
   binds += [
     f'SelfAttention.predict_mem_len = {context}',

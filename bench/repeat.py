@@ -10,9 +10,9 @@
    six-word lists that are never trained on.
 2. Trains with `train.py` exactly as the README's quick start does
    (gin/tiny.gin, vocabulary 1000, batch 4, no dropout, peak rate 0.004,
-   warmup 100), `--steps` steps: `lsh` is the shipped gin/tiny.gin (local
-   and LSH blocks), `lsh-only` LSH in both blocks (the design before),
-   `full` full attention in both.
+   warmup 100), `--steps` steps: `lsh` is the shipped gin/tiny.gin
+   (directed LSH), `lsh-shared` Trax's LSH (the design before), `mixed` a
+   local and an LSH block, `full` full attention in both blocks.
 3. Asks each held-out list through `evaluate.py` (piped, greedy,
    `/reset` before each) and counts exact repeats.
 
@@ -36,7 +36,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ATTENTION = {
   'lsh': [],
-  'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
+  'lsh-shared': ['lsh.directed = False'],
+  'mixed': [
+    'ReformerLM.attention_type = [@SelfAttention, @LSHSelfAttention]',
+    'SelfAttention.chunk_len = 32',
+  ],
   'full': [
     'ReformerLM.attention_type = @SelfAttention',
     'SelfAttention.chunk_len = None',

@@ -170,7 +170,7 @@ def all_reduce_volume(vocab: int = 500) -> dict:
   from src import ginconf, model
 
   setup = ginconf.parse(os.path.join(ROOT, 'gin', 'reformer_32k.gin'))
-  layer = model.reformer_lm(vocab, 'train')
+  layer = model.reformer_lm(vocab, 'train', directed=ginconf.lsh())
   signature = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
   shapes = jax.tree_util.tree_leaves(
     layer.weights_and_state_signature(signature, unsafe=True)[0]

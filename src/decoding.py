@@ -81,7 +81,7 @@ def load_run(model_dir: str, mode: str, bindings=()):
       predict_bindings(setup.model['n_heads']) + attention_bindings(setup)
     )
   tok = tokenizer.load(model_dir)
-  layer = model.reformer_lm(tok.vocab_size, mode)
+  layer = model.reformer_lm(tok.vocab_size, mode, directed=setup.directed)
   length = 1 if mode == 'predict' else setup.max_len
   signature = trax.shapes.ShapeDtype((1, length), np.int32)
   step = checkpoint.load_weights(model_dir, layer, signature)

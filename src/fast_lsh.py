@@ -130,7 +130,7 @@ def one_token_step(self, x, *, q_start, weights, state, rng):
   buckets, buckets_idx, hash_rng = state
   buckets = _roll_buckets(self, buckets, buckets_idx, q_start)
   attend_rng, output_rng = fastmath.random.split(rng)
-  w_q, w_v, w_o = weights
+  w_q, w_v, w_o = weights[:3]
   q_range = q_start + jnp.arange(1, dtype=jnp.int32)
   # Trax duplicates the query row so matmul rounding matches its tests.
   q = jnp.matmul(jnp.concatenate([x[q_range]] * 2, 0), w_q)
@@ -145,6 +145,10 @@ def one_token_step(self, x, *, q_start, weights, state, rng):
   kv_indices = select_kv(is_valid_target, q_start, min(n_keep, seqlen))
   x_attend_to = x[kv_indices]
   k = ea.length_normalized(jnp.matmul(x_attend_to, w_q))
+  if len(weights) == 5:  # Directed (see `_forward_unbatched`).
+    w_a, w_b = weights[3:]
+    a = jnp.matmul(jnp.concatenate([x[q_range]] * 2, 0), w_a)
+    q, k = _directed(q, k, a, jnp.matmul(x_attend_to, w_b))
   v = jnp.matmul(x_attend_to, w_v)
   mask_fn = functools.partial(
     ea.mask_self_attention, causal=True, masked=True, exclude_self=True
@@ -314,6 +318,70 @@ def _local_incremental_forward_unbatched(self, x, mask=None, **kwargs):
     ea.mask_self_attention = _TRAX_MASK
 
 
+DIRECTED = '_jade_directed'  # Set on LSH layers by model.reformer_lm.
+_ORIGINAL_WEIGHTS = ea.LSHSelfAttention.create_weights_unbatched
+_ORIGINAL_FORWARD = ea.LSHSelfAttention.forward_unbatched
+_TRAX_ATTEND = ea.attend
+
+
+def _directed(q, k_unit, a, b):
+  """Queries and keys for `attend` (which divides keys by the square root
+  of their width) whose dot product is Trax's shared score `|q| cos`
+  plus a directed one, `a . b / sqrt(d)`.
+
+  Args:
+    q: `[n, d]` shared queries. k_unit: `[m, d]` their keys as Trax makes
+      them (`length_normalized`: length sqrt(d)). a: `[n, d]`. b: `[m, d]`.
+  """
+  scale = jnp.sqrt(jnp.asarray(2.0, q.dtype))
+  return jnp.concatenate([q, a], -1), scale * jnp.concatenate([k_unit, b], -1)
+
+
+def _create_weights_unbatched(self, input_signature, rng):
+  """Trax's weights of one head, plus `w_a` and `w_b` when directed."""
+  weights = _ORIGINAL_WEIGHTS(self, input_signature, rng)
+  if not getattr(self, DIRECTED, False):
+    return weights
+  if isinstance(input_signature, (tuple, list)):
+    input_signature = input_signature[0]
+  shape = (input_signature.shape[-1], self._d_qk)
+  rng_a, rng_b = fastmath.random.split(fastmath.random.split(rng, 5)[4])
+  w_a = self._kernel_initializer(shape, rng_a)
+  w_b = self._kernel_initializer(shape, rng_b)
+  return (*weights, w_a, w_b)
+
+
+def _forward_unbatched(self, x, mask=None, *, weights, **kwargs):
+  """LSH attention whose in-bucket score has a directed term.
+
+  LSH shares queries and keys: a score is `|q_i| cos(q_i, q_j)`, so a head
+  finds what resembles its query, never a different thing it needs ("the
+  word after Repeat"; BENCHMARKS.md, "Why LSH did not learn"). A directed
+  layer hashes, sorts and chunks exactly as Trax does (the buckets still
+  group similar positions, and are learned through the shared term), and
+  scores a pair in view with `|q_i| cos(q_i, q_j) + a_i . b_j / sqrt(d)`,
+  `a = x w_a`, `b = x w_b`: a query and a key projection of its own.
+  """
+  if not getattr(self, DIRECTED, False):
+    return _ORIGINAL_FORWARD(self, x, mask, weights=weights, **kwargs)
+  w_q, w_v, w_o, w_a, w_b = weights
+  a, b = jnp.matmul(x, w_a), jnp.matmul(x, w_b)
+
+  def directed_attend(q, k=None, v=None, **kw):
+    at = kw['q_info']  # The positions of `q`'s rows, as sorted.
+    q, k = _directed(q, ea.length_normalized(q), a[at], b[at])
+    kw['kv_chunk_len'] = kw['q_chunk_len']
+    if kw.get('kv_info') is None:
+      kw['kv_info'] = at
+    return _TRAX_ATTEND(q, k, v, **kw)
+
+  ea.attend = directed_attend  # Read by Trax's step as it is traced.
+  try:
+    return _ORIGINAL_FORWARD(self, x, mask, weights=(w_q, w_v, w_o), **kwargs)
+  finally:
+    ea.attend = _TRAX_ATTEND
+
+
 def install():
   """Routes LSH attention's one-token predict step through `select_kv`;
   local attention's predict step keeps its training window."""
@@ -325,6 +393,8 @@ def install():
   )
   ea.SelfAttention._use_predict_mem = _use_predict_mem
   ea.LSHSelfAttention._use_predict_mem = _use_predict_mem
+  ea.LSHSelfAttention.create_weights_unbatched = _create_weights_unbatched
+  ea.LSHSelfAttention.forward_unbatched = _forward_unbatched
   pe.AxialPositionalEncoding.forward = _axial_forward
 
 
@@ -334,4 +404,6 @@ def uninstall():
   ea.SelfAttention._incremental_forward_unbatched = _ORIGINAL_LOCAL
   ea.SelfAttention._use_predict_mem = _ORIGINAL_LOCAL_MEM
   ea.LSHSelfAttention._use_predict_mem = _ORIGINAL_MEM
+  ea.LSHSelfAttention.create_weights_unbatched = _ORIGINAL_WEIGHTS
+  ea.LSHSelfAttention.forward_unbatched = _ORIGINAL_FORWARD
   pe.AxialPositionalEncoding.forward = _ORIGINAL_AXIAL

@@ -127,7 +127,7 @@ def check_shapes(path: str, setup, vocab_size: int, flat):
   import jax
   import trax
 
-  layer = model.reformer_lm(vocab_size, 'eval')
+  layer = model.reformer_lm(vocab_size, 'eval', directed=setup.directed)
   signature = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
   wanted = jax.tree_util.tree_leaves(
     layer.weights_and_state_signature(signature, unsafe=True)[0]

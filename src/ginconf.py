@@ -9,6 +9,8 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
 - `output_loss.chunk_size`: positions whose logits exist at once.
 - `positions.axial_init_scale`: how large the axial position embeddings
   start, relative to the token embeddings.
+- `lsh.directed`: LSH attention scores with a directed term as well
+  (`src.model.lsh`, `src.fast_lsh`).
 
 `mode` and `vocab_size` are never bound in gin: the scripts pass them.
 """
@@ -32,6 +34,7 @@ lr_schedule = gin.external_configurable(
 optimizer = gin.external_configurable(model.optimizer, module='jade')
 output_loss = gin.external_configurable(model.output_loss, module='jade')
 positions = gin.external_configurable(model.positions, module='jade')
+lsh = gin.external_configurable(model.lsh, module='jade')
 
 MODEL_GIN = 'model.gin'  # The run's bindings, saved in out-dir.
 OPERATIVE_GIN = 'config.gin'  # What the run actually used (gin's view).
@@ -53,6 +56,8 @@ class GinSetup:
       cycles through the blocks).
     local: Settings of the `SelfAttention` blocks of a mixed model (a list
       of local and LSH attention), else None.
+    directed: `lsh.directed`: the LSH layers have a directed score term
+      (and its weights); pass it to `model.reformer_lm`.
   """
 
   path: str
@@ -62,6 +67,7 @@ class GinSetup:
   attention_name: str
   layer_attention: tuple = ()
   local: dict | None = None
+  directed: bool = False
 
   @property
   def max_len(self) -> int:
@@ -71,7 +77,7 @@ class GinSetup:
   def attention_text(self) -> str:
     """The attention in words, for logs and model cards."""
     if self.local is None:
-      return self.attention_name
+      return self.attention_name + (' (directed)' if self.directed else '')
     return (
       f'local SelfAttention (chunk {self.local["chunk_len"]}) and '
       f'{self.attention_name} in turns'
@@ -221,7 +227,14 @@ def parse_text(
   n_layers = int(model_settings['n_layers'])
   per_layer = tuple(kinds[i % len(kinds)].__name__ for i in range(n_layers))
   return GinSetup(
-    path, gin.config_str(), model_settings, attention, name, per_layer, local
+    path,
+    gin.config_str(),
+    model_settings,
+    attention,
+    name,
+    per_layer,
+    local,
+    bool(lsh()),
   )
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import trax
 from trax import layers as tl
 
+from src import fast_lsh
 from src.errors import UserError
 
 DECAYS = ('rsqrt', 'cosine', 'linear', 'constant')
@@ -106,8 +107,29 @@ def positions(axial_init_scale: float = 1.0) -> float:
   return float(axial_init_scale)
 
 
+def lsh(directed: bool = False) -> bool:
+  """How LSH attention scores the pairs it puts in view (gin: lsh).
+
+  Args:
+    directed: Add a directed term to Trax's shared-query/key score:
+      `|q_i| cos(q_i, q_j) + a_i . b_j / sqrt(d)` with two more projections
+      per head (`src.fast_lsh`). Hashing, sorting and chunking are Trax's.
+      Shared queries and keys alone can only find what resembles the
+      query; the directed term lets a head find the different thing it
+      needs ("the word after Repeat"; BENCHMARKS.md, "Why LSH did not
+      learn"). It changes the weights, so it is part of a model's settings.
+
+  Returns:
+    `directed`.
+  """
+  return bool(directed)
+
+
 def reformer_lm(
-  vocab_size: int, mode: str, axial_init_scale: float | None = None
+  vocab_size: int,
+  mode: str,
+  axial_init_scale: float | None = None,
+  directed: bool = False,
 ):
   """`trax.models.ReformerLM` with the gin-bound settings.
 
@@ -115,8 +137,14 @@ def reformer_lm(
   embeddings are drawn with std `axial_init_scale / sqrt(d_model)` when
   the model is initialized; None keeps Trax's initializer (std 1.0), which
   only matters for a model that is then initialized, not loaded.
+  `directed` (see `lsh`): the LSH layers score with a directed term; every
+  reader of a model must pass its setting (`ginconf.lsh()`), as the weights
+  differ.
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
+  if directed:
+    for layer in lsh_layers(lm):
+      setattr(layer, fast_lsh.DIRECTED, True)
   if axial_init_scale is not None:
     for layer in all_layers(lm):
       if isinstance(layer, tl.AxialPositionalEncoding):
@@ -257,9 +285,15 @@ def count_params(layer) -> int:
   return int(sum(w.size for w in leaves))
 
 
-def init_model(vocab_size: int, mode: str, max_len: int, batch: int = 1):
+def init_model(
+  vocab_size: int,
+  mode: str,
+  max_len: int,
+  batch: int = 1,
+  directed: bool = False,
+):
   """Builds and initializes a model for a `[batch, max_len]` int32 input."""
-  model = reformer_lm(vocab_size, mode)
+  model = reformer_lm(vocab_size, mode, directed=directed)
   length = 1 if mode == 'predict' else max_len
   model.init(trax.shapes.ShapeDtype((batch, length), np.int32))
   return model

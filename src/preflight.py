@@ -91,6 +91,11 @@ def count_weights(setup, vocab_size: int) -> int:
   feed_forward = 2 * d * d_ff + d_ff + d
   norms = 4 * d
   layers = m['n_layers'] * (attention + feed_forward + norms)
+  kinds = setup.layer_attention or ()
+  if getattr(setup, 'directed', False):  # w_a and w_b in each LSH layer.
+    layers += sum('LSH' in k for k in kinds) * 2 * d * heads * dk
+  if getattr(setup, 'local', None) is not None:  # Local blocks' own keys.
+    layers += sum(k == 'SelfAttention' for k in kinds) * d * heads * dk
   return (
     vocab_size * d + positions + layers + 2 * d + d * vocab_size + vocab_size
   )

@@ -42,7 +42,7 @@ _ACTIVATIONS = {
 }
 # Configurables a binding may name (the part before the last dot).
 CONFIGURABLES = frozenset(
-  {'ReformerLM', 'lr_schedule', 'optimizer', 'output_loss', 'positions'}
+  {'ReformerLM', 'lr_schedule', 'optimizer', 'output_loss', 'positions', 'lsh'}
   | _ATTENTION
   | _OPTIMIZERS
 )

@@ -27,7 +27,9 @@ class SampleReplies:
     self.prompts = list(prompts)
     max_len = setup.max_len
     ginconf.add_bindings(attention_bindings(setup))
-    layer = model.reformer_lm(tok.vocab_size, 'predict')
+    layer = model.reformer_lm(
+      tok.vocab_size, 'predict', directed=setup.directed
+    )
     layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
     self.decoder = Decoder(layer, max_len, tok)
     settings = sampling.SamplingSettings(

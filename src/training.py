@@ -987,9 +987,9 @@ def _train(
   signals = StopSignals()
   vocab = tok.vocab_size
   loop = JadeLoop(
-    model.reformer_lm(vocab, 'train', ginconf.positions()),
+    model.reformer_lm(vocab, 'train', ginconf.positions(), ginconf.lsh()),
     [train_task],
-    eval_model=model.reformer_lm(vocab, 'eval'),
+    eval_model=model.reformer_lm(vocab, 'eval', directed=ginconf.lsh()),
     eval_tasks=[eval_task],
     output_dir=out_dir if cluster.chief else None,
     checkpoint_at=checkpoint_at,

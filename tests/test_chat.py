@@ -53,7 +53,7 @@ def exact_decoder(out):
     ('LSHSelfAttention.chunk_len = 64', 'LSHSelfAttention.n_buckets = 2'),
   )
   tok = tokenizer.load(out)
-  predict = model.reformer_lm(tok.vocab_size, 'predict')
+  predict = model.reformer_lm(tok.vocab_size, 'predict', directed=ginconf.lsh())
   one = trax.shapes.ShapeDtype((1, 1), np.int32)
   checkpoint.load_weights(out, predict, one)
   return decoding.Decoder(predict, 128, tok)
@@ -72,7 +72,7 @@ def test_greedy_incremental_equals_full_forward(tiny_run):
   out = tiny_run['out']
   inc_decoder = exact_decoder(out)
   tok = inc_decoder.tokenizer
-  full_model = model.reformer_lm(tok.vocab_size, 'eval')
+  full_model = model.reformer_lm(tok.vocab_size, 'eval', directed=ginconf.lsh())
   checkpoint.load_weights(
     out, full_model, trax.shapes.ShapeDtype((1, 128), np.int32)
   )
@@ -287,7 +287,7 @@ def test_perplexity_is_exp_of_mean_token_loss(tiny_run):
   tok = tokenizer.load(out)
   stream = tok.encode_conversations(chatformat.read_file(path))
   ginconf.parse(os.path.join(out, 'model.gin'))
-  layer = model.reformer_lm(tok.vocab_size, 'eval')
+  layer = model.reformer_lm(tok.vocab_size, 'eval', directed=ginconf.lsh())
   checkpoint.load_weights(
     out, layer, trax.shapes.ShapeDtype((1, 128), np.int32)
   )
@@ -435,25 +435,37 @@ def test_block_reading_equals_token_by_token(tiny_run):
     np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)
 
 
-def test_local_blocks_read_their_training_window_while_chatting(tiny_run):
-  """The tiny model's first block is local attention (32-token chunks and
-  the chunk before). Token by token, predict mode must weigh the same
-  positions the training (eval) forward pass does, also past 64 tokens,
-  where Trax's own predict step would read the whole memory: the logits
-  at every position agree (LSH made exact as in the test above)."""
-  d = exact_decoder(tiny_run['out'])
-  assert [layer._chunk_len for layer in model.local_layers(d.model)] == [32]
-  full_model = model.reformer_lm(d.tokenizer.vocab_size, 'eval')
-  checkpoint.load_weights(
-    tiny_run['out'], full_model, trax.shapes.ShapeDtype((1, 128), np.int32)
+def test_local_blocks_read_their_training_window_while_chatting():
+  """A mixed model's local blocks (32-token chunks and the chunk before)
+  must weigh, token by token in predict mode, the same positions the
+  training (eval) forward pass does, also past 64 tokens, where Trax's own
+  predict step would read the whole memory: the logits at every position
+  agree (LSH made exact as in the tests above; random weights)."""
+  from .conftest import MICRO
+
+  ginconf.parse(
+    os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
+    MICRO
+    + (
+      'ReformerLM.attention_type = [@SelfAttention, @LSHSelfAttention]',
+      'SelfAttention.chunk_len = 32',
+      'LSHSelfAttention.chunk_len = 64',
+      'LSHSelfAttention.n_buckets = 2',
+    ),
   )
+  full_model = model.reformer_lm(300, 'eval', directed=True)
+  full_model.init(trax.shapes.ShapeDtype((1, 128), np.int32))
+  predict = model.reformer_lm(300, 'predict', directed=True)
+  predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
+  predict.weights = full_model.weights
+  d = decoding.Decoder(predict, 128)
+  assert [layer._chunk_len for layer in model.local_layers(d.model)] == [32]
   ids = [int(i) for i in np.random.default_rng(2).integers(3, 300, 127)]
   x = np.zeros((1, 128), np.int32)
   x[0, :127] = ids  # The model shifts right: output i sees ids before i.
   w, st = full_model.weights, full_model.state
   whole = np.asarray(full_model.pure_fn(x, w, st, jax.random.PRNGKey(0))[0])
   d.block = 10**9  # Token by token.
-  d.reset()
   by_token = [d.feed(ids[:1])] + [d.feed([t]) for t in ids[1:]]
   np.testing.assert_allclose(
     np.stack(by_token), whole[0, 1:], atol=2e-4, rtol=1e-4

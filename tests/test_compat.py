@@ -100,7 +100,7 @@ def test_stop_gradient_keeps_python_numbers_static():
 def test_lsh_predict_mode_decodes():
   """One-token LSH steps use both fixes above (cond and stop_gradient)."""
   ginconf.parse(TINY_GIN, MICRO)
-  predict = model.init_model(50, 'predict', 128)
+  predict = model.init_model(50, 'predict', 128, directed=ginconf.lsh())
   predict.weights = jax.tree_util.tree_map(jnp.asarray, predict.weights)
   token = np.zeros((1, 1), np.int32)
   for _ in range(3):

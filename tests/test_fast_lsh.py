@@ -16,11 +16,15 @@ def decode(parallel_heads, n_tokens=40):
     TINY_GIN,
     MICRO
     + (
+      # Trax's step is plain LSH in every block: no local blocks (whose
+      # window fast_lsh keeps) and no directed term.
+      'ReformerLM.attention_type = @LSHSelfAttention',
+      'lsh.directed = False',
       'LSHSelfAttention.n_hashes = 2',
       f'LSHSelfAttention.n_parallel_heads = {parallel_heads}',
     ),
   )
-  layer = model.reformer_lm(60, 'predict')
+  layer = model.reformer_lm(60, 'predict', directed=ginconf.lsh())
   layer.rng = jax.random.PRNGKey(1)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   decoder = Decoder(layer, 128)
@@ -44,7 +48,7 @@ def test_same_logits_as_trax_sort(parallel_heads):
 
 def test_compiled_step_has_no_sort():
   ginconf.parse(TINY_GIN, MICRO)
-  layer = model.reformer_lm(60, 'predict')
+  layer = model.reformer_lm(60, 'predict', directed=ginconf.lsh())
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   d = Decoder(layer, 128)
   hlo = (

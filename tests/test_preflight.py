@@ -93,7 +93,7 @@ def test_weight_count_is_close_to_the_models():
   from src import model
 
   setup = ginconf.parse(TINY_GIN)
-  m = model.reformer_lm(300, 'train')
+  m = model.reformer_lm(300, 'train', directed=ginconf.lsh())
   sig = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
   weights, _ = m.weights_and_state_signature(sig, unsafe=True)
   exact = sum(
