@@ -1,11 +1,11 @@
 """Decode speed: Jade V8's incremental decoder against naive re-running.
 
 Both contenders use the same small model and weights (4 layers, d_model 256,
-4 heads of 64, d_ff 1024, vocabulary 500, LSH attention with chunks of 64
-and 1 hash, with the directed score term as shipped or as in Trax
-(`--attention lsh-shared`), or local and LSH blocks in turns (`mixed`);
-a 4160-token context = 4096 + 64) and run one after another in
-this process:
+4 heads of 64, d_ff 1024, vocabulary 500, local attention (chunks of 64)
+and directed LSH attention (chunks of 64, 1 hash) in turns as shipped,
+`--attention lsh-only` or `lsh-shared` for LSH in every block, with or
+without the directed term; a 4160-token context = 4096 + 64) and run one
+after another in this process:
 
 - incremental: `src.decoding.Decoder`, the path `evaluate.py` uses: a
   predict-mode ReformerLM jitted once, state carried between tokens.
@@ -63,9 +63,12 @@ BINDINGS = (
   'SelfAttention.predict_drop_len = 64',
 )
 ATTENTION = {
-  'lsh': (),  # gin/tiny.gin's: LSH with the directed score term.
-  'lsh-shared': ('lsh.directed = False',),  # Trax's LSH.
-  'mixed': ('ReformerLM.attention_type = [@SelfAttention, @LSHSelfAttention]',),
+  'lsh': (),  # gin/tiny.gin's: a local block and a directed LSH block.
+  'lsh-only': ('ReformerLM.attention_type = @LSHSelfAttention',),
+  'lsh-shared': (  # Trax's LSH in every block.
+    'ReformerLM.attention_type = @LSHSelfAttention',
+    'lsh.directed = False',
+  ),
 }
 CHOSEN = ['lsh']
 GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
@@ -138,8 +141,9 @@ def main():
     '--attention',
     choices=sorted(ATTENTION),
     default='lsh',
-    help="lsh: directed LSH (as shipped); lsh-shared: Trax's LSH (the "
-    'design before); mixed: local and LSH blocks in turns',
+    help='lsh: a local and a directed LSH block (as shipped); lsh-only: '
+    "directed LSH in every block; lsh-shared: Trax's LSH (the design "
+    'before)',
   )
   args = parser.parse_args()
   CHOSEN[0] = args.attention

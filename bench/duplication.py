@@ -16,13 +16,13 @@ the variant's bindings; d_model 128, 2 heads), trained by Trax's own
 
 - `full`: full attention (`SelfAttention`, separate queries and keys) in
   every block;
-- `lsh`: the shipped attention (gin/tiny.gin): LSH in every block with
-  the directed score term (`lsh.directed`), `--train-hashes` hashes;
-- `lsh-shared`: Trax's LSH as it is (shared queries and keys only);
-- `mixed`: local attention (`SelfAttention` within 32-token chunks and the
-  chunk before) and directed LSH in turns. The second `w` is `length / 2`
-  tokens after the first, beyond the local blocks' reach: only the LSH
-  blocks can copy it.
+- `lsh`: as shipped (gin/tiny.gin): a local block (`SelfAttention` within
+  32-token chunks and the chunk before) and a directed LSH block
+  (`lsh.directed`). The second `w` is `length / 2` tokens after the first,
+  beyond the local block's reach: only the LSH block can copy it;
+- `lsh-only`: directed LSH in every block, `--train-hashes` hashes;
+- `lsh-shared`: Trax's LSH as it is (shared queries and keys only) in
+  every block.
 
 `--trax-alone` builds `trax.models.ReformerLM` directly instead (Trax's
 own axial start; the same gin settings, Trax's Loop and loss).
@@ -73,17 +73,14 @@ VARIANTS = {
     'SelfAttention.chunk_len = None',
     'SelfAttention.n_chunks_before = 0',
   ],
-  # The shipped attention: LSH in every block, with the directed term.
-  'lsh': ['ReformerLM.attention_type = @LSHSelfAttention'],
-  # Trax's LSH as it is: shared queries and keys only.
+  # As shipped (gin/tiny.gin): a local block and a directed LSH block.
+  'lsh': [*LOCAL],
+  # Directed LSH in every block.
+  'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
+  # Trax's LSH (shared queries and keys only) in every block.
   'lsh-shared': [
     'ReformerLM.attention_type = @LSHSelfAttention',
     'lsh.directed = False',
-  ],
-  # Local blocks (their own queries and keys) and directed LSH in turns.
-  'mixed': [
-    'ReformerLM.attention_type = [@SelfAttention, @LSHSelfAttention]',
-    *LOCAL,
   ],
 }
 
@@ -279,7 +276,7 @@ def main(argv=None):
   parser.add_argument('--layers', type=int, default=2)
   parser.add_argument('--rate', type=float, default=0.001)
   parser.add_argument('--warmup', type=int, default=200)
-  parser.add_argument('--variants', default='full,lsh,lsh-shared')
+  parser.add_argument('--variants', default='full,lsh,lsh-only,lsh-shared')
   parser.add_argument('--train-hashes', type=int, default=2)
   parser.add_argument('--eval-hashes', default='1,2,4,8')
   parser.add_argument('--bind', action='append', default=[])

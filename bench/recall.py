@@ -241,6 +241,23 @@ def write_training_set(path, filler, n, length, seed=0, loss='ai', asks=1):
   return distances
 
 
+# Attention variants beside the shipped one ('lsh': gin/tiny.gin's local
+# block and directed LSH block) and 'full' (BENCHMARKS.md, "Why LSH did
+# not learn"); bench/positions.py and bench/repeat.py use the same names.
+VARIANTS = {
+  # Directed LSH in every block, no local blocks.
+  'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
+  # Trax's LSH (shared queries and keys only) in every block: the design
+  # before.
+  'lsh-shared': [
+    'ReformerLM.attention_type = @LSHSelfAttention',
+    'lsh.directed = False',
+  ],
+  # Local blocks with Trax's LSH.
+  'local-shared': ['lsh.directed = False'],
+}
+
+
 def model_binds(context: int, attention: str) -> list[str]:
   side = 2 ** (int(np.log2(context)) // 2)  # A power of two for the context.
   axial = (side, context // side)
@@ -259,16 +276,12 @@ def model_binds(context: int, attention: str) -> list[str]:
       'SelfAttention.chunk_len = None',  # Unchunked: every position in view.
       'SelfAttention.n_chunks_before = 0',
     ]
-  elif attention == 'lsh-shared':  # Trax's LSH: shared queries/keys only.
-    binds += ['lsh.directed = False']
-  elif attention == 'mixed':  # Local blocks and LSH blocks in turns.
-    binds += [
-      'ReformerLM.attention_type = [@SelfAttention, @LSHSelfAttention]',
-      'SelfAttention.chunk_len = 32',
-    ]
-  elif attention != 'lsh':  # 'lsh': as shipped (directed LSH).
+  elif attention in VARIANTS:
+    binds += VARIANTS[attention]
+  elif attention != 'lsh':  # 'lsh': as shipped (gin/tiny.gin).
     raise SystemExit(
-      f'error: --attention {attention!r}: use full, lsh, lsh-shared or mixed'
+      f'error: --attention {attention!r}: use full, lsh or one of '
+      f'{", ".join(VARIANTS)}'
     )
   binds += [
     f'SelfAttention.predict_mem_len = {context}',

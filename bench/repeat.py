@@ -10,9 +10,10 @@
    six-word lists that are never trained on.
 2. Trains with `train.py` exactly as the README's quick start does
    (gin/tiny.gin, vocabulary 1000, batch 4, no dropout, peak rate 0.004,
-   warmup 100), `--steps` steps: `lsh` is the shipped gin/tiny.gin
-   (directed LSH), `lsh-shared` Trax's LSH (the design before), `mixed` a
-   local and an LSH block, `full` full attention in both blocks.
+   warmup 100), `--steps` steps: `lsh` is the shipped gin/tiny.gin (a
+   local block and a directed LSH block), `lsh-only` directed LSH in both
+   blocks, `lsh-shared` Trax's LSH in both (the design before),
+   `local-shared` a local block and Trax's LSH, `full` full attention.
 3. Asks each held-out list through `evaluate.py` (piped, greedy,
    `/reset` before each) and counts exact repeats.
 
@@ -35,12 +36,13 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ATTENTION = {
-  'lsh': [],
-  'lsh-shared': ['lsh.directed = False'],
-  'mixed': [
-    'ReformerLM.attention_type = [@SelfAttention, @LSHSelfAttention]',
-    'SelfAttention.chunk_len = 32',
+  'lsh': [],  # As shipped: a local block and a directed LSH block.
+  'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
+  'lsh-shared': [
+    'ReformerLM.attention_type = @LSHSelfAttention',
+    'lsh.directed = False',
   ],
+  'local-shared': ['lsh.directed = False'],
   'full': [
     'ReformerLM.attention_type = @SelfAttention',
     'SelfAttention.chunk_len = None',

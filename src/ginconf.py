@@ -118,7 +118,9 @@ def _parse(text: str, where: str, line_numbers: bool = True):
 # Configurables that define the model's weights and computation (a
 # pretrained model's settings); the rest (optimizer, schedule, chunked
 # loss) belong to a training run.
-MODEL_CONFIGURABLES = frozenset({'ReformerLM'} | safegin._ATTENTION)
+MODEL_CONFIGURABLES = frozenset(
+  {'ReformerLM', 'lsh', 'jade.lsh'} | safegin._ATTENTION
+)  # lsh.directed changes the weights.
 
 
 def model_bindings(text: str, where: str) -> str:
