@@ -14,7 +14,8 @@ import sys
 
 
 def parse_args(argv=None):
-  from src import config, sampling
+  from src.config import jsonconfig
+  from src.inference import sampling
 
   defaults = sampling.SamplingSettings()
   parser = argparse.ArgumentParser(
@@ -27,7 +28,7 @@ def parse_args(argv=None):
     default=None,
     help='JSON config (default: ./config.json if present)',
   )
-  config.add_arguments(parser, 'eval')
+  jsonconfig.add_arguments(parser, 'eval')
   parser.add_argument('--prompt', help='print one reply to this and exit')
   parser.add_argument(
     '--perplexity',
@@ -52,16 +53,18 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  from src import chat, config, decoding, sampling
+  from src import runtime
 
-  settings = config.read_section(
-    args.config, 'eval', config.overrides_from_args(args, 'eval')
-  )
+  runtime.bootstrap()
+  from src.config import jsonconfig
+  from src.inference import chat, decoding, sampling
+
+  settings = jsonconfig.from_args(args, 'eval')
   model_dir = settings['model-dir']
   if args.perplexity:
-    from src import perplexity
+    from src.inference import scoring
 
-    r = perplexity.evaluate(model_dir, args.perplexity)
+    r = scoring.evaluate(model_dir, args.perplexity)
     print(
       f'{args.perplexity}: {r["tokens"]} tokens, loss {r["loss"]:.4f} '
       f'nats/token, perplexity {r["perplexity"]:.2f}, '
@@ -90,6 +93,6 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  from src.cli import run_main
+  from src.apps.cli import run_main
 
   sys.exit(run_main(main))

@@ -10,7 +10,7 @@ import sys
 
 
 def parse_args(argv=None):
-  from src import config
+  from src.config import jsonconfig
 
   parser = argparse.ArgumentParser(
     description='Train a Reformer chat model on your conversations.'
@@ -28,21 +28,22 @@ def parse_args(argv=None):
     metavar='GIN',
     help='extra gin binding, e.g. "ReformerLM.n_layers=2"',
   )
-  config.add_arguments(parser, 'train')
+  jsonconfig.add_arguments(parser, 'train')
   return parser.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
-  from src import config, training
+  from src import runtime
 
-  settings = config.read_section(
-    args.config, 'train', config.overrides_from_args(args, 'train')
-  )
-  training.train(settings, gin_bindings=args.bind)
+  runtime.bootstrap()
+  from src.config import jsonconfig
+  from src.training import trainer
+
+  trainer.train(jsonconfig.from_args(args, 'train'), gin_bindings=args.bind)
 
 
 if __name__ == '__main__':
-  from src.cli import run_main
+  from src.apps.cli import run_main
 
   sys.exit(run_main(main))

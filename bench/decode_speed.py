@@ -7,7 +7,7 @@ and directed LSH attention (chunks of 64, 1 hash) in turns as shipped,
 without the directed term; a 4160-token context = 4096 + 64) and run one
 after another in this process:
 
-- incremental: `src.decoding.Decoder`, the path `evaluate.py` uses: a
+- incremental: `src.inference.decoding.Decoder`, the path `evaluate.py` uses: a
   predict-mode ReformerLM jitted once, state carried between tokens.
 - naive: the eval-mode model re-run on the whole (padded) prefix for every
   new token, jitted once for the padded length.
@@ -31,37 +31,22 @@ from importlib import metadata
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import src  # noqa: E402,F401,I001  (first: quiet imports, compat fixes)
+from bench import common  # noqa: E402
+from src import runtime  # noqa: E402
+
+runtime.bootstrap()  # XLA flags, quiet logs, Trax patches: first.
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import trax  # noqa: E402
 
-from src import fast_lsh, ginconf, model  # noqa: E402
-from src import decoding  # noqa: E402
-from src.decoding import Decoder  # noqa: E402
+from src.inference import decoding, scoring  # noqa: E402
+from src.inference.decoding import Decoder  # noqa: E402
+from src.model import ginconf, reformer  # noqa: E402
+from src.runtime.trax_patches import fast_lsh  # noqa: E402
 
-CONTEXT = 4160
+CONTEXT = common.DECODE_CONTEXT
 VOCAB = 500
-BINDINGS = (
-  f'ReformerLM.max_len = {CONTEXT}',
-  'ReformerLM.d_model = 256',
-  'ReformerLM.d_ff = 1024',
-  'ReformerLM.n_layers = 4',
-  'ReformerLM.n_heads = 4',
-  'ReformerLM.d_attention_key = 64',
-  'ReformerLM.d_attention_value = 64',
-  'ReformerLM.pos_axial_shape = (65, 64)',
-  'ReformerLM.pos_d_axial_embs = (128, 128)',
-  'ReformerLM.dropout = 0.0',
-  'LSHSelfAttention.chunk_len = 64',
-  'LSHSelfAttention.n_buckets = 64',
-  'LSHSelfAttention.n_hashes = 1',
-  f'LSHSelfAttention.predict_mem_len = {CONTEXT}',
-  'LSHSelfAttention.predict_drop_len = 64',
-  'SelfAttention.chunk_len = 64',
-  f'SelfAttention.predict_mem_len = {CONTEXT}',
-  'SelfAttention.predict_drop_len = 64',
-)
+BINDINGS = common.DECODE_BINDINGS
 ATTENTION = {
   'lsh': (),  # gin/tiny.gin's: a local block and a directed LSH block.
   'lsh-only': ('ReformerLM.attention_type = @LSHSelfAttention',),
@@ -77,7 +62,7 @@ GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
 def build(mode: str, length: int):
   extra = decoding.predict_bindings(4) if mode == 'predict' else []
   ginconf.parse(GIN, BINDINGS + ATTENTION[CHOSEN[0]] + tuple(extra))
-  layer = model.reformer_lm(VOCAB, mode, directed=ginconf.lsh())
+  layer = reformer.reformer_lm(VOCAB, mode, directed=ginconf.lsh())
   layer.rng = jax.random.PRNGKey(0)  # Same weights for both contenders.
   layer.init(trax.shapes.ShapeDtype((1, length), np.int32))
   return layer
@@ -109,9 +94,7 @@ def incremental(prefixes, n_tokens, prompt):
 def naive(prefixes, n_tokens, prompt):
   t0 = time.time()
   layer = build('eval', CONTEXT)
-  weights, state = layer.weights, layer.state
-  rng = jax.random.PRNGKey(0)
-  forward = jax.jit(lambda x: layer.pure_fn(x, weights, state, rng)[0])
+  forward = scoring.forward_fn(layer)
   x = np.zeros((1, CONTEXT), np.int32)
   forward(x).block_until_ready()
   out = {'compile_s': time.time() - t0}

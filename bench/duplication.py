@@ -10,9 +10,9 @@ for each of its symbols, the matching place in the first half: a lookup
 by content and position over half the sequence. Accuracy is the share of
 the second half's symbols predicted exactly (teacher-forced, greedy).
 
-Each variant is our model (`src.model.reformer_lm` under gin/tiny.gin plus
-the variant's bindings; d_model 128, 2 heads), trained by Trax's own
-`Loop` with Trax's weighted cross-entropy on the second half only:
+Each variant is our model (`src.model.reformer.reformer_lm` under
+gin/tiny.gin plus the variant's bindings; d_model 128, 2 heads), trained
+by Trax's own `Loop` with Trax's weighted cross-entropy on the second half only:
 
 - `full`: full attention (`SelfAttention`, separate queries and keys) in
   every block;
@@ -121,24 +121,25 @@ def build(mode: str, bindings: list[str]):
   start, none of our model code)."""
   import trax
 
-  from src import ginconf, model
+  from src.model import ginconf, reformer
 
   ginconf.parse(os.path.join(ROOT, 'gin', 'tiny.gin'), tuple(bindings))
   if TRAX_ALONE:
     return trax.models.ReformerLM(VOCAB, mode=mode)
-  return model.reformer_lm(VOCAB, mode, ginconf.positions(), ginconf.lsh())
+  return reformer.reformer_lm(VOCAB, mode, ginconf.positions(), ginconf.lsh())
 
 
 def accuracy(layer, weights, data, n_batches: int) -> float:
   """Share of weighted positions whose argmax is the target."""
   import jax
 
-  forward = jax.jit(layer.pure_fn)
-  state = layer.state
+  from src.inference import scoring
+
+  forward = scoring.forward_fn(layer, weights)
   right = total = 0.0
   for i in range(n_batches):
     x, y, w = next(data)
-    logits, _ = forward(x, weights, state, jax.random.PRNGKey(i))
+    logits = forward(x, jax.random.PRNGKey(i))
     guess = np.asarray(logits).argmax(-1)
     right += float(((guess == y) * w).sum())
     total += float(w.sum())
@@ -166,10 +167,10 @@ def train(name, binds, args, log=print):
   from trax import layers as tl
   from trax.supervised import training
 
-  from src import model
+  from src.model import reformer
 
   lm = build('train', binds)
-  schedule = model.lr_schedule(
+  schedule = reformer.lr_schedule(
     args.steps, peak=args.rate, warmup_steps=args.warmup, decay='constant'
   )
   task = training.TrainTask(
@@ -292,7 +293,9 @@ def main(argv=None):
     return 0
   global TRAX_ALONE
   TRAX_ALONE = args.trax_alone
-  import src  # noqa: F401 (the compatibility fixes)
+  from src import runtime
+
+  runtime.bootstrap()
 
   os.makedirs(args.work, exist_ok=True)
   report = {'args': vars(args), 'paper': PAPER, 'runs': {}}

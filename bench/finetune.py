@@ -4,7 +4,7 @@
 
 1. Pretrain the tiny model (gin/tiny.gin) on ChatterBot English without
    three of its categories (greetings, conversations, emotion), then
-   export it (`python -m src.export`).
+   export it (`python -m src.apps.export`).
 2. The three categories are the "personal" data: every 10th conversation
    of each is held out (the same conversations for every run).
 3. Train on the personal data for `--steps` steps two ways: from scratch
@@ -33,7 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def make_data(work: str):
   """pretrain/, personal/ and held-out/ line-format folders."""
-  from src import chatformat, convert
+  from src.apps import convert
+  from src.data import chatformat
 
   folders = {
     n: os.path.join(work, n) for n in ('all', 'pretrain', 'personal', 'held')
@@ -59,7 +60,8 @@ def make_data(work: str):
 
 
 def run(out, data, gin, steps, held, eval_every, **extra):
-  from src import config, training
+  from src.config import jsonconfig
+  from src.training import trainer
 
   values = {
     'out-dir': out,
@@ -74,7 +76,7 @@ def run(out, data, gin, steps, held, eval_every, **extra):
     **extra,
   }
   start = time.time()
-  training.train(config.from_values('train', values), log=lambda line: None)
+  trainer.train(jsonconfig.from_values('train', values), log=lambda line: None)
   return time.time() - start
 
 
@@ -92,7 +94,9 @@ def main(argv=None):
   parser.add_argument('--pretrain-steps', type=int, default=1500)
   parser.add_argument('--steps', type=int, default=300)
   args = parser.parse_args(argv)
-  from src import export, perplexity, tokenizer
+  from src.data import tokenizer
+  from src.inference import scoring
+  from src.storage import export
 
   work = args.work
   os.makedirs(work, exist_ok=True)
@@ -128,7 +132,7 @@ def main(argv=None):
       info = tokenizer.read_info(exp)
       tokenizer.save(out, tokenizer.adopt(tok, info, os.path.abspath(exp)))
     times[name] = run(out, d['personal'], gin, steps, d['held'], 50, **extra)
-    r = perplexity.evaluate(out, d['held'], show_progress=False)
+    r = scoring.evaluate(out, d['held'], show_progress=False)
     results[name] = (r, eval_curve(out))
   tuned = results['fine-tuned'][0]['loss']
   reached = next(
@@ -170,4 +174,7 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
+  from src import runtime
+
+  runtime.bootstrap()
   sys.exit(main())

@@ -24,11 +24,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, 'bench'))
 
-from train_speed import CHUNK, D_FF, D_HEAD, HEADS, LAYERS, VOCAB, D  # noqa: E402
+from bench.common import CHUNK, D_FF, D_HEAD, HEADS, LAYERS, VOCAB, D  # noqa: E402
+from src import runtime  # noqa: E402
 
-import src  # noqa: E402, F401  (our XLA flags, before JAX starts)
+runtime.bootstrap()  # XLA flags, quiet logs, Trax patches: first.
 
 
 def rate(shape_a, shape_b, reps=10):

@@ -13,21 +13,20 @@ training loss.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import common  # noqa: E402
+
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('run_dir')
-  parser.add_argument('data', nargs='?', default=None)
+  parser = common.run_parser(__doc__)
   parser.add_argument('--last-steps', type=int, default=64)
   parser.add_argument('--json', action='store_true', help='print JSON')
   args = parser.parse_args(argv)
-  from src import memorization
+  from src.analysis import memorization
 
   result = memorization.measure(args.run_dir, args.data, args.last_steps)
   print(
@@ -37,6 +36,9 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  from src.cli import run_main
+  from src import runtime
+
+  runtime.bootstrap()
+  from src.apps.cli import run_main
 
   sys.exit(run_main(main))

@@ -38,9 +38,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, 'bench'))
 
-import recall  # noqa: E402 (after the path is set)
+from bench import common  # noqa: E402
 
 D_MODEL = 128  # gin/tiny.gin's.
 VARIANTS = {
@@ -59,7 +58,7 @@ VARIANTS = {
 def echo_conversations(n: int, seed: int = 0) -> list:
   """`n` conversations of six "Repeat WORD." / "WORD" pairs."""
   rng = np.random.default_rng(seed)
-  values = [v for _, _, vs in recall.FACTS.values() for v in vs]
+  values = [v for _, _, vs in common.FACTS.values() for v in vs]
   convs = []
   for _ in range(n):
     turns = []
@@ -86,12 +85,12 @@ def main(argv=None):
   parser.add_argument('--variants', default='trax,tokens,fixed')
   parser.add_argument('--attention', default='full,lsh')
   args = parser.parse_args(argv)
-  from src import chatformat
+  from src.data import chatformat
 
   os.makedirs(args.work, exist_ok=True)
   data = os.path.join(args.work, 'echo.txt')
   with open(data, 'w', encoding='utf-8') as f:
-    f.write(recall.to_text(echo_conversations(3000), chatformat.Markers()))
+    f.write(common.to_text(echo_conversations(3000), chatformat.Markers()))
     f.write('\n')
   report = {'steps': args.steps, 'runs': {}}
   for attention in args.attention.split(','):
@@ -102,7 +101,7 @@ def main(argv=None):
         )
       # The recall bench's training: tiny.gin at 128 tokens, loss on the
       # AI turns, vocabulary 1000; the variant's bindings on top.
-      run, seconds = recall.train(
+      run, seconds = common.train(
         os.path.join(args.work, name),
         data,
         128,
@@ -130,4 +129,7 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
+  from src import runtime
+
+  runtime.bootstrap()
   main()

@@ -3,7 +3,7 @@
   python bench/prepare_corpus.py --gigabytes 1 --dir /tmp/jade-corpus
 
 Generates a corpus in the line format (Zipf-distributed words, 2-8 turns
-per conversation, some `|br|`), then runs `training.prepare` (the path
+per conversation, some `|br|`), then runs `src.training.plan.prepare` (the path
 `train.py` takes up to its first batch) twice, each in a fresh process:
 
 1. cold: scan + hash, tokenizer training on a sample, parallel tokenization
@@ -76,7 +76,11 @@ def generate(folder: str, gigabytes: float, files: int, seed: int = 0):
 CHILD = r"""
 import json, sys, time
 t0 = time.time()
-from src import config, corpus, tokenizer, training
+from src import runtime
+runtime.bootstrap()
+from src.config import jsonconfig as config
+from src.data import corpus, tokenizer
+from src.training import plan as training
 timings = {}
 def timed(name, fn):
   def wrapper(*a, **k):
@@ -92,14 +96,14 @@ corpus._build = timed('tokenize', corpus._build)
 t_import = time.time() - t0
 settings = config.from_values('train', json.loads(sys.argv[1]))
 run = training.prepare(settings, log=lambda line: None)
-batch = run['train_batches'].batch(0)
+batch = run.train_batches.batch(0)
 t_first = time.time() - t0
-c = run['corpus']
+c = run.corpus
 print(json.dumps(dict(
   timings, import_seconds=t_import, first_batch_seconds=t_first,
   hit=c.hit, tokens=int(len(c.tokens)), conversations=c.n_conversations,
-  bytes=c.n_bytes, vocab=run['tokenizer'].vocab_size,
-  held=run['held'])))
+  bytes=c.n_bytes, vocab=run.tokenizer.vocab_size,
+  held=run.held)))
 """
 
 

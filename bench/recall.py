@@ -37,56 +37,23 @@ there). Results in WORK_DIR/recall.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = (
-  'Alice Bruno Carmen Dmitri Elena Farid Greta Hiro Ines Jonas Kofi Lena '
-  'Mateo Nadia Oskar Priya Quinn Rosa Sami Tomas Uma Viktor Wanda Xavier '
-  'Yara Zoltan'
-).split()
-WORDS = (
-  'river lantern pepper violin glacier saddle meadow harbor cobalt walnut '
-  'falcon marble thunder velvet orchid copper canyon puzzle ember tulip '
-  'anchor biscuit comet dolphin'
-).split()
-NUMBERS = [str(n) for n in range(100, 1000, 37)]
-COLORS = (
-  'red blue green yellow purple orange pink brown black white grey teal '
-  'maroon navy olive silver gold beige coral indigo'
-).split()
-CITIES = (
-  'Paris Lisbon Oslo Cairo Lima Quito Dublin Vienna Prague Madrid Seoul '
-  'Tokyo Nairobi Boston Denver Austin Sydney Perth Toronto Havana Athens '
-  'Warsaw Zurich Rome'
-).split()
-PETS = (
-  'Biscuit Pepper Shadow Luna Milo Rocky Daisy Oscar Ziggy Coco Buster '
-  'Nala Simba Rusty Mochi Pixel Waffles Juno Toby Ginger'
-).split()
+from bench.common import (  # noqa: E402
+  FACTS,
+  to_text,
+  train,
+)
+from src.analysis.lsh_views import in_view  # noqa: E402
+from src.runtime.trax_patches.lsh_buckets import recording_buckets  # noqa: E402
 
-# kind -> (statement, question, values)
-FACTS = {
-  'name': ('My name is {}.', 'What is my name?', NAMES),
-  'number': (
-    'Please remember the number {}.',
-    'What number did I ask you to remember?',
-    NUMBERS,
-  ),
-  'code word': ('The code word is {}.', 'What is the code word?', WORDS),
-  'color': ('My favorite color is {}.', 'What is my favorite color?', COLORS),
-  'city': ('I live in {}.', 'Where do I live?', CITIES),
-  'pet': ('My dog is called {}.', 'What is my dog called?', PETS),
-}
 ACK = 'Okay, I will remember that.'
 
 
@@ -184,32 +151,9 @@ def make_training_conversation(rng, filler, length: int, count, asks=1):
   return turns, asked
 
 
-QUESTIONS = {question for _, question, _ in FACTS.values()}
-
-
-def to_text(conversations, markers, loss: str = 'ai') -> str:
-  """Conversations (lists of `(role, text)`) in the line format.
-
-  `loss`: 'ai' trains on every AI turn; 'answers' only on the answers to
-  the questions (the other AI turns are written `|noloss|`: context only).
-  """
-  from src import chatformat
-
-  def turns_of(turns):
-    for i, (r, t) in enumerate(turns):
-      train = loss == 'ai' or (
-        r == 'ai' and i > 0 and turns[i - 1][1] in QUESTIONS
-      )
-      yield chatformat.Turn(r, t, '', 0, train or r != 'ai')
-
-  convs = [
-    chatformat.Conversation(tuple(turns_of(turns))) for turns in conversations
-  ]
-  return '\n\n'.join(chatformat.format_conversation(c, markers) for c in convs)
-
-
 def filler_conversations(work: str):
-  from src import chatformat, convert
+  from src.apps import convert
+  from src.data import chatformat
 
   folder = os.path.join(work, 'chatterbot')
   if not os.path.isdir(folder):
@@ -222,7 +166,7 @@ def write_training_set(path, filler, n, length, seed=0, loss='ai', asks=1):
   `length` tokens of filler (estimated at 4 characters a token; the run's
   tokenizer measures distances when scoring); `loss` as in `to_text`.
   Returns the distances asked."""
-  from src import chatformat
+  from src.data import chatformat
 
   rng = np.random.default_rng(seed)
   convs, distances = [], []
@@ -241,81 +185,6 @@ def write_training_set(path, filler, n, length, seed=0, loss='ai', asks=1):
   return distances
 
 
-# Attention variants beside the shipped one ('lsh': gin/tiny.gin's local
-# block and directed LSH block) and 'full' (BENCHMARKS.md, "Why LSH did
-# not learn"); bench/positions.py and bench/repeat.py use the same names.
-VARIANTS = {
-  # Directed LSH in every block, no local blocks.
-  'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
-  # Trax's LSH (shared queries and keys only) in every block: the design
-  # before.
-  'lsh-shared': [
-    'ReformerLM.attention_type = @LSHSelfAttention',
-    'lsh.directed = False',
-  ],
-  # Local blocks with Trax's LSH.
-  'local-shared': ['lsh.directed = False'],
-}
-
-
-def model_binds(context: int, attention: str) -> list[str]:
-  side = 2 ** (int(np.log2(context)) // 2)  # A power of two for the context.
-  axial = (side, context // side)
-  binds = [
-    f'ReformerLM.max_len = {context}',
-    f'ReformerLM.pos_axial_shape = {axial}',
-    'ReformerLM.dropout = 0.0',
-    'LSHSelfAttention.chunk_len = 64',
-    f'LSHSelfAttention.n_buckets = {context // 64}',
-    f'LSHSelfAttention.predict_mem_len = {context}',
-    'LSHSelfAttention.predict_drop_len = 64',
-  ]
-  if attention == 'full':
-    binds += [
-      'ReformerLM.attention_type = @trax.layers.SelfAttention',
-      'SelfAttention.chunk_len = None',  # Unchunked: every position in view.
-      'SelfAttention.n_chunks_before = 0',
-    ]
-  elif attention in VARIANTS:
-    binds += VARIANTS[attention]
-  elif attention != 'lsh':  # 'lsh': as shipped (gin/tiny.gin).
-    raise SystemExit(
-      f'error: --attention {attention!r}: use full, lsh or one of '
-      f'{", ".join(VARIANTS)}'
-    )
-  binds += [
-    f'SelfAttention.predict_mem_len = {context}',
-    'SelfAttention.predict_drop_len = 64',
-  ]
-  return binds
-
-
-def train(work, data, context, attention, steps, batch=2, binds=()):
-  from src import config, training
-
-  out = os.path.join(work, f'run-{attention}')
-  values = {
-    'out-dir': out,
-    'data': data,
-    'gin': os.path.join(ROOT, 'gin', 'tiny.gin'),
-    'steps': steps,
-    'eval-every': max(steps // 4, 1),
-    'eval-batches': 4,
-    'checkpoint-every': max(steps // 4, 1),
-    'vocab-size': 1000,
-    'ai-only-loss': True,
-    'batch-size': batch,
-    'sample-prompts': [],
-  }
-  t0 = time.time()
-  training.train(
-    config.from_values('train', values),
-    gin_bindings=model_binds(context, attention) + list(binds),
-    log=lambda line: print(line, flush=True),
-  )
-  return out, time.time() - t0
-
-
 def score(run, filler, distances, samples, n_hashes=None, seed=1):
   """Exact-match share of greedy answers by distance (and no fact).
 
@@ -327,19 +196,18 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
   """
   import jax
 
-  from src import chat, chatformat, decoding
+  from src.data import chatformat
+  from src.inference import chat, decoding, scoring
 
   bindings = []
   if n_hashes is not None:
     bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
   setup, tok, layer, _ = decoding.load_run(run, 'eval', bindings)
-  weights, state = layer.weights, layer.state
   max_len = setup.max_len
   buckets = []  # Each LSH layer's and head's buckets, in call order.
   with recording_buckets(buckets):  # Traced (and so recorded) once here.
-    forward = jax.jit(layer.pure_fn)
-    x = np.zeros((1, max_len), np.int32)
-    jax.block_until_ready(forward(x, weights, state, jax.random.PRNGKey(0)))
+    forward = scoring.forward_fn(layer)
+    jax.block_until_ready(forward(np.zeros((1, max_len), np.int32)))
   lsh = bool(buckets)  # Full attention records nothing.
   if lsh:
     chunk_len = int(setup.attention['chunk_len'])
@@ -378,7 +246,7 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
       x[0, : len(ids)] = ids
       key, sub = jax.random.split(key)
       buckets.clear()
-      logits, _ = forward(x, weights, state, sub)
+      logits = forward(x, sub)
       if lsh and d != 'no fact':
         jax.block_until_ready(logits)
         # Input positions are the ids' shifted by one (the model's
@@ -432,52 +300,6 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
       results[str(d)]['question_in_view'] = np.mean(seen_question, 0).tolist()
       results[str(d)]['value_in_view_at_random'] = float(np.mean(seen_random))
   return results
-
-
-@contextlib.contextmanager
-def recording_buckets(found: list):
-  """Inside, tracing an LSH layer makes every later call of it append
-  `(layer index, buckets)` to `found`: buckets `[n_hashes * length]` int32,
-  one array per head."""
-  import jax
-  from trax.layers.research import efficient_attention as ea
-
-  plain = ea.LSHSelfAttention.hash_vectors
-  traced = []  # LSH layers in the order the model calls them.
-
-  def hash_vectors(self, vecs, rng, mask=None):
-    b = plain(self, vecs, rng, mask)
-    layer = id(self)  # Calls may come back in any order: tag them.
-    if layer not in traced:
-      traced.append(layer)
-    jax.debug.callback(
-      lambda v: found.append((traced.index(layer), np.asarray(v))), b
-    )
-    return b
-
-  ea.LSHSelfAttention.hash_vectors = hash_vectors
-  try:
-    yield
-  finally:
-    ea.LSHSelfAttention.hash_vectors = plain
-
-
-def in_view(buckets, length: int, chunk_len: int, before: int, query: int):
-  """Positions the query at `query` may attend to, given one head's
-  buckets: Trax sorts all hash rounds' (bucket, position) pairs, cuts the
-  order into `chunk_len` chunks, and a chunk attends to itself and the
-  `before` chunks just before it; causal, never itself."""
-  buckets = np.asarray(buckets, np.int64)
-  n = len(buckets)
-  position = np.arange(n) % length
-  order = np.argsort(length * buckets + position, kind='stable')
-  chunk = np.empty(n, np.int64)
-  chunk[order] = np.arange(n) // chunk_len
-  seen = set()
-  for c in chunk[position == query]:  # One per hash round.
-    near = (chunk <= c) & (chunk >= c - before) & (position < query)
-    seen.update(int(p) for p in position[near])
-  return seen
 
 
 def main(argv=None):
@@ -644,4 +466,7 @@ def table(report, distances) -> list[str]:
 
 
 if __name__ == '__main__':
+  from src import runtime
+
+  runtime.bootstrap()
   main()

@@ -25,14 +25,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import src  # noqa: E402,F401,I001  (first: quiet imports, compat fixes)
+from bench import common  # noqa: E402
+from src import runtime  # noqa: E402
+
+runtime.bootstrap()  # XLA flags, quiet logs, Trax patches: first.
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import trax  # noqa: E402
 
-import decode_speed  # noqa: E402  (the same model shape)
-from src import decoding, ginconf, model  # noqa: E402
-from src.decoding import Decoder  # noqa: E402
+from src.inference import decoding  # noqa: E402
+from src.inference.decoding import Decoder  # noqa: E402
+from src.model import ginconf, reformer  # noqa: E402
 
 VOCAB = 500
 GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
@@ -42,7 +45,7 @@ def build(context: int) -> Decoder:
   rows = 64 if context <= 4096 else 128
   by_context = ('max_len', 'pos_axial_shape', 'n_buckets', 'predict_mem_len')
   bindings = (
-    *(b for b in decode_speed.BINDINGS if not any(k in b for k in by_context)),
+    *(b for b in common.DECODE_BINDINGS if not any(k in b for k in by_context)),
     f'ReformerLM.max_len = {context}',
     f'ReformerLM.pos_axial_shape = ({rows}, {context // rows})',
     f'LSHSelfAttention.n_buckets = {context // 64}',
@@ -50,7 +53,7 @@ def build(context: int) -> Decoder:
     *decoding.predict_bindings(4),
   )
   ginconf.parse(GIN, bindings)
-  layer = model.reformer_lm(VOCAB, 'predict', directed=ginconf.lsh())
+  layer = reformer.reformer_lm(VOCAB, 'predict', directed=ginconf.lsh())
   layer.rng = jax.random.PRNGKey(0)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   return Decoder(layer, context)

@@ -167,10 +167,10 @@ def all_reduce_volume(vocab: int = 500) -> dict:
   import numpy as np
   import trax
 
-  from src import ginconf, model
+  from src.model import ginconf, reformer
 
   setup = ginconf.parse(os.path.join(ROOT, 'gin', 'reformer_32k.gin'))
-  layer = model.reformer_lm(vocab, 'train', directed=ginconf.lsh())
+  layer = reformer.reformer_lm(vocab, 'train', directed=ginconf.lsh())
   signature = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
   shapes = jax.tree_util.tree_leaves(
     layer.weights_and_state_signature(signature, unsafe=True)[0]
@@ -225,4 +225,7 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
+  from src import runtime
+
+  runtime.bootstrap()
   main()

@@ -43,7 +43,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB, D, D_FF, LAYERS, HEADS, D_HEAD, CHUNK = 500, 256, 1024, 4, 4, 64, 64
+sys.path.insert(0, ROOT)
+from bench.common import CHUNK, D_FF, D_HEAD, HEADS, LAYERS, VOCAB, D  # noqa: E402
 
 
 def axial(length):
@@ -70,17 +71,16 @@ def peak_rss():
 
 
 def run_jade(length, steps, vocab, with_eval=False, binds=()):
-  sys.path.insert(0, ROOT)
-  sys.path.insert(0, os.path.join(ROOT, 'bench'))
   from prepare_corpus import generate
 
-  from src import config, training
+  from src.config import jsonconfig
+  from src.training import trainer
 
   work = tempfile.mkdtemp(prefix='jade-bench-')
   generate(os.path.join(work, 'data'), 0.004 * max(1, length // 8192), 1)
   times = []
 
-  class Timed(training.JadeLoop):
+  class Timed(trainer.JadeLoop):
     def _run_one_step(self, task_index, task_changed):
       t = time.perf_counter()
       out = super()._run_one_step(task_index, task_changed)
@@ -95,7 +95,7 @@ def run_jade(length, steps, vocab, with_eval=False, binds=()):
       def run_evals(self, summary_writers=None):
         pass  # Training speed only.
 
-  training.JadeLoop = Timed
+  trainer.JadeLoop = Timed
   rows, cols = axial(length)
   bindings = [
     f'ReformerLM.max_len = {length}',
@@ -114,7 +114,7 @@ def run_jade(length, steps, vocab, with_eval=False, binds=()):
     f'LSHSelfAttention.predict_mem_len = {length}',
     *binds,
   ]
-  settings = config.from_values(
+  settings = jsonconfig.from_values(
     'train',
     {
       'data': os.path.join(work, 'data'),
@@ -129,7 +129,7 @@ def run_jade(length, steps, vocab, with_eval=False, binds=()):
     },
   )
   try:
-    training.train(settings, gin_bindings=bindings, log=lambda line: None)
+    trainer.train(settings, gin_bindings=bindings, log=lambda line: None)
     with open(os.path.join(work, 'run', 'tokenizer.json')) as f:
       vocab_used = json.load(f)['vocab_size']
   finally:
@@ -179,8 +179,9 @@ def run_peer(length, steps, vocab):
 
 
 def run_full(length, steps, vocab):
-  sys.path.insert(0, ROOT)
-  import src  # noqa: F401, I001  (quiet logs and the compat fixes first)
+  from src import runtime
+
+  runtime.bootstrap()  # Quiet logs and the Trax patches first.
   import numpy as np
   import trax
   from trax import layers as tl
@@ -398,4 +399,7 @@ def print_table(results, peak):
 
 
 if __name__ == '__main__':
+  from src import runtime
+
+  runtime.bootstrap()
   main()

@@ -1,36 +1,19 @@
 """Jade V8: train a long-context Reformer chat model on your own chat logs.
 
-Importing the package, once: sets XLA's CPU flags (`src.runtime`), silences
-library noise the user cannot act on (`src.quiet`), applies the Trax/JAX
-compatibility fixes and keeps TensorFlow unloaded until something uses it
-(`src.compat`), routes Trax's checkpoint reading through the safe unpickler
-(`src.checkpoint`) and installs the faster one-token LSH decoding step
-(`src.fast_lsh`).
+The packages, each importing only the ones listed before it:
 
-Tokenizing worker processes (`src.corpus`) set JADE_LIGHT_IMPORT=1: they
-need only sentencepiece and the parser, not Trax.
+- `core`: errors, safe unpickling, file helpers, the run lock.
+- `runtime`: XLA flags, quiet logs and every patch of Trax, applied by
+  `runtime.bootstrap()`.
+- `config`: the JSON settings and the restricted gin reader.
+- `data`: the line format, importers, tokenizer, token cache, windows.
+- `model`: the Reformer, its gin registry, memory pre-flight.
+- `storage`: run folders, checkpoints and exports on disk.
+- `inference`: loading a model, decoding, sampling, chat sessions, scoring.
+- `training`: the training run, fine-tuning, multi-process training.
+- `analysis`: measurements of trained models (memorization, ...).
+- `apps`: command lines (chat REPL, convert, export).
+
+Importing `src` or any package changes nothing: the scripts call
+`src.runtime.bootstrap()` first.
 """
-
-import os
-
-if not os.environ.get('JADE_LIGHT_IMPORT'):
-  from src import runtime
-
-  runtime.configure()
-
-  from src import quiet
-
-  quiet.silence_libraries()
-
-  from src import compat
-
-  compat.apply()
-  quiet.silence_loggers()
-
-  from src import checkpoint
-
-  checkpoint.install()
-
-  from src import fast_lsh
-
-  fast_lsh.install()

@@ -11,8 +11,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import src  # noqa: E402,F401  (applies the compat fixes once)
-from src import chatformat, config, tokenizer  # noqa: E402
+from src import runtime  # noqa: E402
+
+runtime.bootstrap()  # XLA flags, quiet logs, Trax patches: once, first.
+
+from src.config import jsonconfig  # noqa: E402
+from src.data import chatformat, tokenizer  # noqa: E402
 
 DATA = os.path.join(ROOT, 'data', 'examples')
 TINY_GIN = os.path.join(ROOT, 'gin', 'tiny.gin')
@@ -69,7 +73,7 @@ def train_settings(out_dir, **overrides):
     'sample-prompts': [],  # Sampling during training: tested on tiny_run.
   }
   values.update(overrides)
-  return config.from_values('train', values)
+  return jsonconfig.from_values('train', values)
 
 
 @pytest.fixture(scope='session')
@@ -88,14 +92,14 @@ def trained_tokenizer(conversations, tmp_path_factory):
 @pytest.fixture(scope='session')
 def tiny_run(tmp_path_factory):
   """One short training run shared by the tests that read its outputs."""
-  from src import training
+  from src.training import trainer
 
   out = tmp_path_factory.mktemp('run') / 'out'
   lines = []
   settings = train_settings(
     out, **{'log-every': 2, 'sample-prompts': ['Hello!', 'Who | are you?']}
   )
-  loop = training.train(settings, gin_bindings=MICRO, log=lines.append)
+  loop = trainer.train(settings, gin_bindings=MICRO, log=lines.append)
   return {'out': str(out), 'loop': loop, 'log': lines}
 
 

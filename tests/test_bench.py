@@ -7,6 +7,9 @@ import sys
 import numpy as np
 import pytest
 
+from bench import common
+from src.analysis import lsh_views
+
 from .conftest import DATA, ROOT
 
 
@@ -53,21 +56,16 @@ def test_prepare_corpus_smoke(tmp_path):
 
 
 def load_bench(name):
-  spec = importlib.util.spec_from_file_location(
-    f'bench_{name}', f'{ROOT}/bench/{name}.py'
-  )
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # Dataclasses look their module up.
-  spec.loader.exec_module(module)
-  return module
+  return importlib.import_module(f'bench.{name}')
 
 
 def test_chat_quality_metrics():
-  q = load_bench('chat_quality')
+  from src.analysis import chat_quality as q
+
   assert q.normalize('  Hi  There!! ') == 'hi there'
   assert q.has_loop('we go round and we go round and on')
   assert not q.has_loop('we go round and round and round')
-  from src import chatformat
+  from src.data import chatformat
 
   convs = chatformat.parse_text(
     'Hi\n|aigenerationstart|Hello there.|endofgeneration|\n\n'
@@ -84,12 +82,13 @@ def test_chat_quality_metrics():
 def test_chat_quality_scores_a_trained_model(tiny_run):
   """The figures on a tiny run (the metrics, not the targets): counts in
   range, a hit only where the reply equals a trained answer."""
-  q = load_bench('chat_quality')
+  from src.analysis import chat_quality as q
+
   m = q.measure(tiny_run['out'], n_prompts=4)
   assert m['n'] == 4 and 0 <= m['hits'] <= 4
   assert 0 <= m['ended'] <= m['n_held'] and 0 <= m['loops'] <= m['n_held']
   assert m['hits'] == sum(hit for *_, hit in m['samples'])
-  from src import memorization
+  from src.analysis import memorization
 
   answers, _ = q.first_exchanges(memorization.split(tiny_run['out'], None)[0])
   for prompt, reply, _, hit in m['samples']:
@@ -99,7 +98,7 @@ def test_chat_quality_scores_a_trained_model(tiny_run):
 
 def test_recall_samples_hold_the_fact_once_at_the_distance_asked():
   q = load_bench('recall')
-  from src import chatformat
+  from src.data import chatformat
 
   filler = chatformat.read_data(DATA)
   rng = np.random.default_rng(0)
@@ -109,7 +108,7 @@ def test_recall_samples_hold_the_fact_once_at_the_distance_asked():
 
   for distance in (0, 50, 400):
     s = q.make_sample(rng, filler, distance, count)
-    statement, question, values = q.FACTS[s.kind]
+    statement, question, values = common.FACTS[s.kind]
     assert s.answer in values
     assert s.turns[0] == ('user', statement.format(s.answer))
     assert s.turns[-2:] == [('user', question), ('ai', s.answer)]
@@ -123,13 +122,13 @@ def test_recall_samples_hold_the_fact_once_at_the_distance_asked():
     assert all(a != b for a, b in zip(roles, roles[1:]))  # Alternating.
     blank = q.make_sample(rng, filler, distance, count, with_fact=False)
     assert all(t != statement.format(blank.answer) for _, t in blank.turns)
-  text = q.to_text([s.turns], chatformat.Markers())
+  text = common.to_text([s.turns], chatformat.Markers())
   assert chatformat.parse_text(text, 'x.txt')[0].turns[-1].text == s.answer
 
 
 def test_recall_training_conversations_ask_what_they_stated():
   q = load_bench('recall')
-  from src import chatformat
+  from src.data import chatformat
 
   filler = chatformat.read_data(DATA)
   rng = np.random.default_rng(1)
@@ -138,10 +137,10 @@ def test_recall_training_conversations_ask_what_they_stated():
     return len(text.split()) + 2
 
   turns, asked = q.make_training_conversation(rng, filler, 300, count)
-  assert len(asked) == len(q.FACTS)  # Every kind, asked once.
+  assert len(asked) == len(common.FACTS)  # Every kind, asked once.
   said = {}
   for i, (role, text) in enumerate(turns):
-    for kind, (statement, question, values) in q.FACTS.items():
+    for kind, (statement, question, values) in common.FACTS.items():
       for v in values:
         if role == 'user' and text == statement.format(v):
           assert kind not in said  # Stated once,
@@ -153,19 +152,19 @@ def test_recall_training_conversations_ask_what_they_stated():
   roles = [r for r, _ in turns]
   assert all(a != b for a, b in zip(roles, roles[1:]))
   # Loss on the answers only: every other AI turn is context.
-  text = q.to_text([turns], chatformat.Markers(), loss='answers')
+  text = common.to_text([turns], chatformat.Markers(), loss='answers')
   parsed = chatformat.parse_text(text, 'x.txt')[0].turns
   trained = [t.text for t in parsed if t.role == 'ai' and t.train]
   assert sorted(trained) == sorted(said.values())
   everything = chatformat.parse_text(
-    q.to_text([turns], chatformat.Markers()), 'x.txt'
+    common.to_text([turns], chatformat.Markers()), 'x.txt'
   )[0].turns
   assert all(t.train for t in everything)
   turns, asked = q.make_training_conversation(rng, filler, 300, count, asks=3)
-  assert len(asked) == 3 * len(q.FACTS)
+  assert len(asked) == 3 * len(common.FACTS)
   for i, (role, text) in enumerate(turns):
-    if role == 'user' and text in q.QUESTIONS:
-      kind = next(k for k, f in q.FACTS.items() if f[1] == text)
+    if role == 'user' and text in common.QUESTIONS:
+      kind = next(k for k, f in common.FACTS.items() if f[1] == text)
       assert turns[i + 1] == ('ai', dict((k, v) for k, v, _ in asked)[kind])
 
 
@@ -173,7 +172,7 @@ def test_recall_scores_a_trained_model(tiny_run):
   """Scoring on the shared tiny run (128 tokens): shares and probabilities
   in range; the stated value's probability is part of its kind's."""
   q = load_bench('recall')
-  from src import chatformat
+  from src.data import chatformat
 
   filler = chatformat.read_data(DATA)
   got = q.score(tiny_run['out'], filler, [8, 24], samples=3, n_hashes=2)
@@ -196,19 +195,18 @@ def test_recall_scores_a_trained_model(tiny_run):
 def test_recall_in_view_follows_trax_lsh_chunking():
   """Sorted by (bucket, position), cut into chunks; a chunk sees itself and
   the chunk before it; causal, never itself."""
-  q = load_bench('recall')
   # One bucket: the sorted order is the positions' own.
   one = np.zeros(128, np.int64)
-  assert q.in_view(one, 128, 32, 1, 100) == set(range(64, 100))
-  assert q.in_view(one, 128, 32, 0, 100) == set(range(96, 100))
+  assert lsh_views.in_view(one, 128, 32, 1, 100) == set(range(64, 100))
+  assert lsh_views.in_view(one, 128, 32, 0, 100) == set(range(96, 100))
   # Two hash rounds (offset buckets, as Trax adds): the same view.
   two = np.concatenate([one, one + 1])
-  assert q.in_view(two, 128, 32, 1, 100) == set(range(64, 100))
+  assert lsh_views.in_view(two, 128, 32, 1, 100) == set(range(64, 100))
   # Even positions in bucket 0, odd in bucket 1: an odd query sees only
   # odd positions, back two chunks' worth.
   parity = np.arange(128) % 2
-  assert q.in_view(parity, 128, 32, 1, 101) == set(range(1, 101, 2))
-  assert q.in_view(parity, 128, 16, 1, 101) == set(range(65, 101, 2))
+  assert lsh_views.in_view(parity, 128, 32, 1, 101) == set(range(1, 101, 2))
+  assert lsh_views.in_view(parity, 128, 16, 1, 101) == set(range(65, 101, 2))
 
 
 def test_positions_echo_conversations_answer_the_word_asked():

@@ -11,19 +11,12 @@ import pytest
 import trax
 
 import evaluate
-from src import (
-  chat,
-  chatformat,
-  checkpoint,
-  decoding,
-  ginconf,
-  model,
-  perplexity,
-  sampling,
-  tokenizer,
-)
-from src.cli import run_main
-from src.errors import UserError
+from src.apps.cli import run_main
+from src.core.errors import UserError
+from src.data import chatformat, tokenizer
+from src.inference import chat, decoding, sampling, scoring
+from src.model import ginconf, reformer
+from src.storage import checkpoints
 
 from .conftest import DATA
 
@@ -53,9 +46,11 @@ def exact_decoder(out):
     ('LSHSelfAttention.chunk_len = 64', 'LSHSelfAttention.n_buckets = 2'),
   )
   tok = tokenizer.load(out)
-  predict = model.reformer_lm(tok.vocab_size, 'predict', directed=ginconf.lsh())
+  predict = reformer.reformer_lm(
+    tok.vocab_size, 'predict', directed=ginconf.lsh()
+  )
   one = trax.shapes.ShapeDtype((1, 1), np.int32)
-  checkpoint.load_weights(out, predict, one)
+  checkpoints.load_weights(out, predict, one)
   return decoding.Decoder(predict, 128, tok)
 
 
@@ -72,8 +67,10 @@ def test_greedy_incremental_equals_full_forward(tiny_run):
   out = tiny_run['out']
   inc_decoder = exact_decoder(out)
   tok = inc_decoder.tokenizer
-  full_model = model.reformer_lm(tok.vocab_size, 'eval', directed=ginconf.lsh())
-  checkpoint.load_weights(
+  full_model = reformer.reformer_lm(
+    tok.vocab_size, 'eval', directed=ginconf.lsh()
+  )
+  checkpoints.load_weights(
     out, full_model, trax.shapes.ShapeDtype((1, 128), np.int32)
   )
   # Compiled once (calling the layer runs it op by op, ~5 s a call).
@@ -282,13 +279,13 @@ def test_bad_model_dir_one_line(case, tiny_run, tmp_path, capsys):
 def test_perplexity_is_exp_of_mean_token_loss(tiny_run):
   out = tiny_run['out']
   path = os.path.join(DATA, '02_about_jade.txt')
-  report = perplexity.evaluate(out, path, show_progress=False)
+  report = scoring.evaluate(out, path, show_progress=False)
   # Independently: Trax's own weighted cross-entropy over every window.
   tok = tokenizer.load(out)
   stream = tok.encode_conversations(chatformat.read_file(path))
   ginconf.parse(os.path.join(out, 'model.gin'))
-  layer = model.reformer_lm(tok.vocab_size, 'eval', directed=ginconf.lsh())
-  checkpoint.load_weights(
+  layer = reformer.reformer_lm(tok.vocab_size, 'eval', directed=ginconf.lsh())
+  checkpoints.load_weights(
     out, layer, trax.shapes.ShapeDtype((1, 128), np.int32)
   )
   loss_layer = trax.layers.WeightedCategoryCrossEntropy()
@@ -453,13 +450,13 @@ def test_local_blocks_read_their_training_window_while_chatting():
       'LSHSelfAttention.n_buckets = 2',
     ),
   )
-  full_model = model.reformer_lm(300, 'eval', directed=True)
+  full_model = reformer.reformer_lm(300, 'eval', directed=True)
   full_model.init(trax.shapes.ShapeDtype((1, 128), np.int32))
-  predict = model.reformer_lm(300, 'predict', directed=True)
+  predict = reformer.reformer_lm(300, 'predict', directed=True)
   predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   predict.weights = full_model.weights
   d = decoding.Decoder(predict, 128)
-  assert [layer._chunk_len for layer in model.local_layers(d.model)] == [32]
+  assert [layer._chunk_len for layer in reformer.local_layers(d.model)] == [32]
   ids = [int(i) for i in np.random.default_rng(2).integers(3, 300, 127)]
   x = np.zeros((1, 128), np.int32)
   x[0, :127] = ids  # The model shifts right: output i sees ids before i.
@@ -477,13 +474,13 @@ def test_full_attention_model_trains_samples_and_chats(tmp_path, capsys):
   """A run with Trax's full attention (SelfAttention) samples while it
   trains and chats afterwards: predict mode gets a memory the size of the
   context (decoding.attention_bindings)."""
-  from src import training
+  from src.training import trainer
 
   from .conftest import MICRO, train_settings
 
   out = tmp_path / 'sa'
   lines = []
-  training.train(
+  trainer.train(
     train_settings(out, steps=2, **{'sample-prompts': ['Hi']}),
     gin_bindings=MICRO
     + (

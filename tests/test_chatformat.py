@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from src import chatformat
-from src.errors import UserError
+from src.core.errors import UserError
+from src.data import chatformat
 
 S, E, BR = '|aigenerationstart|', '|endofgeneration|', '|br|'
 

@@ -7,15 +7,18 @@ import types
 import numpy as np
 import pytest
 
-from src import checkpoint, decoding, training
-from src.errors import UserError
+from src.core.errors import UserError
+from src.inference import decoding
+from src.storage import checkpoints
+from src.training import loop as training_loop
+from src.training import trainer
 
 from .conftest import MICRO, train_settings
 
 
 def _resume(folder, steps=6, bindings=()):
   lines = []
-  loop = training.train(
+  loop = trainer.train(
     train_settings(folder, steps=steps),
     gin_bindings=MICRO + tuple(bindings),
     log=lines.append,
@@ -25,11 +28,11 @@ def _resume(folder, steps=6, bindings=()):
 
 def test_every_checkpoint_is_sealed_and_the_last_two_are_kept(tiny_run):
   out = tiny_run['out']
-  assert [s for s, _ in checkpoint.snapshots(out)] == [4, 2]
-  assert checkpoint.verify(out) == (4, out, '')
+  assert [s for s, _ in checkpoints.snapshots(out)] == [4, 2]
+  assert checkpoints.verify(out) == (4, out, '')
   # Snapshots are hard links of the same bytes, not copies.
-  top = os.stat(os.path.join(out, checkpoint.WEIGHTS))
-  snap = os.stat(os.path.join(out, 'checkpoints/step-4', checkpoint.WEIGHTS))
+  top = os.stat(os.path.join(out, checkpoints.WEIGHTS))
+  snap = os.stat(os.path.join(out, 'checkpoints/step-4', checkpoints.WEIGHTS))
   assert top.st_ino == snap.st_ino
 
 
@@ -38,13 +41,13 @@ def test_a_kill_between_the_renames_falls_back_not_mixed(tiny_run, copy_of):
   the weights of a newer step replaced the file (by rename, as Trax does)
   but before the pickle and the manifest."""
   folder = copy_of(tiny_run['out'])
-  weights = os.path.join(folder, checkpoint.WEIGHTS)
+  weights = os.path.join(folder, checkpoints.WEIGHTS)
   newer = weights + '.other'
   shutil.copy(
-    os.path.join(folder, 'checkpoints/step-2', checkpoint.WEIGHTS), newer
+    os.path.join(folder, 'checkpoints/step-2', checkpoints.WEIGHTS), newer
   )
   os.replace(newer, weights)  # Step-2 bytes under the step-4 pickle.
-  step, used, problem = checkpoint.verify(folder)
+  step, used, problem = checkpoints.verify(folder)
   assert step == 4 and used.endswith('step-4')
   assert problem.startswith('model.weights.npy.gz')
   # Chat reads the intact step-4 set; a resume restores it (tested below
@@ -55,12 +58,12 @@ def test_a_kill_between_the_renames_falls_back_not_mixed(tiny_run, copy_of):
 @pytest.mark.parametrize('damage', ['truncated', 'garbage', 'missing'])
 def test_damaged_weights_are_never_resumed_from(damage, tiny_run, copy_of):
   folder = copy_of(tiny_run['out'])
-  path = os.path.join(folder, checkpoint.WEIGHTS)
+  path = os.path.join(folder, checkpoints.WEIGHTS)
   if damage == 'truncated':
     # In place, and the newest snapshot shares the file (copy_of copied
     # the links apart; sealing again links them): both are damaged, so
     # the step-2 snapshot is used.
-    checkpoint.seal(folder, 4)
+    checkpoints.seal(folder, 4)
     os.truncate(path, os.path.getsize(path) // 2)
     expected_step = 2
   elif damage == 'garbage':
@@ -70,7 +73,7 @@ def test_damaged_weights_are_never_resumed_from(damage, tiny_run, copy_of):
   else:
     os.remove(path)
     expected_step = 4
-  assert checkpoint.verify(folder)[0] == expected_step
+  assert checkpoints.verify(folder)[0] == expected_step
   # Reading for chat falls back too, and says so.
   layer_step = decoding.load_run(folder, 'eval')[3]
   assert layer_step == expected_step
@@ -82,8 +85,8 @@ def test_damaged_weights_are_never_resumed_from(damage, tiny_run, copy_of):
 
 def test_nothing_intact_is_refused(tiny_run, copy_of):
   folder = copy_of(tiny_run['out'])
-  shutil.rmtree(os.path.join(folder, checkpoint.SNAPSHOTS))
-  with open(os.path.join(folder, checkpoint.CHECKPOINT), 'r+b') as f:
+  shutil.rmtree(os.path.join(folder, checkpoints.SNAPSHOTS))
+  with open(os.path.join(folder, checkpoints.CHECKPOINT), 'r+b') as f:
     f.write(b'\0' * 16)
   before = sorted(os.listdir(folder))
   with pytest.raises(UserError, match='the checkpoint is damaged .* no intact'):
@@ -97,7 +100,7 @@ def test_divergence_stops_before_saving(tmp_path, capsys):
   folder = str(tmp_path / 'run')
   settings = train_settings(folder, steps=20, **{'checkpoint-every': 1})
   with pytest.raises(SystemExit) as stop:
-    training.train(
+    trainer.train(
       settings,
       gin_bindings=MICRO + ('lr_schedule.peak = 1e30',),
       log=lambda line: None,
@@ -110,25 +113,25 @@ def test_divergence_stops_before_saving(tmp_path, capsys):
   assert 'lr_schedule.peak = 1e+29' in line
   # Every checkpoint on disk is intact, from before the bad step, and
   # holds finite weights.
-  step, used, problem = checkpoint.verify(folder)
+  step, used, problem = checkpoints.verify(folder)
   assert step < bad and not problem
   if step:  # A checkpoint from before the bad step, finite weights.
     assert used == folder
     assert decoding.load_run(folder, 'eval')[3] == step
   else:  # The bad step-1 checkpoint was taken back.
-    assert used is None and checkpoint.checkpoint_files(folder) == []
+    assert used is None and checkpoints.checkpoint_files(folder) == []
 
 
 def test_a_model_with_nan_weights_is_reported(tiny_run, copy_of):
   from trax import layers as tl
 
   folder = copy_of(tiny_run['out'])
-  meta = checkpoint.read_meta(folder)
-  path = os.path.join(folder, checkpoint.WEIGHTS)
+  meta = checkpoints.read_meta(folder)
+  path = os.path.join(folder, checkpoints.WEIGHTS)
   flat = tl.np_from_file(path, compresslevel=meta['flat_weights'])
   flat = [np.full_like(w, np.nan) if w.dtype.kind == 'f' else w for w in flat]
   tl.np_to_file(flat, path, compresslevel=meta['flat_weights'])
-  checkpoint.seal(folder, 4)
+  checkpoints.seal(folder, 4)
   with pytest.raises(UserError, match='weights contain NaN/inf'):
     decoding.load_run(folder, 'eval')
 
@@ -137,13 +140,13 @@ def test_step_values_are_checked_one_step_later_without_waiting():
   """Each step checks the one before it (already finished on the device);
   a save checks its own step first."""
   stub = types.SimpleNamespace(_unchecked=(7, np.float32(np.nan), 1.0))
-  with pytest.raises(training.Diverged) as d:
-    training.JadeLoop._check_finite(stub)
+  with pytest.raises(training_loop.Diverged) as d:
+    training_loop.JadeLoop._check_finite(stub)
   assert d.value.step == 7 and d.value.what == 'the loss is nan'
   assert d.value.saved_bad and stub._unchecked is None
   stub._unchecked = (8, np.ones(2), np.float32(np.inf))
-  with pytest.raises(training.Diverged, match='gradient norm is inf'):
-    training.JadeLoop._check_finite(stub)
+  with pytest.raises(training_loop.Diverged, match='gradient norm is inf'):
+    training_loop.JadeLoop._check_finite(stub)
   stub._unchecked = (9, 1.5, 2.0)
-  training.JadeLoop._check_finite(stub)  # Finite: nothing happens.
+  training_loop.JadeLoop._check_finite(stub)  # Finite: nothing happens.
   assert stub._unchecked is None

@@ -3,15 +3,15 @@
 import numpy as np
 import pytest
 
-from src import chatformat, chunks
-from src.errors import UserError
+from src.core.errors import UserError
+from src.data import chatformat, windows
 
 
 def _convs(lengths, first=3):
   """A stream of conversations whose tokens are all distinct, and its view."""
   ends = np.cumsum(lengths).astype(np.int64)
   stream = np.arange(first, first + ends[-1], dtype=np.int32)
-  view = chunks.TokenView(stream, None, chunks.conversation_spans(ends))
+  view = windows.TokenView(stream, None, windows.conversation_spans(ends))
   return stream, ends, view
 
 
@@ -34,7 +34,7 @@ def _epoch_windows(b, epoch):
 
 def test_fixed_windows_shapes_padding_and_weights_with_odd_max_len():
   stream = np.arange(3, 3 + 23, dtype=np.int32)  # 23 tokens, max_len 7.
-  b = chunks.ChunkBatches(stream, 7, 2, seed=0, windows='fixed')
+  b = windows.ChunkBatches(stream, 7, 2, seed=0, windows='fixed')
   assert b.n_chunks == 4 and b.steps_per_epoch == 2
   inputs, targets, weights = b.batch(0)
   assert inputs.shape == targets.shape == weights.shape == (2, 7)
@@ -52,22 +52,20 @@ def test_fixed_windows_shapes_padding_and_weights_with_odd_max_len():
 def test_moving_windows_change_offset_and_order_every_epoch():
   lengths = np.random.default_rng(0).integers(5, 40, size=60)
   stream, ends, view = _convs(lengths)
-  b = chunks.ChunkBatches(view, 64, 2, seed=4, pad_fraction=0.2)
+  b = windows.ChunkBatches(view, 64, 2, seed=4, pad_fraction=0.2)
   offsets = []  # Where the first token of each conversation lands.
   for epoch in range(6):
-    windows = _epoch_windows(b, epoch)
+    got = _epoch_windows(b, epoch)
     offsets.append(
       [
-        next(
-          int(i[0]) for i in (np.flatnonzero(w == t) for w in windows) if i.size
-        )
+        next(int(i[0]) for i in (np.flatnonzero(w == t) for w in got) if i.size)
         for t in stream[np.concatenate([[0], ends[:3]])]
       ]
     )
-    assert all(0 < len(w) <= 64 for w in windows)
+    assert all(0 < len(w) <= 64 for w in got)
     # Every window after the first holds 64 * (1 - 0.2) tokens or more
     # (the last one: whatever is left).
-    assert all(len(w) >= 52 for w in windows[1:-1])
+    assert all(len(w) >= 52 for w in got[1:-1])
   # A conversation lands at a different place of its window each epoch.
   for k in range(4):
     assert len({o[k] for o in offsets}) >= 5
@@ -80,7 +78,7 @@ def test_every_conversation_whole_and_once_per_epoch():
   lengths = np.random.default_rng(1).integers(3, 150, size=80)  # Some > 64.
   stream, ends, view = _convs(lengths)
   starts = np.concatenate([[0], ends[:-1]])
-  b = chunks.ChunkBatches(view, 64, 4, seed=2, pad_fraction=0.3)
+  b = windows.ChunkBatches(view, 64, 4, seed=2, pad_fraction=0.3)
   for epoch in range(4):
     packed = np.concatenate(_epoch_windows(b, epoch))
     # Every token exactly once.
@@ -98,7 +96,7 @@ def test_every_conversation_whole_and_once_per_epoch():
 def test_padding_has_the_configured_share():
   stream, ends, view = _convs([50] * 400)
   for fraction in (0.0, 0.1, 0.4):
-    b = chunks.ChunkBatches(view, 100, 8, seed=0, pad_fraction=fraction)
+    b = windows.ChunkBatches(view, 100, 8, seed=0, pad_fraction=fraction)
     ids, _, w = b.batch(3)
     inner = _epoch_windows(b, 0)[1:-1]
     real = np.array([len(x) for x in inner])
@@ -114,20 +112,20 @@ def test_padding_split_is_random_and_seeded():
   stream = np.ones(2, np.int32)  # One 2-token chunk, 30 padding positions.
   lefts = set()
   for seed in range(20):
-    b = chunks.ChunkBatches(stream, max_len=32, batch_size=1, seed=seed)
+    b = windows.ChunkBatches(stream, max_len=32, batch_size=1, seed=seed)
     lefts.add(int(np.flatnonzero(b.batch(0)[2][0])[0]))
   assert len(lefts) > 5  # Not always left, not always right.
-  b = chunks.ChunkBatches(stream, 32, 1, seed=3)
+  b = windows.ChunkBatches(stream, 32, 1, seed=3)
   np.testing.assert_array_equal(b.batch(5)[0], b.batch(5)[0])
 
 
 def test_resume_at_any_step_reproduces_the_batches():
   lengths = np.random.default_rng(3).integers(3, 90, size=70)
   _, _, view = _convs(lengths)
-  a = chunks.ChunkBatches(view, 32, 2, seed=9)
+  a = windows.ChunkBatches(view, 32, 2, seed=9)
   first = [a.batch(s) for s in range(200)]  # Many epochs, in order.
   for step in (0, 1, 57, 130, 199, 75):  # Fresh objects, any order.
-    b = chunks.ChunkBatches(view, 32, 2, seed=9)
+    b = windows.ChunkBatches(view, 32, 2, seed=9)
     got = next(b.iterate(step))
     for x, y in zip(got, first[step]):
       np.testing.assert_array_equal(x, y)
@@ -136,7 +134,7 @@ def test_resume_at_any_step_reproduces_the_batches():
 def test_each_device_row_gets_a_different_window_every_step():
   lengths = np.random.default_rng(5).integers(3, 60, size=100)
   stream, _, view = _convs(lengths)
-  b = chunks.ChunkBatches(view, 64, 8, seed=1)
+  b = windows.ChunkBatches(view, 64, 8, seed=1)
   epoch_steps = []
   for step in range(40):
     ids, _, w = b.batch(step)
@@ -154,23 +152,23 @@ def test_each_device_row_gets_a_different_window_every_step():
 def test_bad_window_settings_are_errors():
   stream = np.ones(10, np.int32)
   with pytest.raises(UserError, match='pad-fraction 1.0'):
-    chunks.ChunkBatches(stream, 8, 1, 0, pad_fraction=1.0)
+    windows.ChunkBatches(stream, 8, 1, 0, pad_fraction=1.0)
   with pytest.raises(UserError, match='windows .sliding. is not one of'):
-    chunks.ChunkBatches(stream, 8, 1, 0, windows='sliding')
+    windows.ChunkBatches(stream, 8, 1, 0, windows='sliding')
 
 
 def test_batch_size_must_divide_across_devices():
-  assert chunks.batch_size_for(8, 0) == 8
-  assert chunks.batch_size_for(8, 16) == 16
+  assert windows.batch_size_for(8, 0) == 8
+  assert windows.batch_size_for(8, 16) == 16
   with pytest.raises(
     UserError, match='batch-size 6 does not split evenly across 8 device'
   ):
-    chunks.batch_size_for(8, 6)
+    windows.batch_size_for(8, 6)
 
 
 def test_eval_split_holds_out_whole_conversations():
   ends = np.array([10, 30, 35, 60, 100, 120], np.int64)
-  train, held, k = chunks.split_conversations(ends, 0.2, seed=0)
+  train, held, k = windows.split_conversations(ends, 0.2, seed=0)
   starts = np.concatenate([[0], ends[:-1]])
   whole = set(zip(starts.tolist(), ends.tolist()))
   for span in np.concatenate([train, held]):
@@ -182,19 +180,19 @@ def test_eval_split_holds_out_whole_conversations():
   held_tokens = int((held[:, 1] - held[:, 0]).sum())
   assert held_tokens >= 0.2 * 120 and k >= 1
   # The seed chooses; the same seed chooses the same.
-  again = chunks.split_conversations(ends, 0.2, seed=0)[1]
+  again = windows.split_conversations(ends, 0.2, seed=0)[1]
   np.testing.assert_array_equal(again, held)
   # Nothing to hold out: fraction 0, or one conversation.
-  assert chunks.split_conversations(ends, 0.0, 0)[1] is None
-  assert chunks.split_conversations(ends[:1], 0.5, 0)[1] is None
+  assert windows.split_conversations(ends, 0.0, 0)[1] is None
+  assert windows.split_conversations(ends[:1], 0.5, 0)[1] is None
   with pytest.raises(UserError, match='eval-fraction'):
-    chunks.split_conversations(ends, 1.5, 0)
+    windows.split_conversations(ends, 1.5, 0)
 
 
 def test_token_view_reads_spans_as_one_stream():
   tokens = np.arange(100, dtype=np.uint16)
   roles = (np.arange(100) % 3).astype(np.uint8)
-  view = chunks.TokenView(tokens, roles, [[10, 20], [50, 55], [90, 100]])
+  view = windows.TokenView(tokens, roles, [[10, 20], [50, 55], [90, 100]])
   assert len(view) == 25
   ids, r = view.take(8, 17)
   np.testing.assert_array_equal(ids, [18, 19, 50, 51, 52, 53, 54, 90, 91])
@@ -228,13 +226,15 @@ def test_loss_weights_are_exact(trained_tokenizer):
   default += [0] * (len(a2) + 1) + [1]
   ai_only = [0] * (len(u1) + 1) + [1] * (len(a1) + 1)
   ai_only += [0] * (len(u2) + 1 + len(a2) + 1 + 1)
-  np.testing.assert_array_equal(chunks.loss_weights(roles, False), default)
-  np.testing.assert_array_equal(chunks.loss_weights(roles, True), ai_only)
+  np.testing.assert_array_equal(windows.loss_weights(roles, False), default)
+  np.testing.assert_array_equal(windows.loss_weights(roles, True), ai_only)
   # Through a batch: padding weighs 0, the rest as above.
-  view = chunks.TokenView(ids, roles)
+  view = windows.TokenView(ids, roles)
   n = len(ids)
   for ai, expected in ((False, default), (True, ai_only)):
-    b = chunks.ChunkBatches(view, n + 5, 1, seed=0, ai_only=ai, windows='fixed')
+    b = windows.ChunkBatches(
+      view, n + 5, 1, seed=0, ai_only=ai, windows='fixed'
+    )
     got_ids, _, weights = b.batch(0)
     left = int(np.flatnonzero(got_ids[0])[0])
     want = np.zeros(n + 5, np.float32)

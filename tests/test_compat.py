@@ -1,7 +1,8 @@
-"""Each Trax 1.4.1 / today's-JAX fix in src.compat, pinned by a test.
+"""Each Trax 1.4.1 / today's-JAX fix in src.runtime.trax_patches, pinned by
+a test.
 
 Every test here exercises the broken path directly, so it fails if its fix
-is removed from `src.compat.apply()`.
+is removed from `src.runtime.trax_patches.install()`.
 """
 
 import importlib
@@ -22,13 +23,15 @@ from trax import layers as tl
 from trax.layers import acceleration
 from trax.supervised import training as trax_training
 
-from src import compat, ginconf, model
+from src.model import ginconf, reformer
+from src.runtime import trax_patches
+from src.runtime.trax_patches import all_reduce, lazy_tensorflow
 
 from .conftest import DATA, MICRO, ROOT, TINY_GIN
 
 
 def test_all_fixes_applied_once():
-  assert compat.APPLIED == [
+  assert trax_patches.APPLIED == [
     'fast_trax_import',
     'cond_keyword_form',
     'stop_gradient_static',
@@ -39,9 +42,12 @@ def test_all_fixes_applied_once():
     'tensorflow_off_accelerators',
     'tensorflow_on_demand',
     'all_reduce_one_local_device',
+    'safe_checkpoint_reading',
+    'loop_logs_to_absl',
+    'fast_lsh',
   ]
-  compat.apply()
-  assert len(compat.APPLIED) == 10
+  trax_patches.install()
+  assert len(trax_patches.APPLIED) == 13
 
 
 def test_fast_trax_import_assert_shape_skips_inspect_stack(monkeypatch):
@@ -100,7 +106,7 @@ def test_stop_gradient_keeps_python_numbers_static():
 def test_lsh_predict_mode_decodes():
   """One-token LSH steps use both fixes above (cond and stop_gradient)."""
   ginconf.parse(TINY_GIN, MICRO)
-  predict = model.init_model(50, 'predict', 128, directed=ginconf.lsh())
+  predict = reformer.init_model(50, 'predict', 128, directed=ginconf.lsh())
   predict.weights = jax.tree_util.tree_map(jnp.asarray, predict.weights)
   token = np.zeros((1, 1), np.int32)
   for _ in range(3):
@@ -141,7 +147,7 @@ def test_one_local_device_all_reduces_when_processes_share_a_run():
   from trax.optimizers import trainer as trax_trainer
 
   assert (
-    trax_trainer._accelerate_update_fn is compat.accelerate_update_fn_compat
+    trax_trainer._accelerate_update_fn is all_reduce.accelerate_update_fn_compat
   )
 
   def step_weights(processes):
@@ -186,7 +192,7 @@ def test_tensorflow_is_kept_off_accelerators():
   import tensorflow as tf
 
   with mock.patch.object(tf.config, 'set_visible_devices') as hide:
-    compat._hide_accelerators_from_tensorflow(tf)
+    lazy_tensorflow._hide_accelerators_from_tensorflow(tf)
   hide.assert_any_call([], 'GPU')
   hide.assert_any_call([], 'TPU')
 
@@ -199,8 +205,8 @@ try:
 except SystemExit as exit:
   if exit.code:
     raise
-from src import compat
-print('tensorflow loaded:', compat.tensorflow_loaded())
+from src.runtime.trax_patches import lazy_tensorflow
+print('tensorflow loaded:', lazy_tensorflow.tensorflow_loaded())
 """
 
 
@@ -248,13 +254,14 @@ def test_training_and_chat_never_load_tensorflow(tmp_path):
 USE_TENSORFLOW = """
 import sys
 import numpy as np
-import src
-from src import compat
+from src import runtime
+runtime.bootstrap()
+from src.runtime.trax_patches import lazy_tensorflow
 import tensorflow as tf
 from trax import fastmath, jaxboard
-assert not compat.tensorflow_loaded()
+assert not lazy_tensorflow.tensorflow_loaded()
 assert int(tf.constant(3).numpy()) == 3  # The real TensorFlow, loaded now.
-assert compat.tensorflow_loaded()
+assert lazy_tensorflow.tensorflow_loaded()
 assert fastmath.backend('tensorflow-numpy')['name'] == 'tensorflow-numpy'
 writer = jaxboard.SummaryWriter(sys.argv[1])
 writer.scalar('number', 2.5, 1)
@@ -279,7 +286,7 @@ def test_tensorflow_loads_on_first_use(tmp_path):
 
 
 def test_local_gfile_renames_like_tensorflow(tmp_path):
-  gfile = compat._LocalGFile
+  gfile = lazy_tensorflow._LocalGFile
   src, dst = str(tmp_path / 'a'), str(tmp_path / 'b')
   with gfile.GFile(src, 'w') as f:
     f.write('new')

@@ -7,9 +7,9 @@ import os
 import pytest
 
 import train
-from src import config
-from src.cli import run_main
-from src.errors import UserError
+from src.apps.cli import run_main
+from src.config import jsonconfig
+from src.core.errors import UserError
 
 from .conftest import DATA, MICRO, TINY_GIN, train_settings
 
@@ -29,7 +29,7 @@ def test_values_convert_to_the_defaults_type(tmp_path):
   path = write_config(
     tmp_path, {'steps': 10.0, 'eval-fraction': 0, 'tpu-ip': None}
   )
-  s = config.read_section(
+  s = jsonconfig.read_section(
     path, 'train', {'seed': '7', 'collapse-repeats': 'true'}
   )
   assert s['steps'] == 10 and isinstance(s['steps'], int)
@@ -54,34 +54,36 @@ def test_values_convert_to_the_defaults_type(tmp_path):
 def test_config_errors_name_file_and_key(tmp_path, section, raw, expected):
   path = write_config(tmp_path, section, raw=raw)
   with pytest.raises(UserError) as info:
-    config.read_section(path, 'train', {})
+    jsonconfig.read_section(path, 'train', {})
   assert expected in str(info.value)
   assert str(info.value).startswith(path)
 
 
 def test_command_line_override_type_error():
   with pytest.raises(UserError, match="--steps: 'ten' is not an integer"):
-    config.from_values('train', {})
-    config.read_section(None, 'train', {'steps': 'ten'})
+    jsonconfig.from_values('train', {})
+    jsonconfig.read_section(None, 'train', {'steps': 'ten'})
 
 
 def test_missing_config_file_is_an_error_only_when_named(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  assert config.read_section(None, 'train', {})['steps'] == 20000
+  assert jsonconfig.read_section(None, 'train', {})['steps'] == 20000
   with pytest.raises(
     UserError, match='no such config file; copy config.EXAMPLE.json'
   ):
-    config.read_section(str(tmp_path / 'nope.json'), 'train', {})
+    jsonconfig.read_section(str(tmp_path / 'nope.json'), 'train', {})
 
 
 def test_example_config_has_every_key():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with open(os.path.join(root, 'config.EXAMPLE.json')) as f:
     example = json.load(f)
-  assert set(example['train']) == set(config.TRAIN_KEYS)
-  assert set(example['eval']) == set(config.EVAL_KEYS)
+  assert set(example['train']) == set(jsonconfig.TRAIN_KEYS)
+  assert set(example['eval']) == set(jsonconfig.EVAL_KEYS)
   for section in ('train', 'eval'):
-    config.read_section(os.path.join(root, 'config.EXAMPLE.json'), section, {})
+    jsonconfig.read_section(
+      os.path.join(root, 'config.EXAMPLE.json'), section, {}
+    )
 
 
 def snapshot(folder):
@@ -193,26 +195,28 @@ def test_config_structure_errors(tmp_path):
   path = tmp_path / 'c.json'
   path.write_text('{"eval": {"model-dir": "x"}}')
   with pytest.raises(UserError, match='no "train" section'):
-    config.read_section(str(path), 'train', {})
-  assert config.read_section(str(path), 'eval', {})['model-dir'] == 'x'
+    jsonconfig.read_section(str(path), 'train', {})
+  assert jsonconfig.read_section(str(path), 'eval', {})['model-dir'] == 'x'
   path.write_text('{"train": {"steps": 1, "steps": 2}}')
   with pytest.raises(UserError, match='"steps" is given twice'):
-    config.read_section(str(path), 'train', {})
+    jsonconfig.read_section(str(path), 'train', {})
 
 
 def test_empty_gin_seed_and_tokenizer_damage(tmp_path, tiny_run, copy_of):
-  from src import ginconf, tokenizer, training
+  from src.data import tokenizer
+  from src.model import ginconf
+  from src.training import plan
 
   empty = tmp_path / 'empty.gin'
   empty.write_text('# nothing\n')
   with pytest.raises(UserError, match='binds no ReformerLM settings'):
     ginconf.parse(str(empty))
   with pytest.raises(UserError, match='train.seed -1 must be between'):
-    training.prepare(train_settings(tmp_path / 'o', seed=-1))
+    plan.prepare(train_settings(tmp_path / 'o', seed=-1))
   assert not (tmp_path / 'o').exists()
   missing = {'eval-data': str(tmp_path / 'nope')}
   with pytest.raises(UserError, match="eval-data '.*nope': no such"):
-    training.prepare(train_settings(tmp_path / 'o', **missing))
+    plan.prepare(train_settings(tmp_path / 'o', **missing))
   assert not (tmp_path / 'o').exists()
   folder = copy_of(tiny_run['out'])
   with open(os.path.join(folder, tokenizer.MODEL_FILE), 'wb') as f:

@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from src import chatformat, convert
-from src.errors import UserError
+from src.apps import convert
+from src.core.errors import UserError
+from src.data import chatformat
 
 
 def converted(fmt, source, out, trim=False, strict=False, **kw):

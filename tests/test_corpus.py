@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from src import chatformat, corpus, tokenizer
-from src.errors import UserError
+from src.core.errors import UserError
+from src.data import chatformat, corpus, tokenizer
 
 MARKERS = chatformat.Markers()
 CONV = (

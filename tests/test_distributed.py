@@ -20,8 +20,10 @@ import time
 import numpy as np
 import pytest
 
-from src import checkpoint, config, distributed
-from src.errors import UserError
+from src.config import jsonconfig
+from src.core.errors import UserError
+from src.storage import checkpoints
+from src.training import distributed
 from tests.conftest import MICRO, ROOT, micro_args
 
 # Attention that sees the whole (128-token) window whatever the hashing,
@@ -141,8 +143,8 @@ def test_two_processes_train_the_model_one_process_trains(tmp_path):
   # (b) A single process with both devices trains the same weights.
   assert rc == 0, err[-3000:]
   assert '2 device(s)' in out
-  multi, _ = checkpoint.read_weights(str(tmp_path / 'p0' / 'run'))
-  one, _ = checkpoint.read_weights(str(tmp_path / 'one' / 'run'))
+  multi, _ = checkpoints.read_weights(str(tmp_path / 'p0' / 'run'))
+  one, _ = checkpoints.read_weights(str(tmp_path / 'one' / 'run'))
   assert len(multi) == len(one)
   for a, b in zip(multi, one, strict=True):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
@@ -222,7 +224,7 @@ def test_a_killed_process_stops_the_other(tmp_path):
 
 
 def settings(**values):
-  return config.from_values('train', {'out-dir': 'x', **values})
+  return jsonconfig.from_values('train', {'out-dir': 'x', **values})
 
 
 @pytest.mark.parametrize(
@@ -253,19 +255,19 @@ def test_good_distributed_settings_pass():
 
 
 def test_a_batch_is_split_between_processes():
-  from src import chunks
+  from src.data import windows
 
   tokens = np.arange(5000, dtype=np.int32) % 97 + 3
-  whole = chunks.ChunkBatches(tokens, 64, 8, seed=3)
+  whole = windows.ChunkBatches(tokens, 64, 8, seed=3)
   parts = [
-    chunks.ChunkBatches(tokens, 64, 8, seed=3, part=(i, 2)) for i in (0, 1)
+    windows.ChunkBatches(tokens, 64, 8, seed=3, part=(i, 2)) for i in (0, 1)
   ]
   for step in (0, 5, 200):
     ids = [p.batch(step)[0] for p in parts]
     assert all(len(x) == 4 for x in ids)
     np.testing.assert_array_equal(np.concatenate(ids), whole.batch(step)[0])
   with pytest.raises(UserError, match='does not split into 3'):
-    chunks.ChunkBatches(tokens, 64, 8, seed=3, part=(0, 3))
+    windows.ChunkBatches(tokens, 64, 8, seed=3, part=(0, 3))
 
 
 def test_fingerprints_name_what_differs():
@@ -303,7 +305,7 @@ def test_two_processes_of_two_devices_resume_like_one_of_four(tmp_path):
   args[args.index('--batch-size') + 1] = '4'
   rc, out, err = finish([start(tmp_path / 'one', args, devices=4)])[0]
   assert rc == 0, err[-3000:]
-  multi, _ = checkpoint.read_weights(str(tmp_path / 'p0' / 'run'))
-  one, _ = checkpoint.read_weights(str(tmp_path / 'one' / 'run'))
+  multi, _ = checkpoints.read_weights(str(tmp_path / 'p0' / 'run'))
+  one, _ = checkpoints.read_weights(str(tmp_path / 'one' / 'run'))
   for a, b in zip(multi, one, strict=True):
     np.testing.assert_allclose(a, b, rtol=5e-4, atol=5e-5)

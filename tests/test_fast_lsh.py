@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import trax
 
-from src import fast_lsh, ginconf, model
-from src.decoding import Decoder
+from src.inference.decoding import Decoder
+from src.model import ginconf, reformer
+from src.runtime.trax_patches import fast_lsh
 
 from .conftest import MICRO, TINY_GIN
 
@@ -24,7 +25,7 @@ def decode(parallel_heads, n_tokens=40):
       f'LSHSelfAttention.n_parallel_heads = {parallel_heads}',
     ),
   )
-  layer = model.reformer_lm(60, 'predict', directed=ginconf.lsh())
+  layer = reformer.reformer_lm(60, 'predict', directed=ginconf.lsh())
   layer.rng = jax.random.PRNGKey(1)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   decoder = Decoder(layer, 128)
@@ -48,7 +49,7 @@ def test_same_logits_as_trax_sort(parallel_heads):
 
 def test_compiled_step_has_no_sort():
   ginconf.parse(TINY_GIN, MICRO)
-  layer = model.reformer_lm(60, 'predict', directed=ginconf.lsh())
+  layer = reformer.reformer_lm(60, 'predict', directed=ginconf.lsh())
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   d = Decoder(layer, 128)
   hlo = (

@@ -10,16 +10,12 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from src import (
-  chatformat,
-  checkpoint,
-  decoding,
-  export,
-  finetune,
-  tokenizer,
-  training,
-)
-from src.errors import UserError
+from src.core import safe_pickle
+from src.core.errors import UserError
+from src.data import chatformat, tokenizer
+from src.inference import decoding
+from src.storage import checkpoints, export
+from src.training import finetune, trainer
 
 from .conftest import DATA, ROOT, train_settings
 
@@ -55,13 +51,13 @@ def finetuned(exported, tmp_path_factory):
   )
   # vocab-size 500 was given explicitly and differs: refused first.
   with pytest.raises(UserError, match=r'train.vocab-size is 500 but the'):
-    training.train(settings, log=lines.append)
+    trainer.train(settings, log=lines.append)
   assert not os.path.exists(out)
   settings = finetune_settings(out, exported['dir'], steps=1)
   settings = settings.__class__(
     {**settings.values}, settings.source, settings.given - {'vocab-size'}
   )
-  loop = training.train(
+  loop = trainer.train(
     settings, gin_bindings=('lr_schedule.peak = 0.0',), log=lines.append
   )
   return {'out': out, 'loop': loop, 'log': lines}
@@ -113,8 +109,8 @@ def test_export_gives_the_runs_logits_without_unpickling(
 
   for name in ('load', 'loads', 'Unpickler'):
     monkeypatch.setattr(pickle, name, no_pickle)
-  monkeypatch.setattr(checkpoint, 'SafeUnpickler', no_pickle)
-  monkeypatch.setattr(checkpoint, 'read_pickle', no_pickle)
+  monkeypatch.setattr(safe_pickle, 'SafeUnpickler', no_pickle)
+  monkeypatch.setattr(checkpoints, 'read_pickle', no_pickle)
   _, _, exp_model, exp_step = decoding.load_run(exported['dir'], 'eval')
   exp_logits = np.asarray(exp_model(tokens))
   monkeypatch.undo()
@@ -131,7 +127,7 @@ def test_damaged_export_is_refused(exported, tmp_path):
   with pytest.raises(UserError, match='damaged or truncated'):
     decoding.load_run(str(bad), 'eval')
   with pytest.raises(UserError, match='damaged or truncated'):
-    training.train(finetune_settings(tmp_path / 'ft', str(bad)))
+    trainer.train(finetune_settings(tmp_path / 'ft', str(bad)))
   assert not os.path.exists(tmp_path / 'ft')
   weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
   with pytest.raises(UserError, match='damaged or truncated'):
@@ -160,8 +156,8 @@ def test_finetune_takes_tokenizer_settings_and_weights(
   # The step count and the optimizer start fresh; with learning rate 0
   # the one step left the pretrained weights as they were.
   loop = finetuned['loop']
-  assert loop.step == 1 and checkpoint.latest_step(out) == 1
-  source, _ = checkpoint.read_export(exported['dir'])
+  assert loop.step == 1 and checkpoints.latest_step(out) == 1
+  source, _ = checkpoints.read_export(exported['dir'])
   mine = flat_weights(loop.model)
   assert len(mine) == len(source)
   for a, b in zip(mine, source):
@@ -181,7 +177,7 @@ def test_finetune_run_resumes_from_its_own_checkpoint(finetuned, copy_of):
   settings = settings.__class__(
     settings.values, settings.source, settings.given - {'vocab-size'}
   )
-  loop = training.train(
+  loop = trainer.train(
     settings, gin_bindings=('lr_schedule.peak = 0.0',), log=lines.append
   )
   assert loop.step == 2
@@ -227,7 +223,7 @@ def test_init_from_refusals(case, tiny_run, exported, tmp_path):
     settings.values, settings.source, settings.given - {'vocab-size'}
   )
   with pytest.raises(UserError, match=match):
-    training.train(settings, gin_bindings=bindings, log=lambda line: None)
+    trainer.train(settings, gin_bindings=bindings, log=lambda line: None)
   after = sorted(os.listdir(out)) if os.path.exists(out) else None
   assert after == before
 
@@ -238,7 +234,7 @@ def test_unknown_pieces_are_counted():
 
 
 def test_set_weights_names_a_shape_mismatch(exported):
-  flat, _ = checkpoint.read_export(exported['dir'])
+  flat, _ = checkpoints.read_export(exported['dir'])
   flat[0] = flat[0][:-1]
   setup = finetune.load(exported['dir']).setup  # Parses its model.gin.
   with pytest.raises(UserError, match=r'weight array 0 has shape \(299, 32\)'):

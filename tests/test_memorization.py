@@ -6,13 +6,15 @@ import time
 
 import pytest
 
-from src import memorization, training
+from src.analysis import memorization
+from src.core import rundir
+from src.training import trainer
 
 from .conftest import MICRO, train_settings
 
 
 def test_settings_are_saved_with_the_run(tiny_run):
-  path = os.path.join(tiny_run['out'], training.SETTINGS_FILE)
+  path = os.path.join(tiny_run['out'], rundir.SETTINGS)
   saved = json.load(open(path))['train']
   assert saved['windows'] == 'moving' and saved['steps'] == 4
   s = memorization.run_settings(tiny_run['out'])
@@ -30,7 +32,7 @@ def _train(out, windows):
       'windows': windows,
     },
   )
-  training.train(
+  trainer.train(
     settings,
     gin_bindings=MICRO
     + (

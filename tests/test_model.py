@@ -9,8 +9,9 @@ import pytest
 from trax import layers as tl
 from trax.supervised import training as trax_training
 
-from src import chunks, ginconf, model
-from src.errors import UserError
+from src.core.errors import UserError
+from src.data import windows
+from src.model import ginconf, reformer
 
 from .conftest import ROOT, TINY_GIN
 
@@ -66,8 +67,8 @@ def test_a_mixed_model_must_have_local_blocks_and_whole_cycles():
 def test_axial_positions_are_really_axial():
   """Without pos_type='axial' Trax builds a full max_len x d_model table."""
   ginconf.parse(TINY_GIN)
-  axial = model.count_params(
-    model.init_model(500, 'train', 512, directed=ginconf.lsh())
+  axial = reformer.count_params(
+    reformer.init_model(500, 'train', 512, directed=ginconf.lsh())
   )
   # The local block's keys (128 x 32 per head, 2 heads) and the LSH
   # block's directed projections (twice that) are their own.
@@ -75,8 +76,8 @@ def test_axial_positions_are_really_axial():
   ginconf.parse(
     TINY_GIN, ('ReformerLM.pos_type = None', 'ReformerLM.pos_axial_shape = ()')
   )
-  full = model.count_params(
-    model.init_model(500, 'train', 512, directed=ginconf.lsh())
+  full = reformer.count_params(
+    reformer.init_model(500, 'train', 512, directed=ginconf.lsh())
   )
   # The full table replaces the two axial tables (16x64 and 32x64).
   assert full - axial == 512 * 128 - (16 * 64 + 32 * 64)
@@ -87,7 +88,7 @@ def test_axial_positions_are_really_axial():
 def _axial_and_token_std(lm):
   """Standard deviations of the axial position and token embeddings."""
   found = {}
-  for layer in model.all_layers(lm):
+  for layer in reformer.all_layers(lm):
     if isinstance(layer, (tl.AxialPositionalEncoding, tl.Embedding)):
       found.setdefault(type(layer).__name__, layer.weights)
   axial = np.concatenate(
@@ -102,17 +103,17 @@ def test_axial_positions_start_at_the_token_scale():
   training model starts them at `positions.axial_init_scale` times the
   tokens' scale."""
   ginconf.parse(TINY_GIN)
-  lm = model.reformer_lm(500, 'train', ginconf.positions(), ginconf.lsh())
+  lm = reformer.reformer_lm(500, 'train', ginconf.positions(), ginconf.lsh())
   lm.init(tl.ShapeDtype((1, 512), np.int32))
   axial, token = _axial_and_token_std(lm)
   assert abs(token - 1 / math.sqrt(128)) < 0.01
   assert abs(axial / token - 1.0) < 0.1
   ginconf.parse(TINY_GIN, ('positions.axial_init_scale = 4.0',))
-  lm = model.reformer_lm(500, 'train', ginconf.positions(), ginconf.lsh())
+  lm = reformer.reformer_lm(500, 'train', ginconf.positions(), ginconf.lsh())
   lm.init(tl.ShapeDtype((1, 512), np.int32))
   axial, token = _axial_and_token_std(lm)
   assert abs(axial / token - 4.0) < 0.4
-  lm = model.reformer_lm(
+  lm = reformer.reformer_lm(
     500, 'train', directed=ginconf.lsh()
   )  # Trax's own start.
   lm.init(tl.ShapeDtype((1, 512), np.int32))
@@ -125,7 +126,7 @@ def test_axial_positions_start_at_the_token_scale():
 def test_training_starts_positions_at_the_token_scale(tiny_run):
   """The training path uses the setting: after a few steps the shared run's
   axial embeddings are still near the tokens' scale, far from Trax's 1.0."""
-  from src import decoding
+  from src.inference import decoding
 
   _, _, layer, _ = decoding.load_run(tiny_run['out'], 'eval', [])
   axial, token = _axial_and_token_std(layer)
@@ -137,8 +138,8 @@ def test_bucket_count_is_fixed_and_equal_in_train_and_predict():
     ginconf.parse(TINY_GIN, ('LSHSelfAttention.n_buckets = None',))
   ginconf.parse(TINY_GIN)
   for mode in ('train', 'eval', 'predict'):
-    layers = model.lsh_layers(
-      model.reformer_lm(300, mode, directed=ginconf.lsh())
+    layers = reformer.lsh_layers(
+      reformer.reformer_lm(300, mode, directed=ginconf.lsh())
     )
     assert len(layers) == 1  # The second block (the first is local).
     assert [layer._n_buckets for layer in layers] == [16], mode
@@ -165,14 +166,14 @@ def test_settings_trax_would_get_wrong_are_refused(binding, message):
   [('cosine', 0.1), ('linear', 0.1), ('constant', 1.0), ('rsqrt', 0.5)],
 )
 def test_lr_schedules(decay, at_end):
-  f = model.lr_schedule(
+  f = reformer.lr_schedule(
     400, peak=2.0, warmup_steps=100, decay=decay, final_fraction=0.1
   )
   assert f(0) == pytest.approx(0.02) and f(49) == pytest.approx(1.0)
   assert f(100) == pytest.approx(2.0)
   assert f(400) == pytest.approx(2.0 * at_end)
   with pytest.raises(UserError, match="decay = 'exp' is not one of"):
-    model.lr_schedule(10, decay='exp')
+    reformer.lr_schedule(10, decay='exp')
 
 
 @pytest.mark.parametrize(
@@ -183,10 +184,10 @@ def test_one_training_step_per_gin_file(gin_file, bindings):
   vocab = 300
   rng = np.random.default_rng(0)
   stream = rng.integers(3, vocab, size=setup.max_len * 3).astype(np.int32)
-  batches = chunks.ChunkBatches(stream, setup.max_len, 1, seed=0)
+  batches = windows.ChunkBatches(stream, setup.max_len, 1, seed=0)
   task = trax_training.TrainTask(
     batches.iterate(),
-    model.loss_layer(),
+    reformer.loss_layer(),
     ginconf.optimizer(),
     lr_schedule=ginconf.lr_schedule(10),
   )
@@ -199,7 +200,7 @@ def test_one_training_step_per_gin_file(gin_file, bindings):
       return loss, stats
 
   loop = RecordingLoop(
-    model.reformer_lm(vocab, 'train', directed=ginconf.lsh()),
+    reformer.reformer_lm(vocab, 'train', directed=ginconf.lsh()),
     [task],
     output_dir=None,
     random_seed=0,
@@ -228,7 +229,9 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
     return full((x @ kernel + bias, targets, weights))
 
   def chunked(x, kernel, bias, size):
-    return model.chunked_cross_entropy(x, kernel, bias, targets, weights, size)
+    return reformer.chunked_cross_entropy(
+      x, kernel, bias, targets, weights, size
+    )
 
   want = reference(x, kernel, bias)
   grads_want = jax.grad(reference, argnums=(0, 1, 2))(x, kernel, bias)
@@ -239,7 +242,7 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
     for g, gw in zip(grads, grads_want):
       np.testing.assert_allclose(g, gw, rtol=1e-4, atol=1e-6)
     # Evaluation: loss and accuracy from chunks equal Trax's metrics.
-    loss, accuracy = model.chunked_cross_entropy(
+    loss, accuracy = reformer.chunked_cross_entropy(
       x, kernel, bias, targets, weights, size, with_accuracy=True
     )
     np.testing.assert_allclose(loss, want, rtol=1e-5)
@@ -247,7 +250,7 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
     acc_want = tl.WeightedCategoryAccuracy()((logits, targets, weights))
     np.testing.assert_allclose(accuracy, acc_want, rtol=1e-6)
     # Training: the same loss, plus the counts of the running accuracy.
-    loss, hits, total = model.chunked_cross_entropy(
+    loss, hits, total = reformer.chunked_cross_entropy(
       x, kernel, bias, targets, weights, size, with_hits=True
     )
     np.testing.assert_allclose(loss, want, rtol=1e-5)
@@ -257,8 +260,8 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
 
 def test_chunked_model_shares_the_models_weights():
   setup = ginconf.parse(TINY_GIN)
-  m = model.init_model(40, 'train', setup.max_len, directed=ginconf.lsh())
-  fused = model.chunked_model(m, 16)
+  m = reformer.init_model(40, 'train', setup.max_len, directed=ginconf.lsh())
+  fused = reformer.chunked_model(m, 16)
   assert fused is not None
   # weights[0] has the model's structure (what Trax's Loop hands to eval).
   flat = jax_tree_leaves(fused.weights[0])
@@ -269,7 +272,7 @@ def test_chunked_model_shares_the_models_weights():
   zeros = jax_tree_map(np.zeros_like, head.weights)
   fused.weights = (fused.weights[0][:-1] + (zeros,), fused.weights[1])
   assert not any(np.any(w) for w in jax_tree_leaves(m.weights[-1]))
-  assert model.chunked_model(m, 0) is None
+  assert reformer.chunked_model(m, 0) is None
 
 
 def jax_tree_map(fn, tree):
@@ -285,21 +288,21 @@ def jax_tree_leaves(tree):
 
 
 def test_position_range_losses_add_up_to_the_loss():
-  from src import model
+  from src.model import reformer
 
-  assert model.position_ranges(32768) == [
+  assert reformer.position_ranges(32768) == [
     (0, 512),
     (512, 2048),
     (2048, 8192),
     (8192, 32768),
   ]
-  assert [model.range_name(*r) for r in model.position_ranges(32768)] == [
+  assert [reformer.range_name(*r) for r in reformer.position_ranges(32768)] == [
     '0-512',
     '512-2k',
     '2k-8k',
     '8k-32k',
   ]
-  assert model.position_ranges(128) == [(0, 2), (2, 8), (8, 32), (32, 128)]
+  assert reformer.position_ranges(128) == [(0, 2), (2, 8), (8, 32), (32, 128)]
   rng = np.random.default_rng(0)
   batch, length, d, vocab = 2, 128, 8, 11
   x = jnp.asarray(rng.normal(size=(batch, length, d)), jnp.float32)
@@ -307,29 +310,31 @@ def test_position_range_losses_add_up_to_the_loss():
   bias = jnp.zeros([vocab], jnp.float32)
   targets = jnp.asarray(rng.integers(0, vocab, (batch, length)), jnp.int32)
   weights = jnp.asarray(rng.random((batch, length)) > 0.3, jnp.float32)
-  ranges = model.position_ranges(length)
-  loss, _, *sums = model.chunked_cross_entropy(
+  ranges = reformer.position_ranges(length)
+  loss, _, *sums = reformer.chunked_cross_entropy(
     x, kernel, bias, targets, weights, 48, with_accuracy=True, ranges=ranges
   )
-  names = model.metric_names(ranges)[2:]
-  values = model.range_losses(
+  names = reformer.metric_names(ranges)[2:]
+  values = reformer.range_losses(
     {'loss': loss, **dict(zip(names, [float(v) for v in sums]))}
   )
   counts = [float(c) for c in sums[1::2]]
   assert sum(counts) == float(weights.sum())
   # Token-weighted, the range losses add up to the overall loss.
   total = sum(
-    values[f'loss at {model.range_name(*r)}'] * c
+    values[f'loss at {reformer.range_name(*r)}'] * c
     for r, c in zip(ranges, counts)
   ) / sum(counts)
   np.testing.assert_allclose(total, float(loss), rtol=1e-5)
   # The metric layers (the unchunked path) give the same sums.
   logits = x @ kernel + bias
-  for layer, want in zip(model.metric_layers(ranges)[2:], sums):
+  for layer, want in zip(reformer.metric_layers(ranges)[2:], sums):
     got = layer((logits, targets, weights))
     np.testing.assert_allclose(float(got), float(want), rtol=1e-4)
   # A range without any loss weight is left out, not reported as 0.
-  values = model.range_losses({'range loss 0-2': 0.0, 'range count 0-2': 0.0})
+  values = reformer.range_losses(
+    {'range loss 0-2': 0.0, 'range count 0-2': 0.0}
+  )
   assert values == {}
 
 
@@ -348,7 +353,9 @@ def test_training_hit_counts_cover_every_micro_batch():
     ),
   )
   vocab, length = 40, 512
-  m = model.init_model(vocab, 'train', length, batch=2, directed=ginconf.lsh())
+  m = reformer.init_model(
+    vocab, 'train', length, batch=2, directed=ginconf.lsh()
+  )
   rng = np.random.default_rng(0)
   inputs = jnp.asarray(rng.integers(1, vocab, (2, length)), jnp.int32)
   guess = np.asarray(m(inputs)).argmax(-1)
@@ -361,14 +368,14 @@ def test_training_hit_counts_cover_every_micro_batch():
   batch = (inputs, jnp.asarray(targets, jnp.int32), jnp.asarray(weights))
   key = jax.random.PRNGKey(0)
   for k in (1, 2):
-    fused = model.chunked_model(m, 128)
+    fused = reformer.chunked_model(m, 128)
     if k > 1:
-      fused = model.Accumulate(fused, k)
+      fused = reformer.Accumulate(fused, k)
     _, state = fused.pure_fn(batch, fused.weights, fused.state, key)
-    hits, total = np.asarray(model.hit_counts(state))
+    hits, total = np.asarray(reformer.hit_counts(state))
     assert total == 2 * length
     assert hits == pytest.approx(want, abs=2)
-  assert model.hit_counts(((), ())) is None  # Trax's own loss: no counts.
+  assert reformer.hit_counts(((), ())) is None  # Trax's own loss: no counts.
 
 
 def _offset_copy_accuracy(bindings, steps, length=64, vocab=32, seed=0):
@@ -380,7 +387,7 @@ def _offset_copy_accuracy(bindings, steps, length=64, vocab=32, seed=0):
   from trax.supervised import training
 
   ginconf.parse(TINY_GIN, tuple(bindings))
-  lm = model.reformer_lm(vocab, 'train', ginconf.positions(), ginconf.lsh())
+  lm = reformer.reformer_lm(vocab, 'train', ginconf.positions(), ginconf.lsh())
   weights = np.ones((8, length), np.float32)
   weights[:, :3] = 0.0
 
@@ -399,7 +406,7 @@ def _offset_copy_accuracy(bindings, steps, length=64, vocab=32, seed=0):
   loop = training.Loop(lm, [task], output_dir=None)
   loop.run(steps)
   ginconf.parse(TINY_GIN, tuple(bindings))
-  ev = model.reformer_lm(vocab, 'eval', directed=ginconf.lsh())
+  ev = reformer.reformer_lm(vocab, 'eval', directed=ginconf.lsh())
   ev.init(trax.shapes.ShapeDtype((8, length), np.int32))
   x, y, w = next(batches(np.random.default_rng(seed + 1)))
   logits, _ = ev.pure_fn(x, lm.weights, ev.state, ev.rng)

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from src import ginconf, preflight
-from src.errors import UserError
+from src.core.errors import UserError
+from src.model import ginconf, preflight
 
 from .conftest import DATA, ROOT, TINY_GIN
 
@@ -90,10 +90,10 @@ def test_weight_count_is_close_to_the_models():
   import numpy as np
   import trax
 
-  from src import model
+  from src.model import reformer
 
   setup = ginconf.parse(TINY_GIN)
-  m = model.reformer_lm(300, 'train', directed=ginconf.lsh())
+  m = reformer.reformer_lm(300, 'train', directed=ginconf.lsh())
   sig = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
   weights, _ = m.weights_and_state_signature(sig, unsafe=True)
   exact = sum(
@@ -105,7 +105,7 @@ def test_weight_count_is_close_to_the_models():
 
 
 def test_time_preflight_counts_flops_and_warns_past_a_day():
-  from src import training
+  from src.training import progress
 
   tiny = ginconf.parse(TINY_GIN)
   full = ginconf.parse(os.path.join(ROOT, 'gin', 'reformer_32k.gin'))
@@ -115,8 +115,8 @@ def test_time_preflight_counts_flops_and_warns_past_a_day():
   assert big / small > 1000
   assert preflight.step_flops(tiny, 500, 2) == 2 * small
   assert preflight.device_flops_per_second() > 0
-  lines = training.time_lines(70.0, 0, 20000)
+  lines = progress.time_lines(70.0, 0, 20000)
   assert lines[0].startswith('time estimate: about 70 s a step')
   assert '16 days for steps 1..20000' in lines[0]
   assert 'more than 16 day(s)' in lines[1] and 'gin/tiny.gin' in lines[1]
-  assert len(training.time_lines(0.05, 0, 1500)) == 1
+  assert len(progress.time_lines(0.05, 0, 1500)) == 1

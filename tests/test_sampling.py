@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from src import sampling
-from src.errors import UserError
+from src.core.errors import UserError
+from src.inference import sampling
 
 LOGITS = np.log(np.array([0.05, 0.5, 0.3, 0.1, 0.05]))
 

@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from src import chatformat, tokenizer
-from src.errors import UserError
+from src.core.errors import UserError
+from src.data import chatformat, tokenizer
 
 MARKERS = chatformat.Markers()
 

@@ -14,8 +14,12 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from src import checkpoint, ginconf, training
-from src.errors import UserError
+from src.core import safe_pickle
+from src.core.errors import UserError
+from src.model import ginconf
+from src.storage import checkpoints
+from src.training import plan, trainer
+from src.training import progress as progress_line
 
 from .conftest import DATA, MICRO, ROOT, micro_args, train_settings
 
@@ -41,7 +45,7 @@ def test_run_writes_checkpoint_tokenizer_and_gin(tiny_run):
     'model.gin',
     'config.gin',
   } <= files
-  assert checkpoint.latest_step(out) == 4
+  assert checkpoints.latest_step(out) == 4
   operative = open(os.path.join(out, 'config.gin')).read()
   assert 'ReformerLM.n_layers = 2' in operative
   assert 'lr_schedule.warmup_steps = 2' in operative
@@ -96,17 +100,17 @@ def test_sample_replies_at_each_evaluation(tiny_run):
 def test_resume_continues_at_the_saved_step(tiny_run, copy_of):
   out = copy_of(tiny_run['out'])
   lines = []
-  loop = training.train(
+  loop = trainer.train(
     train_settings(out, steps=6), gin_bindings=MICRO, log=lines.append
   )
   assert any('resuming from the checkpoint at step 4' in x for x in lines)
   assert any(x.startswith('data:') and '(cached in' in x for x in lines)
-  assert loop.step == 6 and checkpoint.latest_step(out) == 6
+  assert loop.step == 6 and checkpoints.latest_step(out) == 6
   train = scalars(os.path.join(out, 'train'))
   assert [s for s, _ in train['metrics/loss']][-2:] == [5, 6]
   lines.clear()
   assert (
-    training.train(
+    trainer.train(
       train_settings(out, steps=6), gin_bindings=MICRO, log=lines.append
     )
     is None
@@ -115,7 +119,7 @@ def test_resume_continues_at_the_saved_step(tiny_run, copy_of):
 
 
 def test_checkpoint_pickles_are_read_safely(tiny_run, tmp_path):
-  meta = checkpoint.read_meta(tiny_run['out'])
+  meta = checkpoints.read_meta(tiny_run['out'])
   assert meta['step'] == 4 and meta['input_signature']
 
   class Evil:
@@ -124,15 +128,15 @@ def test_checkpoint_pickles_are_read_safely(tiny_run, tmp_path):
 
   data = pickle.dumps({'step': Evil()})
   with pytest.raises(UserError, match='posix.system|os.system'):
-    checkpoint.safe_load(data, 'evil.pkl')
+    safe_pickle.safe_load(data, 'evil.pkl')
   assert not (tmp_path / 'pwned').exists()
   (tmp_path / 'model.pkl.gz').write_bytes(b'not gzip')
   with pytest.raises(UserError, match='damaged'):
-    checkpoint.read_meta(str(tmp_path))
+    checkpoints.read_meta(str(tmp_path))
 
 
 def test_progress_line_shows_rate_and_eta(capsys):
-  progress = training.Progress(total=10, start=0, interval=0.0)
+  progress = progress_line.Progress(total=10, start=0, interval=0.0)
   for step in range(1, 11):
     progress.step_done(step, np.array([2.0]), 1e-3, 512)
   out = capsys.readouterr().out.splitlines()
@@ -173,8 +177,9 @@ MULTI_DEVICE = r"""
 import json, sys
 sys.path.insert(0, {root!r})
 import numpy as np
-from src import training
-from tests.conftest import MICRO, train_settings
+from tests.conftest import MICRO, train_settings  # bootstraps the process
+from src.training import trainer as training
+from src.data import windows
 rows, losses = [], []
 class Recording(training.JadeLoop):
   def _run_one_step(self, task_index, task_changed):
@@ -182,13 +187,13 @@ class Recording(training.JadeLoop):
     losses.append(np.asarray(loss).tolist())
     return loss, stats
 training.JadeLoop = Recording
-orig = training.chunks.ChunkBatches.batch
+orig = windows.ChunkBatches.batch
 def batch(self, step):
   b = orig(self, step)
   if self.seed == 0:
     rows.append([r[w > 0].tolist() for r, w in zip(b[0], b[2])])
   return b
-training.chunks.ChunkBatches.batch = batch
+windows.ChunkBatches.batch = batch
 loop = training.train(train_settings({out!r}, steps=2), gin_bindings=MICRO,
                       log=lambda s: None)
 import jax
@@ -238,7 +243,7 @@ def test_killed_training_resumes_from_last_checkpoint(tmp_path):
     deadline = time.time() + 300
     while time.time() < deadline:
       if os.path.exists(os.path.join(out, 'model.pkl.gz')) and (
-        checkpoint.latest_step(out) >= 10
+        checkpoints.latest_step(out) >= 10
       ):
         break
       time.sleep(0.5)
@@ -247,12 +252,12 @@ def test_killed_training_resumes_from_last_checkpoint(tmp_path):
   finally:
     if proc.poll() is None:
       proc.kill()
-  saved = checkpoint.latest_step(out)
+  saved = checkpoints.latest_step(out)
   assert saved >= 10 and saved % 5 == 0
   result = run_script(micro_args(out, saved + 2) + ['--checkpoint-every', '5'])
   assert result.returncode == 0, result.stderr
   assert f'resuming from the checkpoint at step {saved}' in result.stdout
-  assert checkpoint.latest_step(out) == saved + 2
+  assert checkpoints.latest_step(out) == saved + 2
 
 
 @pytest.mark.slow
@@ -276,32 +281,32 @@ def test_32k_model_trains_one_step(tmp_path):
     timeout=1800,
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  assert checkpoint.latest_step(out) == 1
+  assert checkpoints.latest_step(out) == 1
 
 
 def test_ai_only_loss_reaches_the_batches(tmp_path):
   settings = train_settings(tmp_path / 'ai', **{'ai-only-loss': True})
-  run = training.prepare(settings, MICRO, log=lambda line: None)
-  tok = run['tokenizer']
-  ids, _, weights = run['train_batches'].batch(0)
+  run = plan.prepare(settings, MICRO, log=lambda line: None)
+  tok = run.tokenizer
+  ids, _, weights = run.train_batches.batch(0)
   assert set(weights[ids == tok.ai_start_id].tolist()) == {0.0}
   assert set(weights[ids == tok.ai_end_id].tolist()) == {1.0}
   assert 0 < weights.sum() < (ids != 0).sum()
-  eval_ids, _, eval_weights = run['eval_batches'].batch(0)
+  eval_ids, _, eval_weights = run.eval_batches.batch(0)
   assert eval_weights.sum() < (eval_ids != 0).sum()
 
 
 def test_held_out_conversations_are_reported(tmp_path):
   lines = []
-  run = training.prepare(
+  run = plan.prepare(
     train_settings(tmp_path / 'a', **{'eval-fraction': 0.2}),
     MICRO,
     log=lines.append,
   )
-  assert run['held'].startswith('held out: ')
-  assert 'of 13 conversations at random' in run['held']
-  n_train, n_eval = run['n_train_tokens'], run['n_eval_tokens']
-  assert n_train + n_eval == run['n_tokens'] and n_eval >= 0.2 * n_train / 0.8
+  assert run.held.startswith('held out: ')
+  assert 'of 13 conversations at random' in run.held
+  n_train, n_eval = run.n_train_tokens, run.n_eval_tokens
+  assert n_train + n_eval == run.n_tokens and n_eval >= 0.2 * n_train / 0.8
   # A separate folder: all of "data" trains, the folder evaluates.
   held = tmp_path / 'held'
   held.mkdir()
@@ -309,18 +314,18 @@ def test_held_out_conversations_are_reported(tmp_path):
     'Hi\n|aigenerationstart| Hello there |endofgeneration|\n',
     encoding='utf-8',
   )
-  run = training.prepare(
+  run = plan.prepare(
     train_settings(tmp_path / 'b', **{'eval-data': str(held)}),
     MICRO,
     log=lines.append,
   )
-  assert run['n_train_tokens'] == run['n_tokens']
-  assert run['held'].startswith(f'held out: {held} (1 conversations')
-  assert run['eval_batches'].view is not run['train_batches'].view
+  assert run.n_train_tokens == run.n_tokens
+  assert run.held.startswith(f'held out: {held} (1 conversations')
+  assert run.eval_batches.view is not run.train_batches.view
   # A broken held-out folder leaves no trace in a new out-dir.
   (held / 'x.txt').write_text('Hi\n', encoding='utf-8')
   with pytest.raises(UserError, match='x.txt:1: the conversation ends'):
-    training.prepare(
+    plan.prepare(
       train_settings(tmp_path / 'c', **{'eval-data': str(held)}),
       MICRO,
       log=lines.append,
@@ -329,7 +334,7 @@ def test_held_out_conversations_are_reported(tmp_path):
   # Nor in an existing one: no tokenizer, no cache is left behind.
   (tmp_path / 'd').mkdir()
   with pytest.raises(UserError, match='x.txt:1: the conversation ends'):
-    training.prepare(
+    plan.prepare(
       train_settings(tmp_path / 'd', **{'eval-data': str(held)}),
       MICRO,
       log=lines.append,
@@ -366,12 +371,12 @@ def test_a_stop_signal_saves_and_the_run_resumes(tmp_path, signum):
       proc.kill()
   name = signal.Signals(signum).name
   assert f'{name}: stopped after step' in rest, rest
-  saved = checkpoint.latest_step(out)
+  saved = checkpoints.latest_step(out)
   assert saved >= 1 and f'after step {saved};' in rest
   result = run_script(micro_args(out, saved + 2))
   assert result.returncode == 0, result.stderr
   assert f'resuming from the checkpoint at step {saved}' in result.stdout
-  assert checkpoint.latest_step(out) == saved + 2
+  assert checkpoints.latest_step(out) == saved + 2
 
 
 class _Payload:
@@ -383,7 +388,7 @@ class _Payload:
 
 
 def test_one_run_per_out_dir(tiny_run, copy_of, tmp_path):
-  from src import runlock
+  from src.core import runlock
 
   folder = copy_of(tiny_run['out'])
   lock = os.path.join(folder, runlock.LOCK_FILE)
@@ -392,7 +397,7 @@ def test_one_run_per_out_dir(tiny_run, copy_of, tmp_path):
     json.dump({'pid': os.getpid(), 'host': socket.gethostname()}, f)
   before = sorted(os.listdir(folder))
   with pytest.raises(UserError, match=f'pid {os.getpid()} on'):
-    training.train(train_settings(folder, steps=6), gin_bindings=MICRO)
+    trainer.train(train_settings(folder, steps=6), gin_bindings=MICRO)
   assert sorted(os.listdir(folder)) == before
   # A holder that is gone: taken over with a note, and released at the end.
   dead = subprocess.Popen([sys.executable, '-c', 'pass'])
@@ -405,7 +410,7 @@ def test_one_run_per_out_dir(tiny_run, copy_of, tmp_path):
   with open(os.path.join(folder, 'data_counters0.pkl'), 'wb') as f:
     pickle.dump(_Payload(mark), f)
   lines = []
-  loop = training.train(
+  loop = trainer.train(
     train_settings(folder, steps=6), gin_bindings=MICRO, log=lines.append
   )
   assert loop.step == 6 and not os.path.exists(lock)
@@ -414,10 +419,10 @@ def test_one_run_per_out_dir(tiny_run, copy_of, tmp_path):
   # A new out-dir that fails its checks leaves nothing behind.
   new = tmp_path / 'new'
   with pytest.raises(UserError):
-    training.train(train_settings(new, data=str(tmp_path / 'nope')))
+    trainer.train(train_settings(new, data=str(tmp_path / 'nope')))
   assert not new.exists()
   with pytest.raises(UserError, match='out-dir is empty'):
-    training.train(train_settings(''))
+    trainer.train(train_settings(''))
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
@@ -430,7 +435,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
   )
   loops = {}
   for k in (1, 2):
-    loops[k] = training.train(
+    loops[k] = trainer.train(
       train_settings(
         tmp_path / f'k{k}',
         steps=2,
@@ -466,13 +471,13 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
   ]
   assert accuracy[0] == pytest.approx(accuracy[1], abs=1e-3)
   with pytest.raises(UserError, match='accumulate-steps 3 does not split'):
-    training.train(
+    trainer.train(
       train_settings(tmp_path / 'k3', **{'accumulate-steps': 3}),
       gin_bindings=MICRO,
     )
   assert not os.path.exists(tmp_path / 'k3')
   with pytest.raises(UserError, match='accumulate-steps must be at least 1'):
-    training.train(
+    trainer.train(
       train_settings(tmp_path / 'k0', **{'accumulate-steps': 0}),
       gin_bindings=MICRO,
     )

@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
-from src import decoding, ginconf, safegin
-from src.errors import UserError
+from src.config import safegin
+from src.core.errors import UserError
+from src.inference import decoding
+from src.model import ginconf
 
 from .conftest import ROOT
 

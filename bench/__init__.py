@@ -1,0 +1,2 @@
+"""Benchmarks: scripts run as `python bench/NAME.py`; shared parts in
+`bench.common`."""

@@ -1,0 +1,210 @@
+"""What several benches share: the repository root on `sys.path`, the
+benchmark model's shape, and the attention benches' facts, variants and
+training run (bench/recall.py, bench/positions.py).
+
+A bench script puts the repository root on `sys.path` (one line, as it
+must to import `src`) and then imports `bench.common`; benches never import
+each other.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+
+def run_parser(doc: str):
+  """An argument parser for a bench that measures a run: RUN_DIR [DATA]."""
+  import argparse
+
+  parser = argparse.ArgumentParser(description=doc.split('\n')[0])
+  parser.add_argument('run_dir')
+  parser.add_argument('data', nargs='?', default=None)
+  return parser
+
+
+# The training-speed benchmark model (bench/train_speed.py, kernels.py).
+VOCAB, D, D_FF, LAYERS, HEADS, D_HEAD, CHUNK = 500, 256, 1024, 4, 4, 64, 64
+
+# The decoding-speed benchmark model (bench/decode_speed.py, reread.py).
+DECODE_CONTEXT = 4160
+DECODE_BINDINGS = (
+  f'ReformerLM.max_len = {DECODE_CONTEXT}',
+  'ReformerLM.d_model = 256',
+  'ReformerLM.d_ff = 1024',
+  'ReformerLM.n_layers = 4',
+  'ReformerLM.n_heads = 4',
+  'ReformerLM.d_attention_key = 64',
+  'ReformerLM.d_attention_value = 64',
+  'ReformerLM.pos_axial_shape = (65, 64)',
+  'ReformerLM.pos_d_axial_embs = (128, 128)',
+  'ReformerLM.dropout = 0.0',
+  'LSHSelfAttention.chunk_len = 64',
+  'LSHSelfAttention.n_buckets = 64',
+  'LSHSelfAttention.n_hashes = 1',
+  f'LSHSelfAttention.predict_mem_len = {DECODE_CONTEXT}',
+  'LSHSelfAttention.predict_drop_len = 64',
+  'SelfAttention.chunk_len = 64',
+  f'SelfAttention.predict_mem_len = {DECODE_CONTEXT}',
+  'SelfAttention.predict_drop_len = 64',
+)
+
+
+# ---- The attention benches (recall, positions): facts and training.
+
+NAMES = (
+  'Alice Bruno Carmen Dmitri Elena Farid Greta Hiro Ines Jonas Kofi Lena '
+  'Mateo Nadia Oskar Priya Quinn Rosa Sami Tomas Uma Viktor Wanda Xavier '
+  'Yara Zoltan'
+).split()
+
+
+WORDS = (
+  'river lantern pepper violin glacier saddle meadow harbor cobalt walnut '
+  'falcon marble thunder velvet orchid copper canyon puzzle ember tulip '
+  'anchor biscuit comet dolphin'
+).split()
+
+
+NUMBERS = [str(n) for n in range(100, 1000, 37)]
+
+
+COLORS = (
+  'red blue green yellow purple orange pink brown black white grey teal '
+  'maroon navy olive silver gold beige coral indigo'
+).split()
+
+
+CITIES = (
+  'Paris Lisbon Oslo Cairo Lima Quito Dublin Vienna Prague Madrid Seoul '
+  'Tokyo Nairobi Boston Denver Austin Sydney Perth Toronto Havana Athens '
+  'Warsaw Zurich Rome'
+).split()
+
+
+PETS = (
+  'Biscuit Pepper Shadow Luna Milo Rocky Daisy Oscar Ziggy Coco Buster '
+  'Nala Simba Rusty Mochi Pixel Waffles Juno Toby Ginger'
+).split()
+
+
+# kind -> (statement, question, values)
+FACTS = {
+  'name': ('My name is {}.', 'What is my name?', NAMES),
+  'number': (
+    'Please remember the number {}.',
+    'What number did I ask you to remember?',
+    NUMBERS,
+  ),
+  'code word': ('The code word is {}.', 'What is the code word?', WORDS),
+  'color': ('My favorite color is {}.', 'What is my favorite color?', COLORS),
+  'city': ('I live in {}.', 'Where do I live?', CITIES),
+  'pet': ('My dog is called {}.', 'What is my dog called?', PETS),
+}
+
+
+QUESTIONS = {question for _, question, _ in FACTS.values()}
+
+
+def to_text(conversations, markers, loss: str = 'ai') -> str:
+  """Conversations (lists of `(role, text)`) in the line format.
+
+  `loss`: 'ai' trains on every AI turn; 'answers' only on the answers to
+  the questions (the other AI turns are written `|noloss|`: context only).
+  """
+  from src.data import chatformat
+
+  def turns_of(turns):
+    for i, (r, t) in enumerate(turns):
+      train = loss == 'ai' or (
+        r == 'ai' and i > 0 and turns[i - 1][1] in QUESTIONS
+      )
+      yield chatformat.Turn(r, t, '', 0, train or r != 'ai')
+
+  convs = [
+    chatformat.Conversation(tuple(turns_of(turns))) for turns in conversations
+  ]
+  return '\n\n'.join(chatformat.format_conversation(c, markers) for c in convs)
+
+
+# Attention variants beside the shipped one ('lsh': gin/tiny.gin's local
+# block and directed LSH block) and 'full' (BENCHMARKS.md, "Why LSH did
+# not learn"); bench/positions.py and bench/repeat.py use the same names.
+VARIANTS = {
+  # Directed LSH in every block, no local blocks.
+  'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
+  # Trax's LSH (shared queries and keys only) in every block: the design
+  # before.
+  'lsh-shared': [
+    'ReformerLM.attention_type = @LSHSelfAttention',
+    'lsh.directed = False',
+  ],
+  # Local blocks with Trax's LSH.
+  'local-shared': ['lsh.directed = False'],
+}
+
+
+def model_binds(context: int, attention: str) -> list[str]:
+  side = 2 ** (int(np.log2(context)) // 2)  # A power of two for the context.
+  axial = (side, context // side)
+  binds = [
+    f'ReformerLM.max_len = {context}',
+    f'ReformerLM.pos_axial_shape = {axial}',
+    'ReformerLM.dropout = 0.0',
+    'LSHSelfAttention.chunk_len = 64',
+    f'LSHSelfAttention.n_buckets = {context // 64}',
+    f'LSHSelfAttention.predict_mem_len = {context}',
+    'LSHSelfAttention.predict_drop_len = 64',
+  ]
+  if attention == 'full':
+    binds += [
+      'ReformerLM.attention_type = @trax.layers.SelfAttention',
+      'SelfAttention.chunk_len = None',  # Unchunked: every position in view.
+      'SelfAttention.n_chunks_before = 0',
+    ]
+  elif attention in VARIANTS:
+    binds += VARIANTS[attention]
+  elif attention != 'lsh':  # 'lsh': as shipped (gin/tiny.gin).
+    raise SystemExit(
+      f'error: --attention {attention!r}: use full, lsh or one of '
+      f'{", ".join(VARIANTS)}'
+    )
+  binds += [
+    f'SelfAttention.predict_mem_len = {context}',
+    'SelfAttention.predict_drop_len = 64',
+  ]
+  return binds
+
+
+def train(work, data, context, attention, steps, batch=2, binds=()):
+  from src.config import jsonconfig
+  from src.training import trainer
+
+  out = os.path.join(work, f'run-{attention}')
+  values = {
+    'out-dir': out,
+    'data': data,
+    'gin': os.path.join(ROOT, 'gin', 'tiny.gin'),
+    'steps': steps,
+    'eval-every': max(steps // 4, 1),
+    'eval-batches': 4,
+    'checkpoint-every': max(steps // 4, 1),
+    'vocab-size': 1000,
+    'ai-only-loss': True,
+    'batch-size': batch,
+    'sample-prompts': [],
+  }
+  t0 = time.time()
+  trainer.train(
+    jsonconfig.from_values('train', values),
+    gin_bindings=model_binds(context, attention) + list(binds),
+    log=lambda line: print(line, flush=True),
+  )
+  return out, time.time() - t0

@@ -1,0 +1,1 @@
+"""Measurements of trained models, used by the benches and the tests."""

@@ -1,0 +1,34 @@
+"""`python -m src.apps.export RUN_DIR OUT_DIR [--step N]`: a weights-only export
+(see `src.storage.export`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from src import runtime
+from src.storage import export
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(
+    prog='python -m src.apps.export', description=export.__doc__.split('\n')[0]
+  )
+  parser.add_argument('run_dir', help='a training out-dir')
+  parser.add_argument('out_dir', help='a new folder for the export')
+  parser.add_argument(
+    '--step',
+    type=int,
+    default=None,
+    help='export the kept checkpoint of this step (default: the latest)',
+  )
+  args = parser.parse_args(argv)
+  runtime.bootstrap()
+  export.export(args.run_dir, args.out_dir, args.step)
+  return 0
+
+
+if __name__ == '__main__':
+  from src.apps.cli import run_main
+
+  sys.exit(run_main(main))

@@ -1,0 +1,4 @@
+"""Settings.
+
+The JSON config file's sections and the restricted gin reader.
+"""

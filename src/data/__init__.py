@@ -1,0 +1,5 @@
+"""Chat data.
+
+The line format, importers, the tokenizer, the token cache and the training
+windows.
+"""

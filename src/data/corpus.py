@@ -1,0 +1,452 @@
+"""Corpus preparation: text files -> token cache in out-dir, read once.
+
+The data is scanned once (content hash and cut points), the tokenizer is
+trained on a sample of it (or reused), and every file is parsed and
+tokenized in pieces of about `PIECE_BYTES`, cut at blank lines, in parallel
+across the CPU cores. The result goes to `out-dir/cache/<name>-<key>/`:
+
+- `tokens.bin`: the token stream, `uint16` (vocabularies up to 65535) or
+  `int32`, memory-mapped when read;
+- `roles.bin`: `uint8` per token (`tokenizer.ROLE_*`), which sets the loss
+  weights;
+- `conversations.npy`: `[n_conversations] int64` end offset of each
+  conversation (after its EOS), for held-out splits by conversation;
+- `meta.json`: sizes, dtype and the key, written last: a folder without it
+  is unfinished and never read.
+
+The key hashes the data's bytes, the tokenizer model and the parse
+settings, so changed data or a changed tokenizer makes a new cache; a
+later run or a resume with the same key reads no text at all. Peak memory
+is one piece per worker plus the conversation index: the token arrays are
+written to disk as they are produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+import zlib
+
+import numpy as np
+
+from src.core import rundir
+from src.core.errors import UserError
+from src.data import chatformat, tokenizer
+
+FORMAT_VERSION = 2  # 2: meta.json holds CRC-32s of the arrays.
+PIECE_BYTES = 8 << 20  # Text per parse/tokenize task.
+SAMPLE_BYTES = 32 << 20  # Text the tokenizer is trained on, at most.
+PARALLEL_MIN_BYTES = 16 << 20  # Smaller corpora are tokenized in-process.
+CACHE_DIR = rundir.CACHE
+MAX_WARNINGS_SHOWN = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """Bytes `[start, end)` of a file, starting at line `first_line`."""
+
+  path: str
+  start: int
+  end: int
+  first_line: int
+  whole_file: bool
+
+
+@dataclasses.dataclass
+class Scan:
+  files: list[str]
+  pieces: list[Piece]
+  digest: str
+  n_bytes: int
+
+
+@dataclasses.dataclass
+class Corpus:
+  """A prepared corpus.
+
+  Attributes:
+    tokens: `[n]` uint16 or int32 token ids (memory-mapped).
+    roles: `[n]` uint8 token roles (memory-mapped).
+    conversation_ends: `[n_conversations]` int64 end offsets.
+    folder: The cache folder.
+    hit: Whether the cache already existed.
+    n_turns: Turns in the corpus.
+    n_bytes: Bytes of text read.
+  """
+
+  tokens: np.ndarray
+  roles: np.ndarray
+  conversation_ends: np.ndarray
+  folder: str
+  hit: bool
+  n_turns: int
+  n_bytes: int
+
+  @property
+  def n_conversations(self) -> int:
+    return len(self.conversation_ends)
+
+
+def _next_blank_line(f, pos: int, size: int) -> int:
+  """The offset just after the first blank line at or after `pos`."""
+  f.seek(pos)
+  carry = b''
+  base = pos
+  while base < size:
+    block = f.read(1 << 20)
+    if not block:
+      break
+    data = carry + block
+    found = [i for i in (data.find(b'\n\n'), data.find(b'\n\r\n')) if i >= 0]
+    if found:
+      i = min(found)
+      return base - len(carry) + i + (2 if data[i + 1 : i + 2] == b'\n' else 3)
+    carry = data[-2:]
+    base += len(block)
+  return size
+
+
+def scan(files: list[str], piece_bytes: int | None = None) -> Scan:
+  """Hashes the files and cuts them into pieces at blank lines.
+
+  Raises:
+    UserError: for an empty file.
+  """
+  piece_bytes = piece_bytes or PIECE_BYTES
+  digest = hashlib.sha256(f'jade-corpus-{FORMAT_VERSION}'.encode())
+  pieces, total = [], 0
+  for path in files:
+    size = os.path.getsize(path)
+    digest.update(f'{os.path.basename(path)}\0{size}\0'.encode())
+    cuts = [0]
+    with open(path, 'rb') as f:
+      while cuts[-1] + piece_bytes < size:
+        cuts.append(_next_blank_line(f, cuts[-1] + piece_bytes, size))
+      if cuts[-1] != size:
+        cuts.append(size)
+      f.seek(0)
+      n = len(cuts) - 1
+      first_lines, newlines, pos, has_text = [], 0, 0, False
+      while block := f.read(1 << 22):
+        digest.update(block)
+        has_text = has_text or not block.isspace()
+        end = pos + len(block)
+        while len(first_lines) < n and cuts[len(first_lines)] <= end:
+          cut = cuts[len(first_lines)] - pos
+          first_lines.append(1 + newlines + block.count(b'\n', 0, cut))
+        newlines += block.count(b'\n')
+        pos = end
+    if not has_text:
+      raise UserError(
+        f'{path}: the file is empty; add conversations or remove '
+        'the file from the data folder'
+      )
+    for i in range(n):
+      pieces.append(Piece(path, cuts[i], cuts[i + 1], first_lines[i], n == 1))
+    total += size
+  return Scan(files, pieces, digest.hexdigest(), total)
+
+
+def read_piece(piece: Piece, parse_kwargs: dict, warnings: list):
+  """Parses one piece into conversations (errors name file:line)."""
+  with open(piece.path, 'rb') as f:
+    f.seek(piece.start)
+    raw = f.read(piece.end - piece.start)
+  try:
+    text = raw.decode('utf-8-sig' if piece.start == 0 else 'utf-8')
+  except UnicodeDecodeError as e:
+    line = piece.first_line + raw[: e.start].count(b'\n')
+    raise UserError(
+      f'{piece.path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x}); '
+      're-save the file as UTF-8'
+    ) from None
+  return chatformat.parse_text(
+    text,
+    piece.path,
+    warnings=warnings,
+    line_offset=piece.first_line - 1,
+    allow_empty=not piece.whole_file,
+    **parse_kwargs,
+  )
+
+
+# Worker state (one tokenizer per process).
+_worker: dict = {}
+
+
+def _init_worker(model_proto: bytes, markers, parse_kwargs: dict):
+  _worker['tok'] = tokenizer.Tokenizer(model_proto, markers)
+  _worker['parse'] = parse_kwargs
+
+
+def _encode_piece(piece: Piece, num_threads: int = 1):
+  warnings: list = []
+  conversations = read_piece(piece, _worker['parse'], warnings)
+  ids, roles, lengths = _worker['tok'].encode_with_roles(
+    conversations, num_threads=num_threads
+  )
+  n_turns = sum(len(c.turns) for c in conversations)
+  return ids, roles, lengths, [str(w) for w in warnings], n_turns
+
+
+def _encoded_pieces(scanned: Scan, tok, parse_kwargs, workers: int):
+  """Yields each piece's encoding, in order."""
+  init = (tok.model_proto, tok.markers, parse_kwargs)
+  if workers <= 1 or len(scanned.pieces) < 2:
+    _init_worker(*init)
+    for piece in scanned.pieces:
+      yield piece, _encode_piece(piece, num_threads=-1)
+    return
+  ctx = multiprocessing.get_context('spawn')
+  # Workers import `src.data` only: no Trax, no JAX.
+  pool = ctx.Pool(workers, initializer=_init_worker, initargs=init)
+  try:
+    yield from zip(
+      scanned.pieces, pool.imap(_encode_piece, scanned.pieces, chunksize=1)
+    )
+  finally:
+    pool.terminate()
+    pool.join()
+
+
+def _sample(scanned: Scan, parse_kwargs) -> list:
+  """Conversations from evenly spread pieces, about SAMPLE_BYTES of text."""
+  pieces = scanned.pieces
+  if scanned.n_bytes > SAMPLE_BYTES:
+    share = SAMPLE_BYTES / scanned.n_bytes
+    k = max(1, math.ceil(len(pieces) * share))
+    picks = np.unique(np.linspace(0, len(pieces) - 1, k).round().astype(int))
+    pieces = [pieces[i] for i in picks]
+  conversations = []
+  for piece in pieces:
+    conversations.extend(read_piece(piece, parse_kwargs, []))
+  return conversations
+
+
+def cache_key(digest: str, tok, parse_kwargs: dict) -> str:
+  h = hashlib.sha256()
+  h.update(digest.encode())
+  h.update(hashlib.sha256(tok.model_proto).hexdigest().encode())
+  h.update(json.dumps(tok.markers.all()).encode())
+  h.update(json.dumps({k: str(v) for k, v in parse_kwargs.items()}).encode())
+  return h.hexdigest()[:20]
+
+
+def _open(folder: str, meta: dict, n_bytes: int, hit: bool) -> Corpus:
+  n = meta['tokens']
+  if n:
+    tokens = np.memmap(
+      os.path.join(folder, 'tokens.bin'), meta['dtype'], 'r', shape=(n,)
+    )
+    roles = np.memmap(
+      os.path.join(folder, 'roles.bin'), np.uint8, 'r', shape=(n,)
+    )
+  else:
+    tokens, roles = np.zeros([0], np.int32), np.zeros([0], np.uint8)
+  ends = np.load(os.path.join(folder, 'conversations.npy'))
+  return Corpus(tokens, roles, ends, folder, hit, meta['turns'], n_bytes)
+
+
+def _crc32(path: str) -> int:
+  crc = 0
+  with open(path, 'rb') as f:
+    while block := f.read(8 << 20):
+      crc = zlib.crc32(block, crc)
+  return crc
+
+
+def _read_meta(folder: str) -> tuple[dict | None, str]:
+  """`(meta, '')` for a finished, intact cache folder, else `(None, why)`
+  (why is '' when there is simply no usable cache)."""
+  path = os.path.join(folder, 'meta.json')
+  try:
+    with open(path, encoding='utf-8') as f:
+      meta = json.load(f)
+  except (OSError, ValueError):
+    return None, ''
+  if meta.get('version') != FORMAT_VERSION:
+    return None, ''
+  try:
+    for name, size in (
+      ('tokens.bin', meta['tokens'] * np.dtype(meta['dtype']).itemsize),
+      ('roles.bin', meta['tokens']),
+    ):
+      file = os.path.join(folder, name)
+      if not os.path.exists(file) or os.path.getsize(file) != size:
+        return None, f'{name} is missing or has the wrong size'
+      if _crc32(file) != meta['crc32'][name]:
+        return None, f'{name} does not match its checksum'
+  except (KeyError, TypeError, ValueError):
+    return None, 'meta.json is damaged'
+  return meta, ''
+
+
+def _progress(total: int, desc: str):
+  from tqdm import tqdm
+
+  return tqdm(
+    total=total,
+    unit='B',
+    unit_scale=True,
+    desc=desc,
+    disable=not sys.stderr.isatty() or total < PARALLEL_MIN_BYTES,
+    leave=False,
+  )
+
+
+def _build(folder, scanned, tok, parse_kwargs, workers, key, log):
+  """Tokenizes every piece into `folder` (a temporary folder)."""
+  dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
+  ends, n_tokens, n_turns, warnings = [], 0, 0, []
+  crc = {'tokens.bin': 0, 'roles.bin': 0}
+  t0 = time.time()
+  bar = _progress(scanned.n_bytes, 'tokenizing')
+  with (
+    open(os.path.join(folder, 'tokens.bin'), 'wb') as ftok,
+    open(os.path.join(folder, 'roles.bin'), 'wb') as frole,
+    bar,
+  ):
+    for piece, (ids, roles, lengths, warns, turns) in _encoded_pieces(
+      scanned, tok, parse_kwargs, workers
+    ):
+      data = ids.astype(dtype).tobytes()
+      ftok.write(data)
+      crc['tokens.bin'] = zlib.crc32(data, crc['tokens.bin'])
+      data = roles.astype(np.uint8).tobytes()
+      frole.write(data)
+      crc['roles.bin'] = zlib.crc32(data, crc['roles.bin'])
+      ends.append(n_tokens + np.cumsum(lengths))
+      n_tokens += len(ids)
+      n_turns += turns
+      warnings.extend(warns)
+      bar.update(piece.end - piece.start)
+  seconds = time.time() - t0
+  ends = np.concatenate(ends) if ends else np.zeros([0], np.int64)
+  np.save(os.path.join(folder, 'conversations.npy'), ends.astype(np.int64))
+  for w in warnings[:MAX_WARNINGS_SHOWN]:
+    print(w, file=sys.stderr)
+  if len(warnings) > MAX_WARNINGS_SHOWN:
+    print(
+      f'... and {len(warnings) - MAX_WARNINGS_SHOWN} more warnings (all in '
+      f'{os.path.join(folder, "warnings.txt")})',
+      file=sys.stderr,
+    )
+  with open(os.path.join(folder, 'warnings.txt'), 'w', encoding='utf-8') as f:
+    f.write(''.join(w + '\n' for w in warnings))
+  meta = {
+    'version': FORMAT_VERSION,
+    'key': key,
+    'tokens': n_tokens,
+    'dtype': np.dtype(dtype).name,
+    'turns': n_turns,
+    'conversations': len(ends),
+    'bytes': scanned.n_bytes,
+    'files': len(scanned.files),
+    'seconds': round(seconds, 2),
+    'warnings': len(warnings),
+    'crc32': crc,
+  }
+  with open(os.path.join(folder, 'meta.json'), 'w', encoding='utf-8') as f:
+    json.dump(meta, f, indent=2)
+  if scanned.n_bytes >= PARALLEL_MIN_BYTES:
+    log(
+      f'tokenized {scanned.n_bytes / 1e6:.1f} MB in {seconds:.1f} s '
+      f'({scanned.n_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s, '
+      f'{workers} worker(s))'
+    )
+  return meta
+
+
+def prepare(
+  data: str,
+  out_dir: str,
+  *,
+  name: str = 'train',
+  markers: chatformat.Markers,
+  vocab_size: int,
+  repeat_limit: int = 8,
+  collapse: bool = False,
+  tok: tokenizer.Tokenizer | None = None,
+  workers: int | None = None,
+  save_tokenizer: bool = True,
+  log=print,
+):
+  """Prepares `data` (a file or folder) for training, reusing the cache.
+
+  Args:
+    data: The conversations (see `chatformat.list_files`).
+    out_dir: The run folder; the cache goes to `out_dir/cache/`.
+    name: Names the cache (`train`, `eval`); a new cache of the same name
+      replaces the old one.
+    markers: The format's markers.
+    vocab_size: For a new tokenizer.
+    repeat_limit: See `chatformat.parse_text`.
+    collapse: See `chatformat.parse_text`.
+    tok: Use this tokenizer (e.g. for a held-out folder) instead of the
+      run's own (loaded from out-dir, or trained on a sample of `data`).
+    workers: Processes for tokenizing (default: the CPU count).
+    save_tokenizer: Save a newly trained tokenizer once the corpus is
+      ready (False: the caller saves it, e.g. after a held-out corpus).
+    log: Where messages go.
+
+  Returns:
+    `(tokenizer, Corpus)`. A newly trained tokenizer is saved to out-dir
+    only once the whole corpus parsed without error.
+  """
+  parse_kwargs = {'markers': markers, 'repeat_limit': repeat_limit}
+  parse_kwargs['collapse'] = collapse
+  setting = 'eval-data' if name == 'eval' else 'data'
+  scanned = scan(chatformat.list_files(data, setting))
+  if tok is None:
+    tok = tokenizer.load_or_train(
+      out_dir,
+      lambda: _sample(scanned, parse_kwargs),
+      vocab_size,
+      markers,
+      write=False,
+      log=log,
+      fingerprint=scanned.digest,
+    )
+  key = cache_key(scanned.digest, tok, parse_kwargs)
+  cache_root = os.path.join(out_dir, CACHE_DIR)
+  folder = os.path.join(cache_root, f'{name}-{key}')
+  meta, problem = _read_meta(folder)
+  if problem:
+    log(
+      f'note: the token cache in {folder} is damaged ({problem}); '
+      'building it again'
+    )
+  if meta is not None:
+    if save_tokenizer:
+      tokenizer.save(out_dir, tok)
+    return tok, _open(folder, meta, scanned.n_bytes, hit=True)
+  if workers is None:
+    workers = os.cpu_count() or 1
+  if scanned.n_bytes < PARALLEL_MIN_BYTES:
+    workers = 1
+  made = [d for d in (out_dir, cache_root) if not os.path.exists(d)]
+  tmp = os.path.join(cache_root, f'.tmp-{name}-{key}-{os.getpid()}')
+  os.makedirs(tmp, exist_ok=True)
+  try:
+    meta = _build(tmp, scanned, tok, parse_kwargs, workers, key, log)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    for d in reversed(made):  # Leave no trace of a failed first run.
+      with contextlib.suppress(OSError):
+        os.rmdir(d)
+    raise
+  for old in os.listdir(cache_root):
+    if old.startswith(f'{name}-'):
+      shutil.rmtree(os.path.join(cache_root, old), ignore_errors=True)
+  os.replace(tmp, folder)
+  if save_tokenizer:
+    tokenizer.save(out_dir, tok)
+  return tok, _open(folder, meta, scanned.n_bytes, hit=False)

@@ -1,0 +1,178 @@
+"""What every importer shares: skipping, cleaning, merging, writing."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import sys
+
+from src.core.errors import UserError
+from src.data import chatformat
+
+USER, AI = chatformat.USER, chatformat.AI
+
+
+class Skip(Exception):
+  """A record that does not fit; the message says why."""
+
+
+@dataclasses.dataclass
+class Report:
+  conversations: int = 0
+  turns: int = 0
+  characters: int = 0
+  skipped: collections.Counter = dataclasses.field(
+    default_factory=collections.Counter
+  )
+  dropped_system: int = 0
+  context_only: int = 0  # AI turns kept as context only ("weight": 0).
+
+  def add(self, other: Report):
+    """Adds another file's counts to these."""
+    self.conversations += other.conversations
+    self.turns += other.turns
+    self.characters += other.characters
+    self.skipped.update(other.skipped)
+    self.dropped_system += other.dropped_system
+    self.context_only += other.context_only
+
+  def summary(self) -> str:
+    text = (
+      f'{self.conversations} conversations, {self.turns} turns, '
+      f'{self.characters} characters'
+    )
+    if self.context_only:
+      text += f'; {self.context_only} AI turns as context only (weight 0)'
+    if self.dropped_system:
+      text += f'; {self.dropped_system} system messages dropped'
+    if self.skipped:
+      why = '; '.join(f'{n} {reason}' for reason, n in self.skipped.items())
+      text += f'; skipped {sum(self.skipped.values())} records ({why})'
+    return text
+
+
+@dataclasses.dataclass
+class Options:
+  markers: chatformat.Markers = dataclasses.field(
+    default_factory=chatformat.Markers
+  )
+  trim: bool = False  # Drop a trailing user turn instead of skipping.
+  strict: bool = False
+
+
+def clean_message(text, markers: chatformat.Markers) -> str:
+  """One message as one line: line breaks become the line-break marker."""
+  if not isinstance(text, str):
+    raise Skip('content is not text')
+  for marker in (markers.ai_start, markers.ai_end):
+    if marker in text:
+      raise Skip(f'content contains the marker {marker}')
+  parts = [p.strip() for p in text.replace('\r', '').split('\n')]
+  line = f' {markers.line_break} '.join(p for p in parts if p)
+  if not line:
+    raise Skip('empty content')
+  return line
+
+
+def build(turns: list[tuple], opts: Options) -> list[tuple]:
+  """Cleans each message, merges same-side runs, checks the ending.
+
+  Args:
+    turns: `(role, text)` or `(role, text, train)` tuples.
+    opts: Markers, trimming.
+
+  Returns:
+    `(role, text, train)` turns. A merged turn is trained on only if all
+    its messages are (an explicit `"weight": 0` wins).
+  """
+  merged: list[list] = []
+  for role, text, *rest in turns:
+    train = rest[0] if rest else True
+    text = clean_message(text, opts.markers)
+    if merged and merged[-1][0] == role:
+      merged[-1][1] += f' {opts.markers.line_break} {text}'
+      merged[-1][2] = merged[-1][2] and train
+    else:
+      merged.append([role, text, train])
+  if opts.trim:
+    while merged and merged[-1][0] == USER:
+      merged.pop()
+  if not merged:
+    raise Skip('no turns')
+  if merged[-1][0] != AI:
+    raise Skip('ends on a user turn (the AI must talk last; --trim drops it)')
+  return [tuple(t) for t in merged]
+
+
+def warn_stderr(line: str):
+  print(line, file=sys.stderr)
+
+
+def write(
+  records, source: str, out_dir: str, opts: Options, warn=None, report=None
+) -> Report:
+  """Writes the conversations of one input as `out_dir/<input name>.txt`.
+
+  Args:
+    records: `(where, turns | Skip)` pairs from an importer.
+    source: The input file or folder (names the output).
+    out_dir: Folder for the converted file (created; never overwritten).
+    opts: Markers, trimming and strictness.
+    warn: Receives one line per skipped record (default: stderr).
+    report: The `Report` the importer counts into (default: a new one).
+  """
+  warn = warn or warn_stderr
+  report = report or Report()
+  blocks = []
+  target = os.path.join(out_dir, stem(source) + '.txt')
+  if os.path.exists(target):
+    raise UserError(f'{target} exists; choose another output folder')
+  m = opts.markers
+  for where, turns in records:
+    try:
+      if isinstance(turns, Skip):
+        raise turns
+      built = build(turns, opts)
+    except Skip as e:
+      if opts.strict:
+        raise UserError(f'{where}: {e}') from None
+      warn(f'{where}: skipped: {e}')
+      report.skipped[str(e).split(' (')[0]] += 1
+      continue
+    lines = [
+      (
+        ('' if train else chatformat.NO_LOSS + ' ')
+        + f'{m.ai_start} {text} {m.ai_end}'
+      )
+      if role == AI
+      else text
+      for role, text, train in built
+    ]
+    blocks.append('\n'.join(lines))
+    report.conversations += 1
+    report.turns += len(built)
+    report.characters += sum(len(text) for _, text, _ in built)
+    report.context_only += sum(not train for _, _, train in built)
+  if not blocks:
+    raise UserError(
+      f'{source}: no conversation could be converted ({report.summary()})'
+    )
+  os.makedirs(out_dir, exist_ok=True)
+  with open(target, 'x', encoding='utf-8') as f:
+    f.write('\n\n'.join(blocks) + '\n')
+  chatformat.read_file(target, markers=opts.markers, repeat_limit=0)
+  return report
+
+
+def files(inputs: list[str]) -> list[str]:
+  """The inputs, each checked to be a file."""
+  for path in inputs:
+    if not os.path.isfile(path):
+      raise UserError(f'{path}: no such file')
+  return list(inputs)
+
+
+def stem(path: str) -> str:
+  """The output name for an input file or folder."""
+  return os.path.splitext(os.path.basename(os.path.normpath(path)))[0]

@@ -1,0 +1,385 @@
+"""Cuts the token stream into padded `max_len` windows and batches them.
+
+Training windows move (the default, `windows = 'moving'`): every epoch
+
+1. re-packs the conversations into a stream in a new random order (each
+   conversation whole, its tokens in order; one longer than a window is
+   split across consecutive windows);
+2. starts the window grid at a random phase: the first window holds up to
+   `max_len` fewer tokens, as if the stream began before position 0;
+3. gives every window a random length between `max_len` and
+   `max_len * (1 - pad_fraction)` tokens; the rest is padding (weight 0),
+   split at random between the left and the right end;
+4. shuffles the windows and deals them out `batch_size` per step. Trax's
+   Loop gives device `d` rows `d*per_device:(d+1)*per_device`, so each
+   device trains on a different window; the few windows left over after
+   the last full batch differ from epoch to epoch.
+
+So a piece of text is seen at a different position of the context every
+epoch, and the model cannot key on absolute position (the axial position
+embeddings would let it). `windows = 'fixed'` keeps the grid of earlier
+versions (the stream in file order, cut every `max_len` tokens, padding
+only in the last window) for comparison.
+
+Nothing is copied: an epoch's packing is a permuted `[n_conversations, 2]`
+index of spans over the memory-mapped token cache. Batches are a pure
+function of (seed, step), so a resumed run continues with exactly the data
+it would have seen.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from src.core.errors import UserError
+from src.data.tokenizer import PAD_ID, ROLE_AI, ROLE_AI_CONTEXT
+
+# Measured on the quick start (BENCHMARKS.md, "Training windows").
+PAD_FRACTION = 0.1
+WINDOWS = ('moving', 'fixed')
+
+
+class TokenView:
+  """Spans of a token stream (and its roles), read as one stream.
+
+  The training and held-out parts of a corpus are each a list of whole
+  conversations; the stream is usually memory-mapped, so only the windows
+  a batch needs are ever read.
+  """
+
+  def __init__(self, tokens, roles=None, spans=None):
+    """Args:
+    tokens: `[n]` ids (any integer dtype, e.g. a uint16 memmap).
+    roles: `[n]` uint8 roles (`tokenizer.ROLE_*`); None means all user.
+    spans: `[k, 2]` int64 `[start, end)` ranges, one per conversation;
+      None means all of it as one span.
+    """
+    self.tokens, self.roles = tokens, roles
+    if spans is None:
+      spans = np.asarray([[0, len(tokens)]], np.int64)
+    self.spans = np.asarray(spans, np.int64).reshape(-1, 2)
+    lengths = self.spans[:, 1] - self.spans[:, 0]
+    self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+  def __len__(self) -> int:
+    return int(self.offsets[-1])
+
+  def reordered(self, order: np.ndarray) -> TokenView:
+    """The same spans in `order` (`[k]` permutation); no token is copied."""
+    return TokenView(self.tokens, self.roles, self.spans[order])
+
+  def take(self, a: int, b: int):
+    """Positions `[a, b)` of the view.
+
+    Returns:
+      `([m] int32 ids, [m] uint8 roles)`, m = min(b, len) - max(a, 0).
+    """
+    a, b = max(a, 0), min(b, len(self))
+    if b <= a:
+      return np.zeros([0], np.int32), np.zeros([0], np.uint8)
+    first = int(np.searchsorted(self.offsets, a, 'right')) - 1
+    last = int(np.searchsorted(self.offsets, b - 1, 'right')) - 1
+    if first == last:  # One span: a plain slice of the stream.
+      x = int(self.spans[first, 0] + a - self.offsets[first])
+      index = slice(x, x + b - a)
+    else:  # Gather across spans, vectorized.
+      pos = np.arange(a, b, dtype=np.int64)
+      span = np.searchsorted(self.offsets[first : last + 2], pos, 'right')
+      span += first - 1
+      index = self.spans[span, 0] + pos - self.offsets[span]
+    ids = np.asarray(self.tokens[index], np.int32)
+    if self.roles is None:
+      return ids, np.zeros(ids.shape, np.uint8)
+    return ids, np.asarray(self.roles[index], np.uint8)
+
+
+def conversation_spans(conversation_ends: np.ndarray) -> np.ndarray:
+  """`[n, 2]` int64 `[start, end)` of each conversation from its end."""
+  ends = np.asarray(conversation_ends, np.int64)
+  starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+  return np.stack([starts, ends], axis=1)
+
+
+def split_conversations(
+  conversation_ends: np.ndarray, fraction: float, seed: int
+):
+  """Holds out whole conversations, drawn at random, for evaluation.
+
+  Args:
+    conversation_ends: `[n]` int64 end offset of each conversation.
+    fraction: Share of tokens to hold out, at least (0: none).
+    seed: Chooses the conversations.
+
+  Returns:
+    `(train_spans, eval_spans, n_held)`: `[k, 2]` spans, one per
+    conversation, for `TokenView`; `eval_spans` is None (evaluate on the
+    training data) when nothing is held out: fraction 0 or a single
+    conversation.
+  """
+  if not 0 <= fraction < 1:
+    raise UserError(
+      f'eval-fraction {fraction} must be at least 0 and below 1 (e.g. 0.05)'
+    )
+  spans = conversation_spans(conversation_ends)
+  if fraction == 0 or len(spans) < 2:
+    return spans, None, 0
+  total = spans[-1, 1]
+  order = np.random.default_rng([seed, 7]).permutation(len(spans))
+  lengths = (spans[:, 1] - spans[:, 0])[order]
+  k = int(np.searchsorted(np.cumsum(lengths), fraction * total)) + 1
+  k = min(k, len(spans) - 1)
+  held = np.zeros([len(spans)], bool)
+  held[order[:k]] = True
+  return spans[~held], spans[held], k
+
+
+def loss_weights(roles: np.ndarray, ai_only: bool) -> np.ndarray:
+  """Loss weight of each token from its role.
+
+  Every token is trained on except the text and end marker of `|noloss|`
+  AI turns; with `ai_only`, only the text and end marker of the other AI
+  turns are (user text, start markers and EOS are context). The start
+  marker always belongs to the context side: the chat session writes it.
+
+  Returns:
+    `[n] float32`.
+  """
+  if ai_only:
+    return (roles == ROLE_AI).astype(np.float32)
+  return (roles != ROLE_AI_CONTEXT).astype(np.float32)
+
+
+def pad_chunk(
+  tokens: np.ndarray,
+  max_len: int,
+  left: int,
+  token_weights: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Pads `tokens` to `max_len` with `left` pad ids before them.
+
+  Args:
+    tokens: `[n] int32`, n <= max_len.
+    max_len: The padded length.
+    left: Padding before the tokens, 0 <= left <= max_len - n.
+    token_weights: `[n]` loss weights of the tokens (default all 1).
+
+  Returns:
+    `([max_len] int32 ids, [max_len] float32 weights)`; padding weighs 0.
+  """
+  n = len(tokens)
+  ids = np.full([max_len], PAD_ID, np.int32)
+  ids[left : left + n] = tokens
+  weights = np.zeros([max_len], np.float32)
+  weights[left : left + n] = 1.0 if token_weights is None else token_weights
+  return ids, weights
+
+
+class Window:
+  """One training window: `length` tokens of `view` from `start`, placed
+  after `left` pad ids in a row of `max_len`."""
+
+  __slots__ = ('view', 'start', 'length', 'left')
+
+  def __init__(self, view: TokenView, start: int, length: int, left: int):
+    self.view, self.start, self.length, self.left = view, start, length, left
+
+  def take(self, shift: int = 0):
+    """`([m] int32 ids, [m] uint8 roles)` of the window moved by `shift`
+    tokens along its epoch's stream (0: as trained)."""
+    a = self.start + shift
+    return self.view.take(a, a + self.length)
+
+
+class ChunkBatches:
+  """Batches of padded windows for every training step (see the module).
+
+  Attributes:
+    n_chunks: Windows of a full `max_len` grid over the stream (the least
+      any epoch has).
+    steps_per_epoch: Full batches in the first epoch (later epochs may
+      have a few more or fewer).
+  """
+
+  def __init__(
+    self,
+    tokens,
+    max_len: int,
+    batch_size: int,
+    seed: int,
+    ai_only: bool = False,
+    pad_fraction: float = PAD_FRACTION,
+    windows: str = 'moving',
+    part: tuple[int, int] | None = None,
+  ):
+    """Args:
+    tokens: A `TokenView` (one span per conversation: the units that are
+      re-packed) or a `[n]` stream (one unit).
+    max_len: Window length (the model's context).
+    batch_size: Windows per step, all devices together.
+    seed: Chooses packing, phase, lengths, order and padding split.
+    ai_only: Loss on AI turns only (see `loss_weights`).
+    pad_fraction: A moving window holds between `max_len * (1 -
+      pad_fraction)` and `max_len` tokens; 0 fills every window but the
+      epoch's first and last.
+    windows: 'moving' (a new cut every epoch) or 'fixed' (one grid).
+    part: `(i, n)`: batches hold only part i of n of each step's windows
+      (process i of a multi-process run; `batch_size` is the whole step's
+      and must split into n). None: all of them.
+    """
+    view = tokens if isinstance(tokens, TokenView) else TokenView(tokens)
+    if len(view) == 0:
+      raise UserError('no tokens to train on; add conversations to the data')
+    if windows not in WINDOWS:
+      raise UserError(
+        f'windows {windows!r} is not one of {", ".join(WINDOWS)}; use '
+        '"moving" (the default)'
+      )
+    if not 0 <= pad_fraction < 1:
+      raise UserError(
+        f'pad-fraction {pad_fraction} must be at least 0 and below 1 '
+        f'(e.g. {PAD_FRACTION})'
+      )
+    if part is not None and (
+      not 0 <= part[0] < part[1] or batch_size % part[1]
+    ):
+      raise UserError(
+        f'a batch of {batch_size} windows does not split into {part[1]} '
+        'equal parts (one per process); use a batch-size that is a '
+        f'multiple of the number of devices'
+      )
+    self.part = part
+    self.view = view
+    self.ai_only = ai_only
+    self.max_len = max_len
+    self.batch_size = batch_size
+    self.seed = seed
+    self.moving = windows == 'moving'
+    self.max_pad = min(int(pad_fraction * max_len), max_len - 1)
+    self.n_chunks = -(-len(view) // max_len)
+    self._first_steps = [0]  # First step of each epoch computed so far.
+    self._layout = None  # (epoch, view, starts, lengths, order), cached.
+    self.steps_per_epoch = self._steps_in(0)
+
+  # ---- one epoch's windows
+
+  def grid(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the windows of `epoch` lie in its packed stream.
+
+    Returns:
+      `([w] int64 starts, [w] int64 lengths)`, in stream order; together
+      they cover every position of the stream exactly once.
+    """
+    n = len(self.view)
+    if not self.moving:
+      starts = np.arange(0, n, self.max_len, dtype=np.int64)
+      return starts, np.minimum(self.max_len, n - starts)
+    rng = np.random.default_rng([self.seed, epoch, 11])
+    phase = int(rng.integers(0, self.max_len))
+    count = -(-(n + phase) // (self.max_len - self.max_pad)) + 1
+    sizes = self.max_len - rng.integers(0, self.max_pad + 1, size=count)
+    ends = np.cumsum(sizes) - phase
+    starts = ends - sizes
+    keep = (ends > 0) & (starts < n)
+    starts = np.maximum(starts[keep], 0)
+    return starts, np.minimum(ends[keep], n) - starts
+
+  def _steps_in(self, epoch: int) -> int:
+    return max(1, len(self.grid(epoch)[0]) // self.batch_size)
+
+  def locate(self, step: int) -> tuple[int, int]:
+    """`(epoch, batch index in that epoch)` of `step` (0-based)."""
+    if not self.moving:  # Every epoch has the same windows.
+      return divmod(step, self.steps_per_epoch)
+    firsts = self._first_steps
+    while firsts[-1] <= step:
+      firsts.append(firsts[-1] + self._steps_in(len(firsts) - 1))
+    epoch = bisect.bisect_right(firsts, step) - 1
+    return epoch, step - firsts[epoch]
+
+  def layout(self, epoch: int):
+    """`(view, starts, lengths, order)` of `epoch`: its packed stream, its
+    grid and the window order that batches are dealt from."""
+    if self._layout is not None and self._layout[0] == epoch:
+      return self._layout[1:]
+    view = self.view
+    if self.moving and len(view.spans) > 1:
+      rng = np.random.default_rng([self.seed, epoch, 12])
+      view = view.reordered(rng.permutation(len(view.spans)))
+    starts, lengths = self.grid(epoch)
+    order = np.random.default_rng([self.seed, epoch, 13]).permutation(
+      len(starts)
+    )
+    if len(order) < self.batch_size:  # Too little data: repeat windows.
+      order = np.resize(order, self.batch_size)
+    self._layout = (epoch, view, starts, lengths, order)
+    return self._layout[1:]
+
+  # ---- batches
+
+  def chunk_ids(self, step: int) -> np.ndarray:
+    """Indices (into the epoch's grid) of the windows of `step` (of this
+    part's share of them, see `part`)."""
+    epoch, k = self.locate(step)
+    ids = self.layout(epoch)[3][k * self.batch_size : (k + 1) * self.batch_size]
+    if self.part is not None:
+      i, n = self.part
+      share = self.batch_size // n
+      ids = ids[i * share : (i + 1) * share]
+    return ids
+
+  def windows(self, step: int) -> list[Window]:
+    """The windows of `step`, one per batch row (`batch_size` of them, or
+    this part's share)."""
+    epoch, _ = self.locate(step)
+    view, starts, lengths, _ = self.layout(epoch)
+    out = []
+    for index in self.chunk_ids(step):
+      length = int(lengths[index])
+      rng = np.random.default_rng([self.seed, epoch, int(index), 1])
+      left = int(rng.integers(0, self.max_len - length + 1))
+      out.append(Window(view, int(starts[index]), length, left))
+    return out
+
+  def rows(self, windows: list[Window], shift: int = 0):
+    """`(ids, weights)`: `[len(windows), max_len]` int32 and float32 rows
+    of `windows` (moved by `shift` tokens; see `Window.take`)."""
+    ids, weights = [], []
+    for w in windows:
+      tokens, roles = w.take(shift)
+      i, wt = pad_chunk(
+        tokens, self.max_len, w.left, loss_weights(roles, self.ai_only)
+      )
+      ids.append(i)
+      weights.append(wt)
+    return np.stack(ids), np.stack(weights)
+
+  def batch(self, step: int):
+    """The batch of `step` (0-based).
+
+    Returns:
+      `(inputs, targets, weights)`: `[batch, max_len]` int32, int32,
+      float32. Inputs equal targets: the model shifts its inputs right.
+    """
+    ids, weights = self.rows(self.windows(step))
+    return ids, ids, weights
+
+  def iterate(self, start_step: int = 0):
+    step = start_step
+    while True:
+      yield self.batch(step)
+      step += 1
+
+
+def batch_size_for(devices: int, batch_size: int) -> int:
+  """The global batch: `batch_size`, or one chunk per device if it is 0."""
+  if batch_size == 0:
+    return devices
+  if batch_size < 0 or batch_size % devices:
+    raise UserError(
+      f'batch-size {batch_size} does not split evenly across {devices} '
+      f'device(s); use a multiple of {devices} (e.g. {devices} or '
+      f'{2 * devices}), or 0 for one chunk per device'
+    )
+  return batch_size

@@ -1,0 +1,423 @@
+"""A chat session: the conversation, its context budget, and REPL commands.
+
+The whole conversation is the model's context. Each user turn is encoded as
+the training data encodes it (a line break becomes the line-break marker),
+followed by the AI start marker; the model then writes until it emits the
+AI end marker or reaches `max_new_tokens`. Only the new tokens of a turn are
+fed to the decoder. When the next turn would not fit in the context, the
+oldest turns are dropped (whole turns only) and the rest is read again once.
+
+A context starts the way a conversation starts in training. There, every
+conversation follows the EOS that ends the one before it in the packed
+stream, and windows fall at random offsets (`chunks`), so "EOS, then a user
+turn" is what a conversation start looks like to the model. A chat context
+is therefore `[pad, EOS, first user turn, ...]`: the decoder puts the pad
+(training shifts inputs right, so position 0 always sees it) and the
+session the EOS (`START`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import numpy as np
+
+from src.core.errors import UserError
+from src.core.signals import StopSignals
+from src.data import chatformat, tokenizer
+from src.inference import sampling
+from src.inference.decoding import Decoder
+
+HELP = """commands:
+  /help              this list
+  /reset             start a new conversation
+  /show              settings and how much of the context is used
+  /set NAME VALUE    change a setting, e.g. /set temperature 0.7
+  /save FILE         write the conversation in the training-data format
+  /load FILE         start from a conversation file (training-data format)
+  /quit              leave (Ctrl-D works too)
+Ctrl-C stops a reply; Ctrl-D leaves."""
+
+
+@dataclasses.dataclass
+class Turn:
+  role: str  # chatformat.USER or chatformat.AI
+  text: str  # With line-break markers, without AI markers.
+  ids: list[int]  # As fed to the model (AI turns include both markers).
+
+
+# Fed before the first turn of every context (see the module docstring).
+START = [tokenizer.EOS_ID]
+
+
+class ChatSession:
+  """One conversation with a `Decoder`."""
+
+  def __init__(
+    self,
+    decoder: Decoder,
+    settings: sampling.SamplingSettings,
+    out=None,
+  ):
+    self.decoder = decoder
+    self.tok = decoder.tokenizer
+    self.markers = self.tok.markers
+    self.settings = settings
+    self.out = out or sys.stdout
+    self.turns: list[Turn] = []
+    self.rng = np.random.default_rng(settings.seed)
+    # Ctrl-C stops a reply between tokens (see src.core.signals).
+    self.flag = StopSignals(('SIGINT',), second_sigint_raises=False)
+    # Piped mode: each reply on exactly one line, its line breaks shown
+    # as the line-break marker (` |br| `), so a script reads one line per
+    # message it sent.
+    self.one_line = False
+    self.check_settings()
+
+  def check_settings(self):
+    """Settings that need the model: a reply must fit in the context."""
+    most = self.decoder.max_len // 2
+    if self.settings.max_new_tokens > most:
+      raise UserError(
+        f'max_new_tokens {self.settings.max_new_tokens} is more than half '
+        f'the context ({self.decoder.max_len} tokens); use at most {most}'
+      )
+
+  # ---- conversation state
+
+  def reset(self):
+    self.turns.clear()
+    self.decoder.reset()
+    self.rng = np.random.default_rng(self.settings.seed)
+
+  def used(self) -> int:
+    return self.decoder.position
+
+  def _say(self, text: str):
+    self.out.write(text + '\n')
+    self.out.flush()
+
+  def recover(self):
+    """Rebuilds the context from the finished turns after a reply or a
+    command was cut short (Ctrl-C while feeding, an error): an unanswered
+    user message is dropped and the rest is read again, with Ctrl-C held
+    off meanwhile."""
+    while self.turns and self.turns[-1].role == chatformat.USER:
+      self.turns.pop()
+    with self.flag.armed():
+      self.decoder.reset()
+      ids = [i for t in self.turns for i in t.ids]
+      if ids:
+        self._feed(ids)
+
+  def _feed(self, ids):
+    """Feeds `ids`, after the start of a context if it is empty."""
+    if self.used() == 0:
+      ids = START + list(ids)
+    return self.decoder.feed(ids)
+
+  def _make_room(self, needed: int):
+    """Drops the oldest turns until `needed` more tokens fit; re-reads."""
+    lead = 1 + len(START)  # The decoder's pad and the session's start.
+    start = lead if self.used() == 0 else 0
+    if self.used() + start + needed <= self.decoder.max_len:
+      return
+    kept = list(self.turns)
+    while kept and lead + sum(len(t.ids) for t in kept) + needed > (
+      self.decoder.max_len
+    ):
+      kept.pop(0)
+    while kept and kept[0].role != chatformat.USER and len(kept) > 1:
+      kept.pop(0)  # Start the kept context on a user turn.
+    dropped = len(self.turns) - len(kept)
+    ids = [i for t in kept for i in t.ids]
+    self._say(
+      f'(context full: dropped the {dropped} oldest turn(s); re-reading '
+      f'the last {len(ids)} tokens)'
+    )
+    self.turns = kept
+    self.decoder.reset()
+    if ids:
+      self._feed(ids)
+
+  def user_ids(self, text: str) -> tuple[str, list[int]]:
+    """Encodes a user message as the training data does (bytes that are
+    not UTF-8, e.g. from a pipe, become U+FFFD or '?')."""
+    text = text.encode('utf-8', 'replace').decode('utf-8')
+    text = text.replace('\0', ' ')
+    br = f' {self.markers.line_break} '
+    text = br.join(part.strip() for part in text.splitlines() if part.strip())
+    return text, self.tok.encode(text)
+
+  # ---- replying
+
+  def reply(self, text: str, stream: bool = True) -> str | None:
+    """Adds a user turn, generates and returns the AI's reply.
+
+    The reply is written to `out` as it is generated; line-break markers are
+    shown as line breaks. Returns None for an empty message.
+    """
+    text, ids = self.user_ids(text)
+    if not ids:
+      return None
+    s = self.settings
+    # Besides the message: pad, START, start marker, reply, end marker.
+    room = self.decoder.max_len - s.max_new_tokens - 3 - len(START)
+    if len(ids) > room:
+      self._say(
+        f'(your message is {len(ids)} tokens; the context holds '
+        f'{room} besides the reply, so only its last {room} are kept)'
+      )
+      ids = ids[-room:]
+      text = self.tok.decode(ids)
+    self._make_room(len(ids) + 1 + s.max_new_tokens + 1)
+    self.turns.append(Turn(chatformat.USER, text, ids))
+    logits = self._feed(ids + [self.tok.ai_start_id])
+    recent = [i for t in self.turns for i in t.ids][-s.repetition_window :]
+    reply_ids: list[int] = []
+    shown = ''
+    banned = [tokenizer.PAD_ID, self.tok.ai_start_id]
+    with self.flag.armed() as flag:
+      while len(reply_ids) < s.max_new_tokens and not flag.stop:
+        logits = np.array(logits, np.float64)
+        if not np.isfinite(logits).all():
+          raise UserError(
+            'the model computes NaN/inf: its weights are broken (a training '
+            'run that diverged?); retrain with a lower learning rate'
+          )
+        logits[banned] = -np.inf  # Never inside a reply.
+        token = sampling.next_token(logits, s, self.rng, recent)
+        if token in (self.tok.ai_end_id, tokenizer.EOS_ID):
+          break
+        reply_ids.append(token)
+        recent.append(token)
+        if stream:
+          text_so_far = self._display(reply_ids)
+          if text_so_far.startswith(shown):
+            self.out.write(text_so_far[len(shown) :])
+            self.out.flush()
+            shown = text_so_far
+        logits = self.decoder.feed([token])
+      stopped = flag.stop
+    # Close the AI turn in the model's context as training data does.
+    self.decoder.feed([self.tok.ai_end_id])
+    reply_text = self.tok.decode(reply_ids).strip()
+    self.turns.append(
+      Turn(
+        chatformat.AI,
+        reply_text,
+        [self.tok.ai_start_id] + reply_ids + [self.tok.ai_end_id],
+      )
+    )
+    if stream:
+      final = self._display(reply_ids)
+      if final.startswith(shown):
+        self.out.write(final[len(shown) :])
+      self.out.write(' [stopped]\n' if stopped else '\n')
+      self.out.flush()
+    return self._display(reply_ids)
+
+  def _display(self, ids) -> str:
+    text = self.tok.decode(ids)
+    join = f' {self.markers.line_break} ' if self.one_line else '\n'
+    parts = [part.strip() for part in text.split(self.markers.line_break)]
+    return join.join(p for p in parts if p or not self.one_line).strip()
+
+  # ---- files
+
+  def conversation(self) -> chatformat.Conversation:
+    """The session as training data: empty replies are left out (the user
+    messages around one are joined with the line-break marker) and a last
+    unanswered user message is dropped, so the file always parses."""
+    merged: list[list] = []
+    for t in self.turns:
+      if not t.text.replace(self.markers.line_break, '').strip():
+        continue
+      if merged and merged[-1][0] == t.role:
+        merged[-1][1] += f' {self.markers.line_break} {t.text}'
+      else:
+        merged.append([t.role, t.text])
+    while merged and merged[-1][0] != chatformat.AI:
+      merged.pop()
+    return chatformat.Conversation(
+      tuple(chatformat.Turn(role, text, '', 0) for role, text in merged)
+    )
+
+  def save(self, path: str):
+    if not self.conversation().turns:
+      raise UserError('nothing to save yet: no reply in this conversation')
+    if os.path.exists(path):
+      raise UserError(f'{path} exists; choose another file name')
+    text = chatformat.format_conversation(self.conversation(), self.markers)
+    try:
+      with open(path, 'x', encoding='utf-8') as f:
+        f.write(text)
+    except OSError as e:
+      raise UserError(
+        f'{path}: cannot write it ({e.strerror}); choose a file in a folder '
+        'that exists'
+      ) from None
+    self._say(f'(saved {len(self.turns)} turns to {path})')
+
+  def load(self, path: str):
+    if not os.path.isfile(path):
+      raise UserError(f'{path}: no such file')
+    try:
+      convs = chatformat.read_file(path, markers=self.markers)
+    except OSError as e:
+      raise UserError(f'{path}: cannot read it ({e.strerror})') from None
+    turns = []
+    for turn in chatformat.iter_turns(convs):
+      ids = self.tok.encode_turn(turn)
+      turns.append(Turn(turn.role, turn.text, ids))
+    self.reset()
+    budget = self.decoder.max_len - self.settings.max_new_tokens - 64
+    budget -= 1 + len(START)
+    while turns and sum(len(t.ids) for t in turns) > budget:
+      turns.pop(0)
+    ids = [i for t in turns for i in t.ids]
+    self.turns = turns
+    if ids:
+      self._feed(ids)
+    self._say(f'(loaded {len(turns)} turns, {len(ids)} tokens, from {path})')
+
+  # ---- commands
+
+  def show(self) -> str:
+    s = dataclasses.asdict(self.settings)
+    settings = ', '.join(f'{k}={v}' for k, v in s.items())
+    return (
+      f'settings: {settings}\ncontext: {self.used()} of '
+      f'{self.decoder.max_len} tokens used, {len(self.turns)} turns'
+    )
+
+  def command(self, line: str) -> bool:
+    """Runs a /command. Returns False when the session should end."""
+    parts = line.strip().split()
+    name, args = parts[0].lower(), parts[1:]
+    if name in ('/quit', '/exit', '/q'):
+      return False
+    if name == '/help':
+      self._say(HELP)
+    elif name == '/reset':
+      self.reset()
+      self._say('(new conversation)')
+    elif name == '/show':
+      self._say(self.show())
+    elif name == '/set':
+      if len(args) != 2:
+        raise UserError('usage: /set NAME VALUE (see /show for the names)')
+      old = dataclasses.replace(self.settings)
+      self.settings.set(args[0], args[1])
+      try:
+        self.check_settings()
+      except UserError:
+        self.settings = old
+        raise
+      if args[0].replace('-', '_') == 'seed':
+        self.rng = np.random.default_rng(self.settings.seed)
+      self._say(f'({args[0]} = {args[1]})')
+    elif name in ('/save', '/load'):
+      if len(args) != 1:
+        raise UserError(f'usage: {name} FILE')
+      (self.save if name == '/save' else self.load)(args[0])
+    else:
+      raise UserError(f'unknown command {name}; /help lists the commands')
+    return True
+
+
+CONTINUE = '\\'  # A line ending in a backslash continues on the next.
+
+
+def read_message(interactive: bool, stdin) -> str | None:
+  """One message: a line, or several joined where a line ends in a
+  backslash (the backslash is dropped, the line break kept). None at the
+  end of input; EOFError/KeyboardInterrupt pass through from input()."""
+  lines = []
+  while True:
+    if interactive:
+      line = input('...> ' if lines else 'you> ')
+    else:
+      line = stdin.readline()
+      if line == '':
+        return '\n'.join(lines) if lines else None
+    line = line.rstrip('\r\n')
+    if line.endswith(CONTINUE):
+      lines.append(line[: -len(CONTINUE)])
+      continue
+    lines.append(line)
+    return '\n'.join(lines)
+
+
+def run_repl(session: ChatSession, interactive: bool, stdin=None):
+  """Reads user turns and commands until /quit or end of input.
+
+  Args:
+    session: The chat session.
+    interactive: A terminal: prompts, line editing and history.
+    stdin: Input stream when not interactive (default sys.stdin); each
+      reply is then printed on one line (`ChatSession.one_line`).
+  """
+  stdin = stdin or sys.stdin
+  session.one_line = not interactive
+  if interactive:
+    _enable_line_editing()
+    d = session.decoder
+    session._say(
+      f'Jade V8: model at step {d.step}, context {d.max_len} tokens. '
+      'Type a message (end a line with \\ to go on to the next); /help '
+      'lists commands, Ctrl-D leaves.'
+    )
+  while True:
+    try:
+      line = read_message(interactive, stdin)
+    except EOFError:
+      break
+    except KeyboardInterrupt:
+      session.out.write('\n')
+      continue
+    if line is None:
+      break
+    line = line.strip()
+    if not line:
+      continue
+    try:
+      if line.startswith('/'):
+        if not session.command(line):
+          break
+        continue
+      if interactive:
+        session.out.write('jade> ')
+        session.out.flush()
+      session.reply(line)
+    except UserError as e:
+      session._say(f'error: {e}')
+      session.recover()
+    except KeyboardInterrupt:
+      session._say('\n(interrupted: the context is read again)')
+      session.recover()
+  if interactive:
+    session.out.write('\n')
+
+
+def _enable_line_editing():
+  try:
+    import readline  # noqa: F401  (line editing and history for input())
+  except ImportError:
+    return
+  history = os.path.expanduser('~/.jade_v8_history')
+  try:
+    readline.read_history_file(history)
+  except OSError:
+    pass
+  import atexit
+
+  def save():
+    try:
+      readline.write_history_file(history)
+    except OSError:
+      pass
+
+  atexit.register(save)

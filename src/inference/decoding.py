@@ -1,0 +1,230 @@
+"""Incremental decoding: a predict-mode ReformerLM compiled once per session.
+
+`Decoder` loads a run folder (tokenizer, `model.gin`, checkpoint) or an
+export (`src.storage.export`: `model.safetensors` instead of a checkpoint)
+and keeps the model's predict-mode state (LSH attention memory, position
+counters) between calls, so each new token costs one step of one token. The
+step is jitted once and its state buffers are donated, so the attention
+memory is updated in place instead of copied every token.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import numpy as np
+import trax
+
+from src.core.errors import UserError
+from src.data import tokenizer
+from src.model import ginconf, reformer
+from src.runtime.trax_patches import fast_lsh
+from src.storage import checkpoints
+
+
+def load_setup(model_dir: str, bindings=()) -> ginconf.GinSetup:
+  """Parses the run's saved `model.gin` (plus `bindings`)."""
+  if not os.path.isdir(model_dir):
+    raise UserError(
+      f'model-dir {model_dir!r}: no such folder; point --model-dir (or '
+      '"eval": {"model-dir": ...} in config.json) at a training out-dir '
+      'or an export'
+    )
+  path = os.path.join(model_dir, ginconf.MODEL_GIN)
+  if not os.path.exists(path):
+    raise UserError(
+      f'{path}: missing; {model_dir!r} is not a finished training run '
+      '(train into it with python train.py --out-dir ...)'
+    )
+  return ginconf.parse(path, tuple(bindings))
+
+
+def predict_bindings(n_heads: int) -> list[str]:
+  """Gin bindings for decoding (they change speed, not results).
+
+  Training computes one head at a time to save memory
+  (`n_parallel_heads = 1`). A one-token step is tiny, and running all heads
+  together is ~1.5x faster (bench/decode_speed.py: 11.5 -> 7.8 ms/token).
+  """
+  return [f'LSHSelfAttention.n_parallel_heads = {int(n_heads)}']
+
+
+def attention_bindings(setup: ginconf.GinSetup) -> list[str]:
+  """Predict mode keeps a memory of past keys and values; Trax's
+  `SelfAttention` (full, or the local blocks of a mixed model) has no size
+  for it unless bound, and then fails with an assertion. Give it the whole
+  context (a local block's step still reads only its window)."""
+  if 'SelfAttention' not in setup.layer_attention:
+    return []
+  settings = setup.local if setup.local is not None else setup.attention
+  found = []
+  if settings.get('predict_mem_len') is None:
+    found.append(f'SelfAttention.predict_mem_len = {setup.max_len}')
+  if settings.get('predict_drop_len') is None:
+    found.append(
+      f'SelfAttention.predict_drop_len = {max(1, setup.max_len // 4)}'
+    )
+  return found
+
+
+def load_run(model_dir: str, mode: str, bindings=()):
+  """A run's gin setup, tokenizer and a `mode` model with its weights.
+
+  Every reader of a finished run (chat, perplexity) loads through here.
+
+  Returns:
+    `(setup, tokenizer, layer, step)`: the layer initialized for batch 1 and
+    the checkpoint's training step.
+  """
+  setup = load_setup(model_dir, bindings)
+  if mode == 'predict':
+    ginconf.add_bindings(
+      predict_bindings(setup.model['n_heads']) + attention_bindings(setup)
+    )
+  tok = tokenizer.load(model_dir)
+  layer = reformer.reformer_lm(tok.vocab_size, mode, directed=setup.directed)
+  length = 1 if mode == 'predict' else setup.max_len
+  signature = trax.shapes.ShapeDtype((1, length), np.int32)
+  step = checkpoints.load_weights(model_dir, layer, signature)
+  return setup, tok, layer, step
+
+
+MIN_BLOCK = 1024  # Tokens fed at position 0 from which a block is read.
+
+
+class Decoder:
+  """A trained model in predict mode with its running state.
+
+  Attributes:
+    tokenizer: The run's tokenizer.
+    max_len: The model's context length.
+    position: Tokens fed since the last reset.
+    traces: How many times the step function was traced (compiled).
+  """
+
+  def __init__(self, predict_model, max_len: int, tok=None, step: int = 0):
+    """Wraps an initialized predict-mode model.
+
+    Args:
+      predict_model: A `ReformerLM(mode='predict')` with weights set.
+      max_len: Its context length.
+      tok: The run's tokenizer (None for benchmarks).
+      step: The checkpoint's training step (shown to the user).
+    """
+    self.model = predict_model
+    self.max_len = max_len
+    lsh = reformer.lsh_layers(predict_model)
+    local = reformer.local_layers(predict_model)
+    for layer in lsh + local:
+      # feed() never lets the context outgrow the memory (see fast_lsh).
+      setattr(layer, fast_lsh.NO_ROLL, True)
+      if layer._predict_mem_len < max_len:
+        name = type(layer).__name__
+        raise UserError(
+          f'{name}.predict_mem_len {layer._predict_mem_len} is '
+          f'below max_len {max_len}; set it to {max_len} in model.gin'
+        )
+    self.tokenizer = tok
+    self.step = step
+    self.weights = predict_model.weights
+    self._fresh_state = jax.tree_util.tree_map(np.asarray, predict_model.state)
+    self._rng = jax.random.PRNGKey(0)
+    self.traces = 0
+    self._step_fn = jax.jit(self._pure_step, donate_argnums=(1,))
+    # Block reading at position 0 (see feed): the model without its output
+    # layer, then the output layer on the last position only, so the
+    # `[length, vocab]` logits never exist. One compilation per block
+    # length; lengths are multiples of `block`.
+    *body, self._head = predict_model.sublayers
+    self._body = trax.layers.Serial(*body)
+    # A block is read in chunks, as training reads a window: a multiple
+    # of every attention layer's chunk length.
+    self.block = math.lcm(*[layer._chunk_len for layer in lsh + local] or [64])
+    # Shorter feeds go token by token: compiling a block length costs
+    # seconds (bench/reread.py), about what 1k tokens cost one at a time.
+    self.min_block = MIN_BLOCK
+    self._block_fn = jax.jit(self._pure_block, donate_argnums=(1,))
+    self.reset()
+
+  @classmethod
+  def load(cls, model_dir: str, n_hashes: int | None = None) -> Decoder:
+    """Loads a run folder: tokenizer, saved gin, latest checkpoint."""
+    bindings = []
+    if n_hashes is not None:
+      bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
+    setup, tok, layer, step = load_run(model_dir, 'predict', bindings)
+    return cls(layer, setup.max_len, tok, step)
+
+  def _pure_step(self, weights, state, tokens, rng):
+    self.traces += 1  # Runs only while tracing: counts compilations.
+    logits, state = self.model.pure_fn(tokens, weights, state, rng)
+    return logits[0, -1], state
+
+  def _pure_block(self, weights, state, tokens, rng):
+    self.traces += 1
+    x, body_state = self._body.pure_fn(
+      tokens, tuple(weights[:-1]), tuple(state[:-1]), rng, use_cache=True
+    )
+    logits, head_state = self._head.pure_fn(
+      x[:, -1:], weights[-1], state[-1], rng, use_cache=True
+    )
+    return logits[0, -1], (*body_state, head_state)
+
+  def reset(self):
+    """Forgets the conversation: a fresh state, position 0."""
+    self.state = jax.tree_util.tree_map(jax.numpy.asarray, self._fresh_state)
+    self.position = 0
+
+  def _step(self, token_id: int):
+    token = np.array([[token_id]], np.int32)
+    logits, self.state = self._step_fn(
+      self.weights, self.state, token, self._rng
+    )
+    self.position += 1
+    return logits
+
+  def feed(self, ids) -> np.ndarray:
+    """Feeds tokens; returns the logits after the last.
+
+    At position 0 (`/load`, a re-read after dropping old turns), when at
+    least `min_block` tokens come at once, Trax's predict mode takes a block
+    in one call: the longest multiple of `block` (the LSH chunk length) goes
+    at once, the rest one token at a time. Later tokens go one at a time.
+    A block is read the way training reads a window (LSH buckets sorted
+    over the whole block); one token at a time, each token attends to the
+    candidates predict mode keeps for it. With exact attention both agree
+    (tests/test_chat.py); with LSH both are approximations of it.
+
+    Args:
+      ids: Token ids to append to the context.
+
+    Returns:
+      `[vocab] float32` logits for the next token.
+    """
+    ids = list(ids)
+    if not ids:
+      raise ValueError('feed() needs at least one token')
+    if self.position == 0:
+      # Training shifts inputs right: position 0 always sees the pad id.
+      ids = [tokenizer.PAD_ID] + ids
+    if self.position + len(ids) > self.max_len:
+      raise UserError(
+        f'context full: {self.position} + {len(ids)} tokens exceed '
+        f'{self.max_len}'
+      )
+    logits = None
+    n_block = 0
+    if self.position == 0 and len(ids) >= self.min_block:
+      n_block = (len(ids) // self.block) * self.block
+    if n_block:
+      tokens = np.asarray(ids[:n_block], np.int32)[None, :]
+      logits, self.state = self._block_fn(
+        self.weights, self.state, tokens, self._rng
+      )
+      self.position += n_block
+      ids = ids[n_block:]
+    for i in ids:
+      logits = self._step(i)
+    return np.asarray(logits)

@@ -1,0 +1,254 @@
+"""Memory pre-flight: will this run fit on a device? Checked before compiling.
+
+An estimate per device, in bytes, from the gin settings, the vocabulary and
+the per-device batch (float32 everywhere):
+
+- weights `P` (counted from the settings, `count_weights`) are held as weights,
+  gradients, a new copy during the update, plus the optimizer's slots
+  (Adam: 2 per weight, Momentum: 1, SGD: 0, Adafactor: ~0.1);
+- activations of one step. The layers are reversible, so activations do
+  not grow with depth: the residual halves and their gradients
+  (`~12 B L d_model`), one layer's LSH attention (the chunked scores and
+  their gradients, `3 B H n_hashes L chunk (1 + before)`, plus the sorted
+  queries/keys/values, `~8 B H n_hashes L d_head`) and feed-forward
+  (`3 B L d_ff`, or one chunk of it);
+- logits: training and evaluation compute them `output_loss.chunk_size`
+  rows at a time (`3 chunk V`; all `4 B L V` when chunking is off);
+- on CPU, the frameworks themselves (JAX, Trax, compiled programs: `BASELINE`;
+  TensorFlow is not loaded, see `src.runtime.trax_patches.compat` fix 10).
+
+The two fitted constants (`BASELINE`, `ACTIVATION_FACTOR`) come from peak
+RSS measured on CPU: 1k-16k tokens with a small model at vocab 300 within
+2%, vocab 8000 at 8k 20% over, the benchmark model at 32k 26% over (it
+errs on the safe side as contexts grow); tests/test_preflight.py checks
+the estimate against measured peaks within 35%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from src.core.errors import UserError
+
+F32 = 4
+BASELINE = 0.9e9  # CPU: JAX, Trax, compiled programs, data pipeline.
+ACTIVATION_FACTOR = 1.2  # XLA's temporaries beyond the tensors counted.
+SLOTS = {'Adam': 2.0, 'Momentum': 1.0, 'SGD': 0.0, 'Adafactor': 0.1}
+
+
+@dataclasses.dataclass
+class Estimate:
+  """Bytes per device, by part."""
+
+  weights: float
+  optimizer: float
+  activations: float
+  logits: float
+  baseline: float
+
+  @property
+  def total(self) -> float:
+    return (
+      self.weights + self.optimizer + self.activations + self.logits
+    ) + self.baseline
+
+  def parts(self) -> str:
+    parts = {
+      'weights+grads': self.weights,
+      'optimizer': self.optimizer,
+      'activations': self.activations,
+      'logits': self.logits,
+      'frameworks': self.baseline,
+    }
+    ordered = sorted(parts.items(), key=lambda kv: -kv[1])
+    return ', '.join(f'{k} {gb(v)}' for k, v in ordered if v)
+
+
+def gb(n: float) -> str:
+  return f'{n / 1e9:.1f} GB'
+
+
+def count_weights(setup, vocab_size: int) -> int:
+  """Weights of the configured ReformerLM, counted from the settings.
+
+  Embedding, axial positions, per layer the LSH attention (shared
+  query/key, value and output projections), feed-forward and layer norms,
+  and the output layer. Within 20% of Trax's count (tested); building the
+  model to count exactly would cost seconds at every start.
+  """
+  m = setup.model
+  d, d_ff, heads = m['d_model'], m['d_ff'], m['n_heads']
+  dk, dv = m['d_attention_key'], m['d_attention_value']
+  positions = m['max_len'] * d
+  if m.get('pos_type') == 'axial' and m.get('pos_axial_shape'):
+    positions = sum(
+      n * e for n, e in zip(m['pos_axial_shape'], m['pos_d_axial_embs'])
+    )
+  attention = d * heads * dk + d * heads * dv + heads * dv * d + d
+  feed_forward = 2 * d * d_ff + d_ff + d
+  norms = 4 * d
+  layers = m['n_layers'] * (attention + feed_forward + norms)
+  kinds = setup.layer_attention or ()
+  if getattr(setup, 'directed', False):  # w_a and w_b in each LSH layer.
+    layers += sum('LSH' in k for k in kinds) * 2 * d * heads * dk
+  if getattr(setup, 'local', None) is not None:  # Local blocks' own keys.
+    layers += sum(k == 'SelfAttention' for k in kinds) * d * heads * dk
+  return (
+    vocab_size * d + positions + layers + 2 * d + d * vocab_size + vocab_size
+  )
+
+
+def optimizer_name() -> str:
+  from src.model import ginconf
+
+  try:
+    kind = ginconf.gin.query_parameter('jade.optimizer.kind')
+    return str(kind).strip('@').split('.')[-1]
+  except (ValueError, KeyError):
+    return 'Adam'
+
+
+def estimate(
+  setup,
+  vocab_size: int,
+  batch_per_device: int,
+  loss_chunk: int,
+  n_weights: int | None = None,
+  optimizer: str = 'Adam',
+  platform: str = 'cpu',
+) -> Estimate:
+  """The memory estimate for one device (see the module docstring)."""
+  m, a = setup.model, setup.attention
+  b, length = batch_per_device, setup.max_len
+  d, d_ff, heads = m['d_model'], m['d_ff'], m['n_heads']
+  d_head = max(m['d_attention_key'], m['d_attention_value'])
+  chunk = a.get('chunk_len') or 64
+  hashes = a.get('n_hashes') or 1
+  before = a.get('n_chunks_before', 1) or 0
+  if setup.attention_name not in ('LSHSelfAttention', 'PureLSHSelfAttention'):
+    chunk, hashes, before = length, 1, 0  # Full attention: L x L scores.
+  if n_weights is None:
+    n_weights = count_weights(setup, vocab_size)
+  slots = SLOTS.get(optimizer, 2.0)
+  residual = 12 * b * length * d
+  attention = 3 * b * heads * hashes * length * chunk * (1 + before)
+  attention += 8 * b * heads * hashes * length * d_head
+  ff_chunk = m.get('ff_chunk_size') or 0
+  ff_rows = min(ff_chunk, b * length) if ff_chunk else b * length
+  feed_forward = 3 * ff_rows * d_ff
+  rows = b * length
+  if loss_chunk:  # Training and evaluation both chunk their logits.
+    logits = 3 * min(loss_chunk, rows) * vocab_size
+  else:
+    logits = 4 * rows * vocab_size
+  return Estimate(
+    weights=3 * n_weights * F32,
+    optimizer=slots * n_weights * F32,
+    activations=(residual + attention + feed_forward) * F32 * ACTIVATION_FACTOR,
+    logits=logits * F32,
+    baseline=BASELINE if platform == 'cpu' else 0.0,
+  )
+
+
+def device_limit() -> tuple[float, str]:
+  """Memory one device can use: host RAM available on CPU, else the
+  accelerator's own memory."""
+  device = jax.local_devices()[0]
+  if device.platform == 'cpu':
+    import psutil
+
+    n = jax.local_device_count()
+    available = psutil.virtual_memory().available
+    return available / n, f'{n} CPU device(s) share {gb(available)} free RAM'
+  stats = device.memory_stats() or {}
+  limit = stats.get('bytes_limit')
+  if not limit:
+    return float('inf'), f'{device.platform} (memory size unknown)'
+  return float(limit), f'{device.device_kind} has {gb(limit)}'
+
+
+def check(setup, vocab_size: int, batch_per_device: int, loss_chunk: int):
+  """Raises a one-line UserError if the run will not fit; returns the
+  estimate and the limit otherwise."""
+  platform = jax.local_devices()[0].platform
+  est = estimate(
+    setup,
+    vocab_size,
+    batch_per_device,
+    loss_chunk,
+    optimizer=optimizer_name(),
+    platform=platform,
+  )
+  limit, where = device_limit()
+  if est.total > limit:
+    advice = (
+      'lower the per-device batch (batch-size), ReformerLM.max_len with '
+      'its pos_axial_shape, LSHSelfAttention.chunk_len or n_hashes, '
+      'vocab-size or output_loss.chunk_size, or use a lighter optimizer '
+      '(optimizer.kind)'
+    )
+    raise UserError(
+      f'{setup.path}: this run needs about {gb(est.total)} per device '
+      f'({est.parts()}) but {where}; {advice}'
+    )
+  return est, limit
+
+
+# ---- Time ----------------------------------------------------------------
+#
+# Seconds per step from the step's floating-point operations and the rate
+# this device multiplies matrices at (measured at start, ~0.2 s), divided
+# by `EFFICIENCY`: the share of that rate a whole training step reaches
+# (attention, layer norms, the optimizer and data movement run slower than
+# a large matrix product). Fitted on a 2-core AVX2 CPU against measured
+# steps: the tiny 512-token model reaches 0.27 of the rate, the 8k bench
+# model 0.66, so the estimate is within a factor of about 1.6 either way;
+# the progress line's ETA replaces it once steps are timed.
+
+EFFICIENCY = 0.4
+DAY = 86400.0
+
+
+def step_flops(setup, vocab_size: int, batch_per_device: int) -> float:
+  """Floating-point operations of one training step on one device
+  (forward + backward = 3 x forward)."""
+  m, a = setup.model, setup.attention
+  length = setup.max_len
+  tokens = batch_per_device * length
+  d = m['d_model']
+  dense = count_weights(setup, vocab_size) - vocab_size * d  # No lookups.
+  heads, dk, dv = m['n_heads'], m['d_attention_key'], m['d_attention_value']
+  keys = 0.0  # Scores per query, summed over the blocks.
+  for name in setup.layer_attention or [setup.attention_name] * m['n_layers']:
+    if 'LSH' in name:
+      span = (a.get('chunk_len') or 64) * (1 + (a.get('n_chunks_before') or 0))
+      keys += span * (a.get('n_hashes') or 1)
+    elif setup.local is not None:  # A local block of a mixed model.
+      keys += setup.local['chunk_len'] * (1 + setup.local['n_chunks_before'])
+    else:
+      keys += length / 2  # Causal full attention: half the scores on average.
+  attention = heads * keys * 2 * (dk + dv)
+  return 3.0 * tokens * (2.0 * dense + attention)
+
+
+def device_flops_per_second() -> float:
+  """Measured rate of a float32 matrix product on the first device."""
+  x = jax.numpy.ones((1024, 512), jax.numpy.float32)
+  y = jax.numpy.ones((512, 2048), jax.numpy.float32)
+  f = jax.jit(lambda x, y: x @ y)
+  f(x, y).block_until_ready()
+  best = float('inf')
+  for _ in range(3):
+    t0 = time.perf_counter()
+    f(x, y).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2 * 1024 * 512 * 2048 / best
+
+
+def step_seconds(setup, vocab_size: int, batch_per_device: int) -> float:
+  """Estimated seconds per training step on this device."""
+  flops = step_flops(setup, vocab_size, batch_per_device)
+  return flops / (device_flops_per_second() * EFFICIENCY)

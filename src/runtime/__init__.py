@@ -1,0 +1,25 @@
+"""The process before any model exists: XLA flags, quiet logs, Trax patches.
+
+`bootstrap()` is the one call that prepares a process; the scripts
+(`train.py`, `evaluate.py`, `src.apps.*`), the benches and the tests call it
+first. Importing `src` or any of its packages changes nothing by itself.
+"""
+
+from __future__ import annotations
+
+_DONE: list[bool] = []
+
+
+def bootstrap():
+  """Once per process: XLA's CPU flags (`xla`), library noise silenced
+  (`quiet`), then Trax imported and patched (`trax_patches`). Later calls
+  do nothing. Call it before JAX starts its backend."""
+  if _DONE:
+    return
+  from src.runtime import quiet, trax_patches, xla
+
+  xla.configure()
+  quiet.silence_libraries()
+  trax_patches.install()
+  quiet.silence_loggers()
+  _DONE.append(True)

@@ -1,0 +1,68 @@
+"""Multi-process training with one device per process (fix 11).
+
+11. ``all_reduce_one_local_device``: Trax's trainer takes its single-device
+   path (a plain `jit`, no gradient all-reduce) whenever *this process* has
+   one device. With one device per process, the usual layout of a GPU
+   cluster or of two CPU machines, every process would train its own model
+   and nothing would tell. Where more processes than one share a run, a
+   single local device gets Trax's multi-device path instead: a `pmap` over
+   one local device whose `psum` spans the devices of every process.
+"""
+
+from __future__ import annotations
+
+_TRAX_ACCELERATE_UPDATE_FN = []  # Trax's own, kept by fix 11.
+
+
+def accelerate_update_fn_compat(
+  forward_and_backward_fn, optimizer, n_devices, accelerate=True, adasum=False
+):
+  """Trax's `_accelerate_update_fn`, all-reducing with one local device when
+  several processes share the run (fix 11)."""
+  import jax
+  from jax import numpy as jnp
+  from trax.optimizers import trainer
+
+  own = _TRAX_ACCELERATE_UPDATE_FN[0]
+  if n_devices != 1 or not accelerate or jax.process_count() == 1:
+    return own(
+      forward_and_backward_fn, optimizer, n_devices, accelerate, adasum
+    )
+
+  def update(weights_and_slots, step, opt_params, batch, state, rng):
+    weights, slots = weights_and_slots
+    (loss, state), gradients = forward_and_backward_fn(
+      batch, weights, state, rng
+    )
+    gradients = trainer._average_multidevice_gradients(gradients, adasum)
+    weights, slots, stats = optimizer.tree_update(
+      step, gradients, weights, slots, opt_params, store_slots=False
+    )
+    stats['loss'] = loss
+    return (weights, slots), state, stats
+
+  pmapped = jax.pmap(update, axis_name='batch', donate_argnums=(0,))
+
+  def one_device_update(weights_and_slots, step, opt_params, batch, state, rng):
+    def add(tree):
+      return jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), tree)
+
+    out = pmapped(
+      add(weights_and_slots),
+      jnp.reshape(jnp.asarray(step, jnp.int32), (1,)),
+      add(opt_params),
+      add(batch),
+      add(state),
+      add(rng),
+    )
+    return jax.tree_util.tree_map(lambda x: x[0], out)
+
+  return one_device_update
+
+
+def install():
+  from trax.optimizers import trainer
+
+  if not _TRAX_ACCELERATE_UPDATE_FN:
+    _TRAX_ACCELERATE_UPDATE_FN.append(trainer._accelerate_update_fn)
+  trainer._accelerate_update_fn = accelerate_update_fn_compat

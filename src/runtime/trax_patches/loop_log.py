@@ -1,0 +1,23 @@
+"""Trax's `Loop` logs to absl only, never to stdout.
+
+Trax's Loop prints its own step lines and blank separators to stdout; our
+`JadeLoop` prints a progress line and one line per evaluation instead. Trax
+still logs everything through absl (see JADE_VERBOSE in `src.runtime.quiet`).
+"""
+
+from __future__ import annotations
+
+_TRAX_LOG = []  # Trax's own `_log`, kept by `install`.
+
+
+def _log_without_stdout(s, stdout=True):
+  del stdout
+  _TRAX_LOG[0](s, stdout=False)
+
+
+def install():
+  from trax.supervised import training
+
+  if not _TRAX_LOG:
+    _TRAX_LOG.append(training._log)
+  training._log = _log_without_stdout

@@ -1,0 +1,450 @@
+"""The one reader of saved weights (checkpoints and exports), for every reader.
+
+Trax checkpoints are `model.pkl.gz` (a pickle: step, state, history, input
+signature) beside `model.weights.npy.gz` and `model.opt_slots0.npy.gz`
+(NumPy arrays, read without pickle). A pickle can run arbitrary code when
+loaded, so we never unpickle with the stock loader: `src.core.safe_pickle`
+accepts only the handful of types a Trax checkpoint contains and refuses
+anything else with a `UserError`; `src.runtime.trax_patches.checkpoint_io`
+routes Trax's own loader through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+
+from src.core import rundir
+from src.core.errors import UserError
+from src.core.safe_pickle import read_pickle
+
+CHECKPOINT = rundir.CHECKPOINT
+WEIGHTS = rundir.WEIGHTS
+
+
+def read_meta(model_dir: str) -> dict | None:
+  """The checkpoint's metadata (step, history, ...), or None if absent."""
+  path = os.path.join(model_dir, CHECKPOINT)
+  if not os.path.exists(path):
+    return None
+  return read_pickle(path)
+
+
+def latest_step(model_dir: str) -> int:
+  """The step of the saved checkpoint; 0 if there is none."""
+  meta = read_meta(model_dir)
+  return int(meta['step']) if meta else 0
+
+
+# ---- Weights-only exports (`python -m src.apps.export`) ------------------
+#
+# An export is a folder with `model.safetensors` (the weights, flat, named
+# `weights.00000`, ...), `export.json` (metadata and the SHA-256 of every
+# file), `tokenizer.model`, `tokenizer.json`, `model.gin` and a README. It
+# is read with `safetensors.numpy` (a JSON header and raw arrays: no pickle,
+# no code) after its checksum is checked.
+
+EXPORT_META = rundir.EXPORT_META
+EXPORT_WEIGHTS = rundir.EXPORT_WEIGHTS
+EXPORT_FORMAT = 'jade-v8-export'
+
+
+def is_export(folder: str) -> bool:
+  return os.path.isfile(os.path.join(folder, EXPORT_META))
+
+
+def weight_key(i: int) -> str:
+  return f'weights.{i:05d}'
+
+
+def read_export_meta(folder: str) -> dict:
+  """`export.json`, or a UserError naming what is wrong with it."""
+  path = os.path.join(folder, EXPORT_META)
+  try:
+    with open(path, encoding='utf-8') as f:
+      meta = json.load(f)
+    if meta.get('format') != EXPORT_FORMAT:
+      raise ValueError(f'format is {meta.get("format")!r}')
+    int(meta['step'])
+    int(meta['n_arrays'])
+    dict(meta['files'])
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise UserError(
+      f'{path}: damaged ({type(e).__name__}: {e}); it must be the JSON '
+      'that python -m src.apps.export wrote (download the model again)'
+    ) from None
+  return meta
+
+
+def read_export(folder: str) -> tuple[list, dict]:
+  """The flat weight arrays of an export and its metadata."""
+  from safetensors import SafetensorError
+  from safetensors.numpy import load
+
+  meta = read_export_meta(folder)
+  path = os.path.join(folder, EXPORT_WEIGHTS)
+  want = meta['files'].get(EXPORT_WEIGHTS, {})
+  if not os.path.isfile(path):
+    raise UserError(f'{path}: missing; the exported model is incomplete')
+  size = os.path.getsize(path)
+  if size != want.get('size') or _sha256(path) != want.get('sha256'):
+    raise UserError(
+      f'{path}: damaged or truncated ({size} bytes; export.json lists '
+      f'{want.get("size")} bytes and another checksum); download the model '
+      'again'
+    )
+  with open(path, 'rb') as f:
+    data = f.read()
+  try:
+    arrays = load(data)
+  except (SafetensorError, ValueError, OSError) as e:
+    raise UserError(f'{path}: not a readable safetensors file ({e})') from None
+  n = int(meta['n_arrays'])
+  keys = [weight_key(i) for i in range(n)]
+  if sorted(arrays) != keys:
+    raise UserError(
+      f'{path}: holds {len(arrays)} arrays, export.json says {n} named '
+      'weights.00000...; the export is inconsistent'
+    )
+  return [arrays[k] for k in keys], meta
+
+
+def read_weights(model_dir: str) -> tuple[list, int]:
+  """The flat weight arrays and training step of a run folder (its latest
+  intact checkpoint) or an export; nothing is unpickled but the run's
+  checkpoint metadata, through `SafeUnpickler`."""
+
+  if is_export(model_dir):
+    flat, meta = read_export(model_dir)
+    return flat, int(meta['step'])
+  _, folder, problem = verify(model_dir, only=(CHECKPOINT, WEIGHTS))
+  if folder is None:
+    raise UserError(
+      f'{os.path.join(model_dir, CHECKPOINT)}: missing; train a model '
+      f'into {model_dir!r} first (python train.py --out-dir {model_dir})'
+    )
+  if problem:
+    print(
+      f'note: the checkpoint in {model_dir} is damaged ({problem}); using '
+      f'the intact one in {folder}',
+      file=sys.stderr,
+    )
+  return read_checkpoint_weights(folder)
+
+
+def read_checkpoint_weights(folder: str) -> tuple[list, int]:
+  """The flat weight arrays and step of the checkpoint in `folder`, a
+  folder `verify` has already found intact."""
+  import jax
+  import numpy as np
+  from trax import layers as tl
+
+  meta = read_meta(folder)
+  path = os.path.join(folder, WEIGHTS)
+  if not os.path.exists(path):
+    raise UserError(f'{path}: missing; the checkpoint is incomplete')
+  try:
+    flat = tl.np_from_file(path, compresslevel=meta['flat_weights'])
+  except (OSError, EOFError, ValueError) as e:
+    raise UserError(f'{path}: damaged ({e})') from None
+  flat = [
+    np.asarray(jax.lax.bitcast_convert_type(w, jax.numpy.bfloat16))
+    if w.dtype == np.uint16
+    else w
+    for w in flat
+  ]
+  return flat, int(meta['step'])
+
+
+def weights_digest(flat) -> str:
+  """SHA-256 over the arrays' dtypes, shapes and bytes (names a model's
+  weights independently of the file they came in)."""
+  import numpy as np
+
+  h = hashlib.sha256()
+  for w in flat:
+    w = np.ascontiguousarray(w)
+    h.update(f'{w.dtype.str}{w.shape};'.encode())
+    h.update(w.tobytes())
+  return h.hexdigest()
+
+
+def check_fit(where: str, flat, expected, fix: str) -> None:
+  """The one weight-shape check: `flat` arrays against the `expected`
+  ones (arrays or shape signatures), in order; `fix` ends the message."""
+  import numpy as np
+
+  if len(flat) != len(expected):
+    raise UserError(
+      f'{where}: has {len(flat)} weight arrays, its model.gin needs '
+      f'{len(expected)}; {fix}'
+    )
+  for i, (w, e) in enumerate(zip(flat, expected)):
+    if tuple(np.shape(w)) != tuple(e.shape):
+      raise UserError(
+        f'{where}: weight array {i} has shape {tuple(np.shape(w))}, the '
+        f'model needs {tuple(e.shape)}; {fix}'
+      )
+
+
+def set_weights(model_dir: str, layer, input_signature, flat) -> None:
+  """Initializes `layer` and sets the flat weights `flat` (read from
+  `model_dir`, named in messages) into it."""
+  import jax
+  import numpy as np
+  from trax import layers as tl
+
+  # The state (LSH hash seeds) is drawn at init: seed it so that scoring
+  # and sampling are reproducible from run to run.
+  layer.rng = jax.random.PRNGKey(0)
+  layer.init(input_signature)
+  sig = layer.weights_and_state_signature(input_signature)
+  expected = tl.flatten_weights_and_state(layer.weights, layer.state)[0]
+  check_fit(
+    model_dir,
+    flat,
+    expected,
+    'the weights, model.gin and tokenizer do not match',
+  )
+  if not all(np.isfinite(w).all() for w in flat if w.dtype.kind not in 'iub'):
+    raise UserError(
+      f'{model_dir}: the weights contain NaN/inf (the training run '
+      'diverged); train again with a lower learning rate (lr_schedule.peak)'
+    )
+  weights, _ = tl.unflatten_weights_and_state(flat, (), sig, weights_only=True)
+  layer.weights = jax.tree_util.tree_map(jax.numpy.asarray, weights)
+
+
+def load_weights(model_dir: str, layer, input_signature):
+  """Initializes `layer` and loads the saved weights into it.
+
+  Works for a run folder (latest intact checkpoint) and an export, and for
+  any mode of the trained model (train, eval, predict share the weights'
+  structure).
+
+  Args:
+    model_dir: The run or export folder.
+    layer: An uninitialized Trax layer of the trained architecture.
+    input_signature: `ShapeDtype` of the layer's input.
+
+  Returns:
+    The training step of the weights.
+  """
+  flat, step = read_weights(model_dir)
+  set_weights(model_dir, layer, input_signature, flat)
+  return step
+
+
+# ---- Whole-or-absent checkpoints -------------------------------------------
+#
+# Trax writes a checkpoint as three files, each through a temporary file and
+# a rename, one after another; a kill between the renames leaves files of two
+# different steps. After Trax has written them, `seal` records their sizes
+# and SHA-256 in `model.manifest.json` (written last, atomically) and links
+# them, with the manifest, into `checkpoints/step-N/` (hard links: no extra
+# disk; Trax's next save replaces the top-level files, not these). The last
+# `keep` snapshots are kept. `verify` checks the top-level set against its
+# manifest; a damaged or mixed set falls back to the newest intact
+# snapshot, and `restore` copies that one back before training resumes.
+
+MANIFEST = rundir.MANIFEST
+SNAPSHOTS = rundir.SNAPSHOTS
+_SLOTS = re.compile(r'^model\.opt_slots\d+\.npy\.gz$')
+
+
+def checkpoint_files(folder: str) -> list[str]:
+  """Names of the checkpoint files present in `folder`."""
+  try:
+    names = os.listdir(folder)
+  except OSError:
+    return []
+  slots = sorted(n for n in names if _SLOTS.match(n))
+  return [n for n in (CHECKPOINT, WEIGHTS) if n in names] + slots
+
+
+def _sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, 'rb') as f:
+    while block := f.read(1 << 22):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _write_json(path: str, obj):
+  tmp = f'{path}.tmp-{os.getpid()}'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    json.dump(obj, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def read_manifest(folder: str) -> dict | None:
+  """`model.manifest.json` of a checkpoint folder, or None."""
+  try:
+    with open(os.path.join(folder, MANIFEST), encoding='utf-8') as f:
+      manifest = json.load(f)
+    return manifest if isinstance(manifest, dict) else None
+  except (OSError, ValueError):
+    return None
+
+
+def snapshots(out_dir: str) -> list[tuple[int, str]]:
+  """`(step, folder)` of the kept snapshots, newest first."""
+  root = os.path.join(out_dir, SNAPSHOTS)
+  found = []
+  for name in os.listdir(root) if os.path.isdir(root) else []:
+    m = re.fullmatch(r'step-(\d+)', name)
+    if m:
+      found.append((int(m.group(1)), os.path.join(root, name)))
+  return sorted(found, reverse=True)
+
+
+def seal(out_dir: str, step: int, keep: int = 2, extra: dict | None = None):
+  """Records the checkpoint Trax just wrote (see above) and keeps `keep`.
+  `extra`: more facts for the manifest (e.g. `tokens` trained on)."""
+  files = checkpoint_files(out_dir)
+  manifest = {
+    **(extra or {}),
+    'step': int(step),
+    'files': {
+      n: {
+        'size': os.path.getsize(os.path.join(out_dir, n)),
+        'sha256': _sha256(os.path.join(out_dir, n)),
+      }
+      for n in files
+    },
+  }
+  root = os.path.join(out_dir, SNAPSHOTS)
+  os.makedirs(root, exist_ok=True)
+  for name in os.listdir(root):  # Left by a run killed while sealing.
+    if name.startswith('.tmp-step-'):
+      shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+  tmp = os.path.join(root, f'.tmp-step-{step}-{os.getpid()}')
+  os.makedirs(tmp)
+  for n in files:
+    try:
+      os.link(os.path.join(out_dir, n), os.path.join(tmp, n))
+    except OSError:  # A file system without hard links.
+      shutil.copy2(os.path.join(out_dir, n), os.path.join(tmp, n))
+  _write_json(os.path.join(tmp, MANIFEST), manifest)
+  final = os.path.join(root, f'step-{step}')
+  shutil.rmtree(final, ignore_errors=True)
+  os.replace(tmp, final)
+  _write_json(os.path.join(out_dir, MANIFEST), manifest)
+  for _, old in snapshots(out_dir)[max(keep, 1) :]:
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check(folder: str, only=None) -> tuple[dict | None, str]:
+  """`(manifest, '')` if `folder` holds an intact checkpoint, else
+  `(None, what is wrong)`. `only`: check just these of its files (reading
+  the weights needs no optimizer slots)."""
+  path = os.path.join(folder, MANIFEST)
+  try:
+    with open(path, encoding='utf-8') as f:
+      manifest = json.load(f)
+    files = manifest['files']
+    int(manifest['step'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None, f'{path} is missing or damaged'
+  present = set(checkpoint_files(folder))
+  if only is not None:
+    if not set(only) <= set(files) & present:
+      return None, f'one of {", ".join(only)} is missing'
+    files = {n: files[n] for n in only}
+  elif set(files) != present or CHECKPOINT not in files:
+    return None, 'its files are not the ones the manifest lists'
+  for name, want in files.items():
+    p = os.path.join(folder, name)
+    if os.path.getsize(p) != want.get('size'):
+      return None, f'{name} has {os.path.getsize(p)} bytes, not {want["size"]}'
+    if _sha256(p) != want.get('sha256'):
+      return None, f'{name} does not match its checksum'
+  return manifest, ''
+
+
+def exists(out_dir: str) -> bool:
+  """Whether `out_dir` holds a checkpoint (intact or not) that `verify`
+  would resume from or refuse: checkpoint files, a manifest or a kept
+  snapshot."""
+  return bool(
+    checkpoint_files(out_dir)
+    or snapshots(out_dir)
+    or os.path.exists(os.path.join(out_dir, MANIFEST))
+  )
+
+
+def verify(out_dir: str, only=None):
+  """Finds the checkpoint to resume from or read (`only`: the files the
+  reader needs, see `_check`; default all).
+
+  Returns:
+    `(step, folder, problem)`: `folder` holds an intact checkpoint of
+    `step` (out-dir itself, or a snapshot when the top-level one is
+    damaged, then `problem` says what is wrong with it); `(0, None, '')`
+    when there is no checkpoint. A run written before manifests existed
+    (no manifest, no snapshots) is returned as it is.
+
+  Raises:
+    UserError: the checkpoint is damaged and no intact snapshot is kept.
+  """
+  top = checkpoint_files(out_dir)
+  kept = snapshots(out_dir)
+  has_manifest = os.path.exists(os.path.join(out_dir, MANIFEST))
+  if not exists(out_dir):
+    return 0, None, ''
+  if not has_manifest and not kept:  # An older run: no manifest to check.
+    for name in (CHECKPOINT, WEIGHTS):
+      if name not in top:
+        raise UserError(
+          f'{os.path.join(out_dir, name)}: missing while {top[0]} is '
+          'there; the checkpoint is incomplete. Delete the model.* files '
+          'to start over'
+        )
+    return latest_step(out_dir), out_dir, ''
+  manifest, problem = _check(out_dir, only)
+  if manifest is not None:
+    return int(manifest['step']), out_dir, ''
+  for step, folder in kept:
+    if _check(folder, only)[0] is not None:
+      return step, folder, problem
+  raise UserError(
+    f'{out_dir}: the checkpoint is damaged ({problem}) and no intact '
+    f'earlier one is kept in {SNAPSHOTS}/; restore the folder from a '
+    'backup or train into a new out-dir'
+  )
+
+
+def restore(out_dir: str, folder: str):
+  """Copies the intact checkpoint in `folder` (a snapshot) back to the top
+  level of `out_dir`, manifest last; stray files of the damaged set go."""
+  for n in checkpoint_files(out_dir):
+    if n not in checkpoint_files(folder):
+      os.remove(os.path.join(out_dir, n))
+  for n in checkpoint_files(folder):
+    tmp = os.path.join(out_dir, f'.{n}.restore-{os.getpid()}')
+    shutil.copy2(os.path.join(folder, n), tmp)
+    os.replace(tmp, os.path.join(out_dir, n))
+  with open(os.path.join(folder, MANIFEST), encoding='utf-8') as f:
+    _write_json(os.path.join(out_dir, MANIFEST), json.load(f))
+
+
+def discard(out_dir: str, step: int) -> int:
+  """Takes back the checkpoint of `step` (found bad after it was saved):
+  the newest earlier intact snapshot becomes the checkpoint again, or, if
+  there is none, the checkpoint files go. Returns the step now saved."""
+  shutil.rmtree(os.path.join(out_dir, SNAPSHOTS, f'step-{step}'), True)
+  for earlier, folder in snapshots(out_dir):
+    if earlier < step and _check(folder)[0] is not None:
+      restore(out_dir, folder)
+      return earlier
+  for n in checkpoint_files(out_dir) + [MANIFEST]:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(os.path.join(out_dir, n))
+  return 0

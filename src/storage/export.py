@@ -1,0 +1,243 @@
+"""A shareable, weights-only copy of a training run.
+
+  python -m src.apps.export runs/pretrained exports/pretrained [--step N]
+
+writes a folder another person can chat with (`python evaluate.py
+--model-dir FOLDER`) and fine-tune from (`python train.py --init-from
+FOLDER ...`): `model.safetensors` (the weights, no optimizer slots, no
+pickle), `tokenizer.model` and `tokenizer.json`, `model.gin` (the model's
+settings only), `export.json` (metadata and every file's SHA-256) and a
+`README.md` model card. The folder is written beside its final name and
+renamed when complete; an existing folder is never overwritten.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import sys
+
+import numpy as np
+
+from src.core import rundir
+from src.core.errors import UserError
+from src.data import tokenizer
+from src.model import ginconf, reformer
+from src.storage import checkpoints
+
+PACKAGES = ('trax', 'jax', 'jaxlib', 'sentencepiece', 'safetensors', 'numpy')
+
+
+def _versions() -> dict:
+  found = {'python': platform.python_version()}
+  for name in PACKAGES:
+    try:
+      found[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      found[name] = None
+  return found
+
+
+def _last_eval(meta: dict) -> tuple[int, float] | None:
+  """(step, loss) of the run's last held-out evaluation, from Trax's
+  history in the checkpoint metadata."""
+  try:
+    values = meta['history']['_values']['eval']['metrics/loss']
+    step, loss = values[-1]
+    return int(step), float(loss)
+  except (KeyError, IndexError, TypeError, ValueError):
+    return None
+
+
+def _run_settings(run_dir: str) -> dict:
+  path = os.path.join(run_dir, rundir.SETTINGS)
+  try:
+    with open(path, encoding='utf-8') as f:
+      return dict(json.load(f)['train'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return {}
+
+
+def _folder_size(folder: str, names=None) -> int:
+  names = names if names is not None else os.listdir(folder)
+  return sum(os.path.getsize(os.path.join(folder, n)) for n in names)
+
+
+def _choose(run_dir: str, step: int | None) -> str:
+  """The checkpoint folder to export: the latest intact one, or the kept
+  snapshot of `step`."""
+  if not os.path.isdir(run_dir):
+    raise UserError(f'{run_dir}: no such folder; give a training out-dir')
+  if checkpoints.is_export(run_dir):
+    raise UserError(
+      f'{run_dir} is already an export; copy the folder to share it'
+    )
+  latest, folder, problem = checkpoints.verify(run_dir)
+  if folder is None:
+    raise UserError(
+      f'{run_dir}: no checkpoint; train into it first (python train.py '
+      f'--out-dir {run_dir})'
+    )
+  if problem:
+    print(
+      f'note: the latest checkpoint is damaged ({problem}); exporting the '
+      f'intact one at step {latest}',
+      file=sys.stderr,
+    )
+  if step is None or step == latest:
+    return folder
+  for kept, snap in checkpoints.snapshots(run_dir):
+    if kept == step and checkpoints._check(snap)[0] is not None:
+      return snap
+  steps = [kept for kept, _ in checkpoints.snapshots(run_dir)]
+  raise UserError(
+    f'{run_dir}: no intact checkpoint of step {step} (kept: '
+    f'{", ".join(map(str, steps)) or "none"}); leave out --step for the '
+    'latest'
+  )
+
+
+def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
+  """Writes the export of `run_dir` (see the module docstring).
+
+  Returns:
+    The export's metadata (`export.json`).
+  """
+  from safetensors.numpy import save_file
+
+  if os.path.exists(out_dir):
+    raise UserError(f'{out_dir} exists; choose a new folder for the export')
+  folder = _choose(run_dir, step)
+  flat, step = checkpoints.read_checkpoint_weights(folder)  # Verified.
+  meta = checkpoints.read_meta(folder) or {}
+  tok = tokenizer.load(run_dir)
+  model_text, _, setup = ginconf.read_model_settings(run_dir, run_dir)
+  # bfloat16 weights are stored as float32 (exact), so any reader can
+  # load them.
+  flat = [
+    np.asarray(w, np.float32) if w.dtype.name == 'bfloat16' else np.asarray(w)
+    for w in flat
+  ]
+  manifest = checkpoints.read_manifest(folder) or {}
+  evaluated = _last_eval(meta)
+  settings = _run_settings(run_dir)
+  info = {
+    'format': checkpoints.EXPORT_FORMAT,
+    'step': int(step),
+    'context_length': setup.max_len,
+    'vocab_size': tok.vocab_size,
+    'markers': tok.markers.all(),
+    'n_weights': int(sum(w.size for w in flat)),
+    'n_arrays': len(flat),
+    'tokens_trained_on': manifest.get('tokens'),
+    'held_out_loss': evaluated and evaluated[1],
+    'held_out_perplexity': evaluated and reformer.perplexity(evaluated[1]),
+    'held_out_step': evaluated and evaluated[0],
+    'trained_on': settings.get('data'),
+    'exported_from': os.path.abspath(run_dir),
+    'exported_at': datetime.datetime.now(datetime.UTC).isoformat(
+      timespec='seconds'
+    ),
+    'weights_sha256': checkpoints.weights_digest(flat),
+    'versions': _versions(),
+  }
+  parent = os.path.dirname(os.path.abspath(out_dir))
+  os.makedirs(parent, exist_ok=True)
+  tmp = os.path.join(parent, f'.{os.path.basename(out_dir)}.tmp-{os.getpid()}')
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  try:
+    save_file(
+      {checkpoints.weight_key(i): w for i, w in enumerate(flat)},
+      os.path.join(tmp, checkpoints.EXPORT_WEIGHTS),
+      metadata={'format': checkpoints.EXPORT_FORMAT, 'step': str(step)},
+    )
+    for name in (tokenizer.MODEL_FILE, tokenizer.INFO_FILE):
+      shutil.copyfile(os.path.join(run_dir, name), os.path.join(tmp, name))
+    with open(os.path.join(tmp, ginconf.MODEL_GIN), 'w', encoding='utf-8') as f:
+      f.write(
+        f'# Model settings of {os.path.basename(os.path.normpath(run_dir))} '
+        f'at step {step} (read as data; see README.md).\n' + model_text
+      )
+    with open(os.path.join(tmp, rundir.MODEL_CARD), 'w', encoding='utf-8') as f:
+      f.write(model_card(info, setup, out_dir))
+    info['files'] = {
+      name: {
+        'size': os.path.getsize(os.path.join(tmp, name)),
+        'sha256': checkpoints._sha256(os.path.join(tmp, name)),
+      }
+      for name in sorted(os.listdir(tmp))
+    }
+    checkpoints._write_json(os.path.join(tmp, checkpoints.EXPORT_META), info)
+    for name in os.listdir(tmp):  # Readable by others: it is for sharing.
+      os.chmod(os.path.join(tmp, name), 0o644)
+    os.replace(tmp, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  run_size = _folder_size(folder, checkpoints.checkpoint_files(folder))
+  size = _folder_size(out_dir)
+  log(
+    f'exported step {step} of {run_dir} to {out_dir}: {size / 1e6:.2f} MB '
+    f'(the checkpoint is {run_size / 1e6:.2f} MB with optimizer slots); '
+    f'{info["n_weights"]:,} weights'
+  )
+  return info
+
+
+def model_card(info: dict, setup, out_dir: str) -> str:
+  """The export's README.md."""
+  loss = info['held_out_loss']
+  quality = (
+    f'held-out loss {loss:.3f} nats/token (perplexity '
+    f'{info["held_out_perplexity"]:.2f}) at step {info["held_out_step"]}'
+    if loss is not None
+    else 'no held-out evaluation was recorded'
+  )
+  tokens = info['tokens_trained_on']
+  m, a = setup.model, setup.attention
+  return f"""# Jade V8 model: {os.path.basename(os.path.normpath(out_dir))}
+
+A ReformerLM chat model exported from a Jade V8 training run at step
+{info['step']}.
+
+| | |
+|---|---|
+| trained on | `{info['trained_on']}` ({
+    f'{tokens:,} tokens with loss' if tokens else 'token count not recorded'
+  }) |
+| quality | {quality} |
+| context | {info['context_length']} tokens |
+| model | {m['n_layers']} layers, d_model {m['d_model']}, d_ff {m['d_ff']}, \
+{m['n_heads']} heads, {setup.attention_text} ({a.get('n_hashes', '-')} hashes) |
+| weights | {info['n_weights']:,} ({info['n_arrays']} arrays) |
+| vocabulary | {info['vocab_size']} sentencepiece pieces |
+| markers | `{'`, `'.join(info['markers'])}` |
+
+## Chat with it
+
+    python evaluate.py --model-dir {out_dir}
+
+## Fine-tune it on your own chats
+
+    python train.py --init-from {out_dir} --gin gin/finetune.gin \\
+      --data data/mine --out-dir runs/mine --steps 1000
+    python evaluate.py --model-dir runs/mine
+
+The fine-tune run takes this model's tokenizer and settings; only the
+optimizer and schedule come from `gin/finetune.gin`.
+
+## What is in this folder, and what is trusted
+
+- `model.safetensors`: the weights (safetensors: a JSON header and raw
+  arrays; loading it runs no code).
+- `tokenizer.model`, `tokenizer.json`: the sentencepiece tokenizer.
+- `model.gin`: the model's settings, read as data (only `Name.setting =
+  value` lines of known settings are accepted).
+- `export.json`: step, sizes, package versions and the SHA-256 of every
+  file; Jade V8 checks the weights against it before loading them.
+"""

@@ -1,0 +1,243 @@
+"""Fine-tuning: a run that starts from a trained model.
+
+`init-from` names a training out-dir or an export (`src.storage.export`). A new
+run then takes over the model's tokenizer, its model settings (the gin
+file adds only optimizer, schedule and dropout) and its weights; the
+optimizer state and the step count start fresh. `init.json` in the new
+out-dir records where it started (path, step, a hash of the weights); a
+run with `init.json` resumes from its own checkpoints and never goes back
+to the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+
+import numpy as np
+
+from src.core import rundir
+from src.core.errors import UserError
+from src.data import tokenizer
+from src.model import ginconf, reformer
+from src.storage import checkpoints
+
+INIT_FILE = rundir.INIT
+# Settings that may differ from the pretrained model's.
+MAY_DIFFER = ('dropout',)
+# Train settings that must agree with the pretrained tokenizer.
+TOKENIZER_KEYS = {
+  'vocab-size': 'requested_vocab_size',
+  'ai-start': 0,
+  'ai-end': 1,
+  'line-break': 2,
+}
+UNKNOWN_WARN = 0.01  # Warn above this share of unknown-piece tokens.
+
+
+@dataclasses.dataclass
+class Source:
+  """A pretrained model, read and checked (nothing is written)."""
+
+  path: str
+  kind: str  # 'export' or 'run'
+  step: int
+  flat: list  # Flat weight arrays.
+  digest: str  # checkpoint.weights_digest(flat)
+  tok: tokenizer.Tokenizer
+  tok_info: dict
+  gin: tuple[str, str]  # (model bindings, where they came from)
+  setup: ginconf.GinSetup  # The model's settings alone.
+
+  def describe(self) -> str:
+    return (
+      f'{self.path} ({self.kind}, step {self.step}, weights sha256 '
+      f'{self.digest[:12]})'
+    )
+
+
+@dataclasses.dataclass
+class Plan:
+  """How a run relates to a pretrained model."""
+
+  gin: tuple[str, str]  # Base model bindings for ginconf.parse.
+  tok_info: dict  # The tokenizer's info (vocab size, markers).
+  source: Source | None  # Set when the run starts now (step 0).
+  record: dict | None  # init.json of a fine-tune run being resumed.
+
+
+def read_record(out_dir: str) -> dict | None:
+  path = os.path.join(out_dir, INIT_FILE)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, encoding='utf-8') as f:
+      record = json.load(f)
+    str(record['path'])
+    int(record['step'])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(
+      f'{path}: damaged ({type(e).__name__}: {e}); it records where this '
+      'fine-tune run started; restore it or use a new out-dir'
+    ) from None
+  return record
+
+
+def load(path: str) -> Source:
+  """Reads and checks a pretrained model (a run folder or an export)."""
+  what = f'init-from {path!r}'
+  if not os.path.isdir(path):
+    raise UserError(
+      f'{what}: no such folder; give a training out-dir or an export '
+      '(python -m src.apps.export RUN_DIR OUT_DIR)'
+    )
+  kind = 'export' if checkpoints.is_export(path) else 'run'
+  if kind == 'run' and not checkpoints.exists(path):
+    raise UserError(
+      f'{what}: no checkpoint in that folder; train it first, or point at '
+      'a finished run or an export'
+    )
+  model_text, gin_path, setup = ginconf.read_model_settings(path, what)
+  tok = tokenizer.load(path)
+  info = tokenizer.read_info(path)
+  flat, step = checkpoints.read_weights(path)
+  rows = flat[0].shape[0] if flat and np.ndim(flat[0]) == 2 else None
+  if rows != tok.vocab_size:
+    raise UserError(
+      f"{what}: the tokenizer has {tok.vocab_size} pieces but the weights' "
+      f'embedding has {rows} rows; the tokenizer does not belong to these '
+      'weights (copy the model folder again)'
+    )
+  check_shapes(path, setup, tok.vocab_size, flat)
+  return Source(
+    path=path,
+    kind=kind,
+    step=step,
+    flat=flat,
+    digest=checkpoints.weights_digest(flat),
+    tok=tok,
+    tok_info=info,
+    gin=(model_text, gin_path),
+    setup=setup,
+  )
+
+
+def check_shapes(path: str, setup, vocab_size: int, flat):
+  """The weights fit the model that `setup` (the parsed settings, the
+  current gin state) describes; shapes are worked out without computing."""
+  import jax
+  import trax
+
+  layer = reformer.reformer_lm(vocab_size, 'eval', directed=setup.directed)
+  signature = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
+  wanted = jax.tree_util.tree_leaves(
+    layer.weights_and_state_signature(signature, unsafe=True)[0]
+  )
+  checkpoints.check_fit(
+    path, flat, wanted, 'the weights and model.gin do not match'
+  )
+
+
+def plan(settings, out_dir: str) -> Plan | None:
+  """The fine-tune plan of a run: None for a run from scratch.
+
+  Raises:
+    UserError: `init-from` for an out-dir that already holds a run
+      trained from scratch, or any problem with the pretrained model.
+  """
+  record = read_record(out_dir)
+  if checkpoints.exists(out_dir):
+    if record is None:
+      if settings['init-from']:
+        raise UserError(
+          f'{out_dir} already holds a run trained from scratch (step '
+          f'{checkpoints.latest_step(out_dir)}); fine-tune into a new '
+          'out-dir'
+        )
+      return None
+    gin_path = os.path.join(out_dir, ginconf.MODEL_GIN)
+    saved = ginconf.saved_text(out_dir)
+    if saved is None:
+      raise UserError(f'{gin_path}: missing; the fine-tune run is incomplete')
+    return Plan(
+      gin=(ginconf.model_bindings(saved, gin_path), gin_path),
+      tok_info=tokenizer.read_info(out_dir),
+      source=None,
+      record=record,
+    )
+  path = settings['init-from'] or (record and record['path'])
+  if not path:
+    return None
+  source = load(path)
+  return Plan(
+    gin=source.gin, tok_info=source.tok_info, source=source, record=None
+  )
+
+
+def tokenizer_settings(settings, info: dict, where: str) -> dict:
+  """Train settings that follow the pretrained tokenizer; one that the
+  user set to another value is an error naming both."""
+  values = {}
+  for key, field in TOKENIZER_KEYS.items():
+    value = (
+      info['markers'][field] if isinstance(field, int) else info.get(field)
+    )
+    if value is None:
+      continue
+    if key in settings.given and settings[key] != value:
+      raise UserError(
+        f'{settings.source}: train.{key} is {settings[key]!r} but the '
+        f'pretrained tokenizer ({where}) has {value!r}; a fine-tune run '
+        f'keeps the tokenizer: remove "{key}" or set it to {value!r}'
+      )
+    values[key] = value
+  return values
+
+
+def check_settings(setup: ginconf.GinSetup, source: Source, gin_path: str):
+  """The gin file may not change the pretrained model's settings (only
+  dropout)."""
+  for group, mine, theirs in (
+    ('ReformerLM', setup.model, source.setup.model),
+    (source.setup.attention_name, setup.attention, source.setup.attention),
+    ('SelfAttention', setup.local or {}, source.setup.local or {}),
+  ):
+    for key in sorted(set(mine) | set(theirs)):
+      if key.startswith('_') or any(d in key for d in MAY_DIFFER):
+        continue
+      if mine.get(key) != theirs.get(key):
+        raise UserError(
+          f'{gin_path}: sets {group}.{key} = {mine.get(key)!r}, but the '
+          f'pretrained model ({source.gin[1]}) has {theirs.get(key)!r}; a '
+          "fine-tune run keeps the model's settings (only dropout may "
+          'differ): remove it from the gin file (gin/finetune.gin binds '
+          'none)'
+        )
+
+
+def unknown_share(tokens) -> float:
+  """Share of unknown-piece tokens in a token array."""
+  n = len(tokens)
+  return float(np.count_nonzero(np.asarray(tokens) == tokenizer.UNK_ID)) / max(
+    n, 1
+  )
+
+
+def record(out_dir: str, source: Source):
+  """Writes `init.json`: where this run started."""
+  info = {
+    'path': os.path.abspath(source.path),
+    'kind': source.kind,
+    'step': source.step,
+    'weights_sha256': source.digest,
+    'started_at': datetime.datetime.now(datetime.UTC).isoformat(
+      timespec='seconds'
+    ),
+  }
+  tokenizer.write_atomic(
+    os.path.join(out_dir, INIT_FILE),
+    (json.dumps(info, indent=2) + '\n').encode(),
+  )
+  return info

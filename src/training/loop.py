@@ -1,0 +1,283 @@
+"""`JadeLoop`: Trax's training `Loop` with our console, chunked loss, running
+scalars, sample replies, divergence checks and sealed checkpoints."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+import trax
+from trax import optimizers as trax_optimizers
+from trax.layers import base as trax_base
+from trax.supervised import training as trax_training
+
+from src.core import rundir
+from src.core.signals import StopSignals
+from src.model import reformer
+from src.storage import checkpoints
+from src.training import distributed, samples
+from src.training.progress import Progress
+
+
+class Diverged(Exception):
+  """The loss, gradients or weights stopped being finite at `step`."""
+
+  def __init__(self, step: int, what: str, saved_bad: bool = False):
+    super().__init__(step, what)
+    self.step, self.what, self.saved_bad = step, what, saved_bad
+
+
+class StopRequested(Exception):
+  """Raised after a training step when SIGTERM or SIGINT arrived in it."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
+class JadeLoop(trax_training.Loop):
+  """Trax's Loop with our console output (progress line, eval lines).
+
+  Trax still writes TensorBoard events, checkpoints and its gin config; we
+  only replace its stdout chatter and add perplexity next to every loss.
+  """
+
+  def __init__(
+    self,
+    *args,
+    progress: Progress,
+    tokens_per_step,
+    loss_chunk_size: int = 0,
+    signals: StopSignals | None = None,
+    keep_checkpoints: int = 2,
+    tokens_before: int = 0,
+    init_text: str | None = None,
+    ranges=(),
+    log_every: int = 10,
+    accumulate: int = 1,
+    cluster: distributed.Cluster | None = None,
+    **kwargs,
+  ):
+    self._cluster = cluster or distributed.local()
+    self._rng_per_process = False  # Set once the weights are initialized.
+    self._accumulate = accumulate
+    self._ranges = tuple(ranges)  # Position ranges of the eval losses.
+    # Running scalars every `log_every` steps: the loss is the progress
+    # line's running mean (over `log_every` steps, see `_train`).
+    self._log_every = log_every
+    self._window_tokens = 0.0  # Loss tokens since the last log.
+    self._window_hits = None  # Device [hits, total] since the last log.
+    self._window_start = time.time()
+    self._running_writer = None
+    self.sampler = None  # samples.SampleReplies, set once the Loop exists.
+    self._keep = keep_checkpoints
+    self._tokens = float(tokens_before)  # Loss tokens trained on so far.
+    self._init_text = init_text
+    self._unchecked = None  # (step, loss, gradient norm), see _check_finite
+    self._progress = progress
+    self.signals = signals or StopSignals()
+    self._tokens_per_step = tokens_per_step
+    self._output_chunk = loss_chunk_size
+    super().__init__(*args, **kwargs)
+    self._rng_per_process = self._cluster.count > 1
+
+  def new_rng(self):
+    """Trax's next key; after initialization, a different one on each
+    process (dropout and LSH hashing would otherwise repeat on every
+    process; the weights must start the same everywhere)."""
+    rng = super().new_rng()
+    if self._rng_per_process:
+      rng = jax.random.fold_in(rng, self._cluster.index)
+    return rng
+
+  def _chunked(self, model_, with_accuracy: bool):
+    """`model.chunked_model` for this Loop, or None where Trax's own path
+    must be used (no chunking, memory-efficient trainer, sharded weights)."""
+    if self._use_memory_efficient_trainer or trax_base.N_WEIGHTS_SHARDS > 1:
+      return None
+    return reformer.chunked_model(
+      model_,
+      self._output_chunk,
+      with_accuracy,
+      self._ranges if with_accuracy else (),
+    )
+
+  def _init_trainer(self, task):
+    """Trax's trainer, with the output layer and loss chunked: the
+    `[batch, length, vocab]` logits never exist in training, so large
+    vocabularies fit."""
+    fused = self._chunked(self._model, with_accuracy=False)
+    if self._accumulate > 1:
+      if fused is None:  # Trax's own model-with-loss, accumulated.
+        fused = trax.layers.Serial(self._model, task.loss_layer)
+      fused = reformer.Accumulate(fused, self._accumulate)
+    if fused is None:
+      return super()._init_trainer(task)
+    task.optimizer.tree_init(fused.weights)
+    return trax_optimizers.Trainer(fused, task.optimizer, adasum=self._adasum)
+
+  def _init_evaluator(self, eval_task):
+    """Trax's evaluator, with loss and accuracy computed from chunked
+    logits; `eval_task.metrics` are the same two."""
+    fused = self._chunked(self._eval_model, with_accuracy=True)
+    if fused is None:
+      return super()._init_evaluator(eval_task)
+    return trax_training._Evaluator(
+      weights=self._for_n_devices(fused.weights[1]),
+      state=self._for_n_devices(fused.state[1]),
+      metrics_fn=trax_training._accelerate_model_with_metrics(
+        fused, self.n_devices
+      ),
+    )
+
+  def _run_one_step(self, task_index, task_changed):
+    loss, stats = super()._run_one_step(task_index, task_changed)
+    lr = float(self._tasks[task_index].learning_rate(self.step))
+    tokens = self._tokens_per_step()
+    # This process's tokens; the others' are about as many.
+    self._tokens += tokens * self._cluster.count
+    self._progress.step_done(self.step, loss, lr, tokens)
+    self._window_tokens += tokens
+    counts = reformer.hit_counts(
+      self._trainer_per_task[task_index].accelerated_model_with_loss.state
+    )
+    if counts is not None:  # Added on the device: no wait here.
+      w = self._window_hits
+      self._window_hits = counts if w is None else w + counts
+    if self.step % self._log_every == 0:
+      self._write_running(lr)
+    # The previous step's values are ready by now; checking this step's
+    # here would make every step wait for the device to finish it.
+    self._check_finite()
+    self._unchecked = (self.step, loss, stats.get('gradients_l2', 0.0))
+    if self.signals.signum is not None:
+      self._check_finite()
+      raise StopRequested(self.signals.signum)
+    return loss, stats
+
+  def _write_running(self, lr: float):
+    """Running training scalars of the last `log_every` steps."""
+    tokens, self._window_tokens = self._window_tokens, 0.0
+    counts, self._window_hits = self._window_hits, None
+    now, start = time.time(), self._window_start
+    self._window_start = now
+    if not self.is_chief or self.output_dir is None:
+      return
+    if self._running_writer is None:
+      from trax import jaxboard
+
+      self._running_writer = jaxboard.SummaryWriter(
+        os.path.join(self.output_dir, rundir.TRAIN_EVENTS)
+      )
+    loss = self._progress.running_loss()
+    values = {
+      'loss': loss,
+      'perplexity': reformer.perplexity(loss),
+      'learning_rate': lr,
+      'tokens_per_second': tokens / max(now - start, 1e-9),
+    }
+    if counts is not None:  # The chunked loss counts right guesses.
+      hits, total = (float(v) for v in np.asarray(counts))
+      values['accuracy'] = hits / max(total, 1e-9)
+    for name, value in values.items():
+      self._running_writer.scalar(f'running/{name}', value, step=self.step)
+    self._running_writer.flush()
+
+  def run_evals(self, summary_writers=None):
+    super().run_evals(summary_writers)
+    if self.sampler is None or not self.is_chief:
+      return
+    replies = self.sampler(self._eval_model.weights)
+    for prompt, reply in replies:
+      self._progress.message(
+        f'step {self.step}: sample {prompt!r} -> {reply!r}'
+      )
+    writer = (summary_writers or [None])[0]
+    if writer is not None:
+      writer.text(
+        'samples', samples.markdown(self.step, replies), step=self.step
+      )
+      writer.flush()
+
+  def close_writers(self):
+    if self._running_writer is not None:
+      self._running_writer.close()
+      self._running_writer = None
+
+  def _check_finite(self):
+    """Raises `Diverged` if the last unchecked step's loss or gradient
+    norm is not finite (before any checkpoint of that step is written)."""
+    if self._unchecked is None:
+      return
+    step, loss, grad_norm = self._unchecked
+    self._unchecked = None
+    for name, value in (('loss', loss), ('gradient norm', grad_norm)):
+      if not np.isfinite(np.asarray(value)).all():
+        raise Diverged(
+          step, f'the {name} is {float(np.mean(value))}', saved_bad=True
+        )
+
+  def _save_gin(self, summary_writer):
+    super()._save_gin(summary_writer)
+    if self._init_text and summary_writer is not None and self.is_chief:
+      summary_writer.text('init_from', self._init_text)
+
+  def _log_step(self, msg, stdout=True):
+    super()._log_step(msg, stdout=False)
+
+  def log_summary(
+    self, values, summary_writer, value_prefix, log_prefix, stdout=True
+  ):
+    if value_prefix == 'metrics/':
+      values = self._mean_over_processes(values)
+    values = reformer.range_losses(values)
+    if 'loss' in values and not np.isfinite(float(values['loss'])):
+      # Scored with the weights of this step, which were just checkpointed
+      # if this is a checkpoint step: take that checkpoint back.
+      raise Diverged(
+        self.step,
+        f'the {log_prefix} loss is {float(values["loss"])}',
+        saved_bad=self._checkpoint_at(self.step),
+      )
+    if 'loss' in values:
+      values['perplexity'] = reformer.perplexity(values['loss'])
+    super().log_summary(
+      values, summary_writer, value_prefix, log_prefix, stdout=False
+    )
+    if value_prefix == 'metrics/':
+      shown = ' | '.join(f'{k} {float(v):.4g}' for k, v in values.items())
+      self._progress.message(f'step {self.step}: {log_prefix} {shown}')
+
+  def _mean_over_processes(self, values: dict) -> dict:
+    """Each process scored its own rows: the mean of all processes'."""
+    if self._cluster.count == 1 or not values:
+      return values
+    from jax.experimental import multihost_utils
+
+    names = list(values)
+    parts = [np.ravel(np.asarray(values[k], np.float64)) for k in names]
+    every = np.asarray(multihost_utils.process_allgather(np.concatenate(parts)))
+    mean, out, at = every.mean(axis=0), {}, 0
+    for k, p in zip(names, parts):
+      shape = np.shape(values[k])
+      # Scalars stay NumPy scalars: they go into the checkpoint's history.
+      part = mean[at : at + p.size]
+      out[k] = np.float64(part[0]) if shape == () else part.reshape(shape)
+      at += p.size
+    return out
+
+  def save_checkpoint(self, basename):
+    self._check_finite()
+    leaves = jax.tree_util.tree_leaves(self._model.weights)
+    if not all(bool(jax.numpy.isfinite(w).all()) for w in leaves):
+      raise Diverged(self.step, 'the weights hold NaN/inf')
+    super().save_checkpoint(basename)
+    if basename == 'model' and self.is_chief:
+      checkpoints.seal(
+        self.output_dir, self.step, self._keep, {'tokens': int(self._tokens)}
+      )
+      self._progress.message(
+        f'step {self.step}: checkpoint saved in {self.output_dir}'
+      )

@@ -1,0 +1,416 @@
+"""Everything a run needs, checked before out-dir is touched: a `RunPlan`.
+
+`prepare` reads the settings, the gin file, any pretrained model and any
+earlier run in out-dir, tokenizes the data and builds the batch iterators.
+Order matters for the promise that bad input never touches out-dir: all
+checks come before the first write (the tokenizer and token cache).
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import dataclasses
+import os
+import shutil
+
+from src.config.jsonconfig import Section
+from src.core.errors import UserError
+from src.data import chatformat, corpus, tokenizer, windows
+from src.model import ginconf, preflight
+from src.storage import checkpoints
+from src.training import distributed, finetune
+
+
+def _markers(settings: Section) -> chatformat.Markers:
+  markers = chatformat.Markers(
+    settings['ai-start'], settings['ai-end'], settings['line-break']
+  )
+  markers.check(settings.source)
+  return markers
+
+
+def _check_run_settings(s: Section, log=print):
+  for key in (
+    'steps',
+    'eval-every',
+    'log-every',
+    'checkpoint-every',
+    'eval-batches',
+    'vocab-size',
+    'keep-checkpoints',
+    'accumulate-steps',
+  ):
+    if s[key] < 1:
+      raise UserError(
+        f'{s.source}: train.{key} must be at least 1 (got {s[key]})'
+      )
+  if not 0 <= s['seed'] < 2**31:
+    raise UserError(
+      f'{s.source}: train.seed {s["seed"]} must be between 0 and {2**31 - 1}'
+    )
+  if s['windows'] not in windows.WINDOWS:
+    raise UserError(
+      f'{s.source}: train.windows {s["windows"]!r} is not "moving" or '
+      '"fixed"; use "moving" (the default)'
+    )
+  if not 0 <= s['pad-fraction'] < 1:
+    raise UserError(
+      f'{s.source}: train.pad-fraction {s["pad-fraction"]} must be at '
+      f'least 0 and below 1 (the default is {windows.PAD_FRACTION})'
+    )
+  if s['eval-data'] is None and not 0 <= s['eval-fraction'] < 1:
+    raise UserError(
+      f'{s.source}: eval-fraction {s["eval-fraction"]} must be at least 0 '
+      'and below 1 (e.g. 0.05)'
+    )
+  if s['vocab-size'] < 16:
+    raise UserError(
+      f'{s.source}: train.vocab-size {s["vocab-size"]} is too '
+      'small; use at least 16 (the default is 500)'
+    )
+  if s['tpu-ip']:
+    log(
+      f'note: "tpu-ip" ({s["tpu-ip"]}) is not needed and is ignored: on a '
+      'TPU VM, JAX finds the TPU cores itself (JAX no longer drives remote '
+      'TPU nodes by IP). Run train.py on the TPU VM.'
+    )
+
+
+def check_out_dir(s: Section) -> str:
+  """The out-dir setting, refused if empty or a file."""
+  out_dir = s['out-dir']
+  if not out_dir.strip():
+    raise UserError(
+      f'{s.source}: train.out-dir is empty; name a folder for the run '
+      '(e.g. "runs/mine")'
+    )
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise UserError(f'out-dir {out_dir!r} is a file; choose a folder name')
+  return out_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """What `prepare` decided and built; nothing in out-dir is trained yet."""
+
+  settings: Section  # The train settings, with a pretrained tokenizer's.
+  finetune: finetune.Plan | None  # A fine-tune run's source, if any.
+  tokenizer: tokenizer.Tokenizer
+  gin: ginconf.GinSetup  # The model's gin setup (file, bindings, text).
+  corpus: corpus.Corpus  # The training token cache.
+  eval_corpus: corpus.Corpus | None  # `eval-data`'s token cache, if set.
+  batch_size: int  # Windows per step over all devices.
+  start_step: int  # The checkpoint's step (0: a fresh run).
+  checkpoint_folder: str | None  # An intact snapshot to restore from.
+  checkpoint_damage: str | None  # Why out-dir's checkpoint is not usable.
+  train_batches: windows.ChunkBatches
+  eval_batches: windows.ChunkBatches
+  n_tokens: int  # Tokens in the training corpus (held-out part included).
+  n_train_tokens: int
+  n_eval_tokens: int
+  eval_is_train: bool  # Nothing held out: evaluation uses training data.
+  held: str  # One line on what is held out.
+  memory: preflight.Estimate  # Per-device memory estimate.
+  memory_limit: float  # Bytes of memory per device.
+  step_seconds: float  # Estimated seconds per step.
+
+
+def prepare(
+  settings: Section,
+  gin_bindings=(),
+  log=print,
+  cluster: distributed.Cluster | None = None,
+  leader: dict | None = None,
+) -> RunPlan:
+  """Checks everything and builds the run's pieces without training.
+
+  Args:
+    cluster: The processes of the run (default: this one, all its devices).
+      Batches are sized for all their devices; this process gets its part.
+    leader: For a process other than the chief of a multi-process run: what
+      the chief decided (`_leader_message`): its tokenizer, the step it
+      resumes from, a pretrained model's settings. Out-dir is then neither
+      read nor written; the token cache goes to a private folder.
+
+  Returns:
+    The `RunPlan`; the tokenizer is written to out-dir only after all
+    checks passed.
+  """
+  cluster = cluster or distributed.local()
+  _check_run_settings(settings, log)
+  out_dir = check_out_dir(settings)
+  s, fine, base = _with_pretrained(settings, out_dir, leader)
+  markers = _markers(s)
+  setup = ginconf.parse(s['gin'], tuple(gin_bindings), base=base)
+  if fine is not None and fine.source is not None:
+    finetune.check_settings(setup, fine.source, s['gin'])
+  start_step, checkpoint_folder, damage = _resume_point(setup, out_dir, leader)
+  batch_size, micro = _batch_size(s, cluster)
+  # One micro-batch's activations are alive at a time.
+  memory, limit = preflight.check(
+    setup, s['vocab-size'], micro, ginconf.output_loss()
+  )
+  step_seconds = preflight.step_seconds(setup, s['vocab-size'], micro)
+  adopted, data_settings = _given_tokenizer(s, fine, leader, markers)
+  tok, train_corpus, eval_corpus = _prepare_data(
+    data_settings, markers, log, adopted
+  )
+  train_view, eval_view, held = _views(s, train_corpus, eval_corpus)
+  train_batches, eval_batches = _batches(
+    s, setup.max_len, batch_size, cluster, train_view, eval_view, log
+  )
+  return RunPlan(
+    settings=s,
+    finetune=fine,
+    tokenizer=tok,
+    gin=setup,
+    corpus=train_corpus,
+    eval_corpus=eval_corpus,
+    batch_size=batch_size,
+    start_step=start_step,
+    checkpoint_folder=checkpoint_folder,
+    checkpoint_damage=damage,
+    train_batches=train_batches,
+    eval_batches=eval_batches,
+    n_tokens=len(train_corpus.tokens),
+    n_train_tokens=len(train_view),
+    n_eval_tokens=len(eval_view),
+    eval_is_train=eval_view is train_view,
+    held=held,
+    memory=memory,
+    memory_limit=limit,
+    step_seconds=step_seconds * s['accumulate-steps'],
+  )
+
+
+def _resume_point(setup, out_dir: str, leader: dict | None):
+  """(step, intact snapshot folder or None, damage or None) of out-dir's
+  checkpoint; out-dir's model.gin must match the model. Reads only."""
+  if leader is not None:  # The chief checked out-dir.
+    return leader['start'], None, None
+  ginconf.check_same_as_saved(setup, out_dir)
+  # May raise. A damaged checkpoint gives a snapshot folder.
+  return checkpoints.verify(out_dir)
+
+
+def _with_values(s: Section, values: dict) -> Section:
+  return dataclasses.replace(s, values={**s.values, **values})
+
+
+def _with_pretrained(s: Section, out_dir: str, leader: dict | None):
+  """(settings, fine-tune plan, base gin bindings): a fine-tune run takes
+  its pretrained model's tokenizer settings and model bindings."""
+  if leader is not None:  # The chief read out-dir and any pretrained model.
+    base = tuple(leader['base']) if leader['base'] else None
+    return _with_values(s, leader['tokenizer_settings']), None, base
+  # Reads (and checks) the pretrained model of a fine-tune run; writes
+  # nothing.
+  fine = finetune.plan(s, out_dir)
+  if fine is None:
+    return s, None, None
+  where = fine.source.path if fine.source else out_dir
+  s = _with_values(s, finetune.tokenizer_settings(s, fine.tok_info, where))
+  return s, fine, fine.gin
+
+
+def _batch_size(s: Section, cluster: distributed.Cluster) -> tuple[int, int]:
+  """(windows per step over all devices, windows per micro-batch on one
+  device), refused where the devices or micro-batches do not split it."""
+  devices = cluster.devices
+  if devices != cluster.local_devices * cluster.count:
+    raise UserError(
+      f'the {cluster.count} processes have {devices} devices, not the same '
+      f'number each ({cluster.local_devices} here); give every process '
+      'the same number of devices'
+    )
+  batch_size = windows.batch_size_for(devices, s['batch-size'])
+  per_device, k = batch_size // devices, s['accumulate-steps']
+  if per_device % k:
+    raise UserError(
+      f'{s.source}: train.accumulate-steps {k} does not split the batch '
+      f'of {per_device} chunk(s) per device ({batch_size} over {devices} '
+      f'device(s)) evenly; set batch-size to a multiple of {devices * k}'
+    )
+  return batch_size, per_device // k
+
+
+def _given_tokenizer(s: Section, fine, leader: dict | None, markers):
+  """(a tokenizer to use instead of training one, or None; the settings
+  for the data: another process writes its token cache privately)."""
+  if leader is not None:
+    tok = tokenizer.Tokenizer(base64.b64decode(leader['tokenizer']), markers)
+    return tok, _with_values(s, {'out-dir': leader['private']})
+  if fine is not None and fine.source is not None:
+    source = fine.source
+    tok = tokenizer.adopt(
+      source.tok, source.tok_info, os.path.abspath(source.path)
+    )
+    return tok, s
+  return None, s
+
+
+def _view(c: corpus.Corpus, spans=None) -> windows.TokenView:
+  spans = (
+    windows.conversation_spans(c.conversation_ends) if spans is None else spans
+  )
+  return windows.TokenView(c.tokens, c.roles, spans)
+
+
+def _views(s: Section, train_corpus, eval_corpus):
+  """(training view, held-out view, one line on what is held out)."""
+  if eval_corpus is not None:
+    eval_view = _view(eval_corpus)
+    return (
+      _view(train_corpus),
+      eval_view,
+      (
+        f'held out: {s["eval-data"]} ({eval_corpus.n_conversations} '
+        f'conversations, {len(eval_view)} tokens)'
+      ),
+    )
+  train_spans, eval_spans, n_held = windows.split_conversations(
+    train_corpus.conversation_ends, s['eval-fraction'], s['seed']
+  )
+  all_tokens = len(_view(train_corpus))
+  train_view = _view(train_corpus, train_spans)
+  if eval_spans is None:
+    held = 'evaluating on the training data' + (
+      ' (a single conversation: nothing to hold out)'
+      if s['eval-fraction'] > 0
+      else ''
+    )
+    return train_view, train_view, held
+  eval_view = _view(train_corpus, eval_spans)
+  return (
+    train_view,
+    eval_view,
+    (
+      f'held out: {n_held} of {train_corpus.n_conversations} '
+      f'conversations at random ({len(eval_view)} tokens, '
+      f'{100 * len(eval_view) / all_tokens:.1f}%)'
+    ),
+  )
+
+
+def _batches(s, max_len, batch_size, cluster, train_view, eval_view, log):
+  """The training and held-out batch iterators."""
+  options = {
+    'ai_only': s['ai-only-loss'],
+    'pad_fraction': s['pad-fraction'],
+    'windows': s['windows'],
+    'part': cluster.part,
+  }
+  train_batches = windows.ChunkBatches(
+    train_view, max_len, batch_size, s['seed'], **options
+  )
+  eval_batches = windows.ChunkBatches(
+    eval_view, max_len, batch_size, s['seed'] + 1, **options
+  )
+  if train_batches.n_chunks < batch_size:
+    log(
+      f'note: only {train_batches.n_chunks} chunk(s) of {max_len} tokens '
+      f'for a batch of {batch_size}: some devices will see the same chunk '
+      'in a step; add data or lower max_len'
+    )
+  return train_batches, eval_batches
+
+
+def _prepare_data(s: Section, markers, log, tok=None):
+  """Tokenizer and token caches; out-dir is as before if anything fails."""
+  out_dir = s['out-dir']
+  existed = os.path.isdir(out_dir)
+  cache_root = os.path.join(out_dir, corpus.CACHE_DIR)
+  cache_existed = os.path.isdir(cache_root)
+  made = []
+  try:
+    options = {
+      'markers': markers,
+      'vocab_size': s['vocab-size'],
+      'repeat_limit': s['repeat-limit'],
+      'collapse': s['collapse-repeats'],
+      'save_tokenizer': False,  # Saved below, once every corpus is ready.
+      'log': log,
+    }
+    tok, train_corpus = corpus.prepare(s['data'], out_dir, tok=tok, **options)
+    made.append(train_corpus)
+    eval_corpus = None
+    if s['eval-data'] is not None:
+      _, eval_corpus = corpus.prepare(
+        s['eval-data'], out_dir, name='eval', tok=tok, **options
+      )
+      made.append(eval_corpus)
+    tokenizer.save(out_dir, tok)
+  except BaseException:
+    if not existed:
+      shutil.rmtree(out_dir, ignore_errors=True)
+    else:
+      for c in made:
+        if not c.hit:
+          shutil.rmtree(c.folder, ignore_errors=True)
+      if not cache_existed:
+        shutil.rmtree(cache_root, ignore_errors=True)
+    raise
+  return tok, train_corpus, eval_corpus
+
+
+def _leader_message(run) -> dict:
+  """What the chief sends the other processes before training (JSON)."""
+  s, fine = run.settings, run.finetune
+  return {
+    'error': None,
+    'start': run.start_step,
+    'base': list(fine.gin) if fine is not None and fine.gin else None,
+    'tokenizer': base64.b64encode(run.tokenizer.model_proto).decode(),
+    'tokenizer_settings': {
+      k: s[k] for k in ('vocab-size', 'ai-start', 'ai-end', 'line-break')
+    },
+  }
+
+
+def _fingerprints(settings: Section, run) -> dict[str, str]:
+  """What every process of a run must agree on (see `check_same`)."""
+  given = {
+    k: v
+    for k, v in settings.values.items()
+    if k not in distributed.PER_PROCESS_KEYS
+  }
+  caches = [os.path.basename(run.corpus.folder)]
+  if run.eval_corpus is not None:
+    caches.append(os.path.basename(run.eval_corpus.folder))
+  return {
+    'settings': distributed.digest(given),
+    'gin': distributed.digest(run.gin.text),
+    'data': distributed.digest(caches),
+  }
+
+
+def prepare_cluster(
+  settings: Section, gin_bindings, log, cluster: distributed.Cluster
+):
+  """`prepare` on every process of a run: the chief first, then the others
+  with what it sends; then all compare their settings, gin and data."""
+  if cluster.count == 1:
+    return prepare(settings, gin_bindings, log=log, cluster=cluster)
+  if cluster.chief:
+    try:
+      run = prepare(settings, gin_bindings, log=log, cluster=cluster)
+    except UserError as e:
+      cluster.broadcast_json({'error': str(e)})
+      raise
+    cluster.broadcast_json(_leader_message(run))
+  else:
+    leader = cluster.broadcast_json()
+    if leader['error']:
+      raise UserError(f'process 0 could not start the run: {leader["error"]}')
+    leader['private'] = distributed.private_folder(cluster)
+    atexit.register(shutil.rmtree, leader['private'], True)
+    try:
+      run = prepare(
+        settings, gin_bindings, log=log, cluster=cluster, leader=leader
+      )
+    except UserError:
+      distributed.check_same(cluster, None)  # Tells the others.
+      raise
+  distributed.check_same(cluster, _fingerprints(settings, run))
+  return run
