@@ -37,7 +37,7 @@ import zlib
 
 import numpy as np
 
-from src.core import rundir
+from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import chatformat, tokenizer
 
@@ -445,7 +445,7 @@ def prepare(
     raise
   for old in os.listdir(cache_root):
     if old.startswith(f'{name}-'):
-      shutil.rmtree(os.path.join(cache_root, old), ignore_errors=True)
+      files.remove_inside(os.path.join(cache_root, old), out_dir)
   os.replace(tmp, folder)
   if save_tokenizer:
     tokenizer.save(out_dir, tok)

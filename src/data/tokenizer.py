@@ -15,13 +15,13 @@ import io
 import itertools
 import json
 import os
-import tempfile
 
 import numpy as np
 import sentencepiece as spm
 
 from src.core import rundir
 from src.core.errors import UserError
+from src.core.files import read_json, read_regular, write_atomic
 from src.data import chatformat
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -39,21 +39,6 @@ def data_fingerprint(conversations) -> str:
     h.update(turn.text.encode('utf-8'))
     h.update(b'\n')
   return h.hexdigest()
-
-
-def write_atomic(path: str, data: bytes):
-  """Writes `data` to `path` through a temporary file and a rename."""
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix='.' + os.path.basename(path))
-  try:
-    with os.fdopen(fd, 'wb') as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 class Tokenizer:
@@ -208,6 +193,56 @@ def train(conversations, vocab_size: int, markers: chatformat.Markers) -> bytes:
   return out.getvalue()
 
 
+# Bounds on a tokenizer read from a folder: a sentencepiece model of 128k
+# pieces is ~3 MB and takes ~0.6 GB to load; real vocabularies are smaller.
+MAX_BYTES = 16 * 1024 * 1024
+MAX_PIECES = 131_072
+
+
+def _count_pieces(proto: bytes, stop: int) -> int:
+  """How many `pieces` (field 1) a serialized sentencepiece ModelProto
+  holds, read from its wire format without parsing it (up to `stop`)."""
+
+  def varint(at):
+    value = shift = 0
+    while True:
+      if at >= len(proto) or shift > 63:
+        raise ValueError('truncated')
+      byte = proto[at]
+      value |= (byte & 0x7F) << shift
+      at, shift = at + 1, shift + 7
+      if byte < 0x80:
+        return value, at
+
+  count = at = 0
+  while at < len(proto) and count <= stop:
+    key, at = varint(at)
+    kind = key & 7
+    if kind == 0:
+      _, at = varint(at)
+    elif kind == 2:
+      size, at = varint(at)
+      at += size
+    elif kind in (1, 5):
+      at += 8 if kind == 1 else 4
+    else:
+      raise ValueError(f'wire type {kind}')
+    count += key >> 3 == 1
+  if at > len(proto):
+    raise ValueError('truncated')
+  return count
+
+
+def _control_piece(sp) -> tuple[int, str] | None:
+  """The first piece holding a control character (ESC, ...), if any: text
+  from a folder is shown as text, never as terminal commands."""
+  for i in range(sp.get_piece_size()):
+    piece = sp.id_to_piece(i)
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in piece):
+      return i, piece
+  return None
+
+
 def _read_info(info_path: str, required: bool) -> dict:
   """`tokenizer.json`, or a UserError naming what is wrong with it."""
   if not os.path.exists(info_path):
@@ -217,12 +252,15 @@ def _read_info(info_path: str, required: bool) -> dict:
         'again, or train into a new out-dir)'
       )
     return {}
+  info = read_json(info_path)
   try:
-    with open(info_path, encoding='utf-8') as f:
-      info = json.load(f)
     markers = info['markers']
-    if not (isinstance(markers, list) and len(markers) == 3):
-      raise ValueError('markers')
+    if not (
+      isinstance(markers, list)
+      and len(markers) == 3
+      and all(isinstance(m, str) and m for m in markers)
+    ):
+      raise ValueError('markers must be three strings')
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise UserError(
       f'{info_path}: damaged ({type(e).__name__}: {e}); it must be the JSON '
@@ -233,15 +271,34 @@ def _read_info(info_path: str, required: bool) -> dict:
 
 def _read_model(model_path: str, markers) -> Tokenizer:
   """`tokenizer.model`, or a UserError if sentencepiece cannot read it."""
-  with open(model_path, 'rb') as f:
-    proto = f.read()
+  proto = read_regular(model_path, MAX_BYTES)
   try:
-    return Tokenizer(proto, markers)
+    pieces = _count_pieces(proto, MAX_PIECES)
+  except ValueError as e:
+    raise UserError(
+      f'{model_path}: damaged (not a sentencepiece model: {e}); copy the '
+      'run folder again, or train into a new out-dir'
+    ) from None
+  if pieces > MAX_PIECES:
+    raise UserError(
+      f'{model_path}: more than {MAX_PIECES} pieces, more than a Jade V8 '
+      'tokenizer holds; the folder is damaged or not a Jade V8 model'
+    )
+  try:
+    tok = Tokenizer(proto, markers)
   except (RuntimeError, OSError, ValueError, TypeError) as e:
     raise UserError(
       f'{model_path}: damaged (sentencepiece: {" ".join(str(e).split())}); '
       'copy the run folder again, or train into a new out-dir'
     ) from None
+  bad = _control_piece(tok.sp)
+  if bad is not None:
+    raise UserError(
+      f'{model_path}: piece {bad[0]} ({bad[1]!r}) holds a control '
+      'character, which no trained tokenizer has; the file is not '
+      'trustworthy: copy the model folder again from its source'
+    )
+  return tok
 
 
 def load_or_train(

@@ -19,7 +19,7 @@ import trax
 
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import ginconf, reformer
+from src.model import ginconf, preflight, reformer
 from src.runtime.trax_patches import fast_lsh
 from src.storage import checkpoints
 
@@ -84,6 +84,7 @@ def load_run(model_dir: str, mode: str, bindings=()):
       predict_bindings(setup.model['n_heads']) + attention_bindings(setup)
     )
   tok = tokenizer.load(model_dir)
+  preflight.check_model(setup, tok.vocab_size, model_dir)
   layer = reformer.reformer_lm(tok.vocab_size, mode, directed=setup.directed)
   length = 1 if mode == 'predict' else setup.max_len
   signature = trax.shapes.ShapeDtype((1, length), np.int32)

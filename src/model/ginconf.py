@@ -18,6 +18,7 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 import tokenize
@@ -216,11 +217,14 @@ def parse_text(
   kinds = reformer.attention_kinds(model_settings, path)
   settings = {}
   for cls in kinds:
+    if not inspect.isclass(cls):
+      reformer.check_types(model_settings, {}, path)  # Names what is wrong.
     settings[cls.__name__] = reformer._defaults(cls)
     try:
       settings[cls.__name__].update(gin.get_bindings(cls.__name__))
     except (ValueError, TypeError, AttributeError):
       pass
+  reformer.check_types(model_settings, settings, path)
   main = next((c for c in kinds if 'LSH' in c.__name__), kinds[0])
   attention = settings[main.__name__]
   name = reformer.check_settings(model_settings, attention, main, path)

@@ -197,6 +197,21 @@ def check(setup, vocab_size: int, batch_per_device: int, loss_chunk: int):
   return est, limit
 
 
+def check_model(setup, vocab_size: int, what: str):
+  """Refuses, before anything is allocated, a model to chat with or score
+  whose weights (read, then set into the model: twice their size) and
+  the running baseline do not fit this device. `what` names the folder."""
+  n = count_weights(setup, vocab_size)
+  need = 2 * 4 * n + BASELINE
+  limit, where = device_limit()
+  if need > limit:
+    raise UserError(
+      f'{what}: its model.gin describes {n:,} weights, about {gb(need)} to '
+      f'load, but {where}; use a machine with more memory, or check that '
+      'the folder is the model you meant'
+    )
+
+
 # ---- Time ----------------------------------------------------------------
 #
 # Seconds per step from the step's floating-point operations and the rate

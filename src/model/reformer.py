@@ -217,6 +217,158 @@ def check_local(model: dict, local: dict | None, where: str):
     )
 
 
+# ---- Types and ranges of the model settings --------------------------------
+#
+# A model.gin may come from someone else: every setting is checked for its
+# type and range before anything is built, so a bad value is one line, not
+# a traceback or an allocation that takes the machine's memory.
+
+_INT, _FRACTION, _PROBABILITY, _BOOL = 'int', 'fraction', 'probability', 'bool'
+MAX_LEN = 1 << 20  # Tokens of context.
+_MODEL_RANGES = {
+  'd_model': (_INT, 1, 16384),
+  'd_ff': (_INT, 1, 65536),
+  'd_attention_key': (_INT, 1, 4096),
+  'd_attention_value': (_INT, 1, 4096),
+  'n_layers': (_INT, 1, 128),
+  'n_heads': (_INT, 1, 256),
+  'max_len': (_INT, 1, MAX_LEN),
+  'dropout': (_FRACTION, 0, 1),
+  'pos_start_from_zero_prob': (_PROBABILITY, 0, 1),
+  'pos_max_offset_to_add': (_INT, 0, MAX_LEN),
+  'ff_use_sru': (_INT, 0, 64),
+  'ff_chunk_size': (_INT, 0, MAX_LEN),
+  'ff_sparsity': (_INT, 0, 65536),
+  'attention_chunk_size': (_INT, 0, MAX_LEN),
+}
+_ATTENTION_RANGES = {
+  'chunk_len': (_INT, 1, MAX_LEN),
+  'n_chunks_before': (_INT, 0, 64),
+  'n_chunks_after': (_INT, 0, 64),
+  'n_hashes': (_INT, 1, 64),
+  'predict_mem_len': (_INT, 1, MAX_LEN),
+  'predict_drop_len': (_INT, 1, MAX_LEN),
+  'attention_dropout': (_FRACTION, 0, 1),
+  'output_dropout': (_FRACTION, 0, 1),
+  'max_length_for_buckets': (_INT, 1, MAX_LEN),
+  'n_parallel_heads': (_INT, 1, 256),
+  'causal': (_BOOL, 0, 1),
+  'masked': (_BOOL, 0, 1),
+  'bias': (_BOOL, 0, 1),
+  'use_python_loop': (_BOOL, 0, 1),
+  'use_reference_code': (_BOOL, 0, 1),
+}
+_ACTIVATIONS = {
+  'Relu',
+  'Gelu',
+  'FastGelu',
+  'Tanh',
+  'Sigmoid',
+  'Swish',
+  'LeakyRelu',
+  'Elu',
+  'Selu',
+}
+_ATTENTION_CLASSES = {'LSHSelfAttention', 'SelfAttention'}
+
+
+def _bad(where: str, name: str, value, want: str):
+  shown = '@' + value.__name__ if callable(value) else repr(value)
+  shown = shown if len(shown) <= 40 else shown[:37] + '...'
+  return UserError(f'{where}: {name} = {shown} must be {want}')
+
+
+def _check_value(where: str, name: str, value, rule):
+  kind, low, high = rule
+  if value is None:
+    return
+  if kind == _BOOL:
+    if not isinstance(value, bool):
+      raise _bad(where, name, value, 'True or False')
+    return
+  if kind == _INT:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or not low <= value <= high:
+      raise _bad(where, name, value, f'a whole number from {low} to {high}')
+    return
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if kind == _PROBABILITY:
+    if not ok or not low <= value <= high:
+      raise _bad(where, name, value, f'a number from {low} to {high}')
+    return
+  if not ok or not low <= value < high:
+    raise _bad(where, name, value, f'a number from {low} to below {high}')
+
+
+def _ints(where, name, value, low, high, length=(1, 8)):
+  if not isinstance(value, (list, tuple)) or not (
+    length[0] <= len(value) <= length[1]
+  ):
+    raise _bad(
+      where, name, value, f'a tuple of {length[0]}-{length[1]} numbers'
+    )
+  for v in value:
+    _check_value(where, name, v, (_INT, low, high))
+
+
+def _class_name(value) -> str | None:
+  """The name of a class or function a setting references (`@Name`)."""
+  return getattr(value, '__name__', None) if callable(value) else None
+
+
+def check_types(model: dict, attention: dict[str, dict], where: str):
+  """Every model setting has its type and range, before anything is built.
+
+  Args:
+    model: ReformerLM keyword settings (defaults filled in).
+    attention: Settings of each attention class used, by class name.
+    where: The gin file, for messages.
+  """
+  for key, rule in _MODEL_RANGES.items():
+    _check_value(where, f'ReformerLM.{key}', model.get(key), rule)
+  kinds = model.get('attention_type')
+  kinds = list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
+  if not 1 <= len(kinds) <= 16 or any(
+    _class_name(k) not in _ATTENTION_CLASSES for k in kinds
+  ):
+    raise _bad(
+      where,
+      'ReformerLM.attention_type',
+      model.get('attention_type'),
+      '@SelfAttention, @LSHSelfAttention or a list of them',
+    )
+  if _class_name(model.get('ff_activation')) not in _ACTIVATIONS:
+    raise _bad(
+      where,
+      'ReformerLM.ff_activation',
+      model.get('ff_activation'),
+      f'one of {", ".join("@" + a for a in sorted(_ACTIVATIONS))}',
+    )
+  if model.get('pos_type') not in (None, 'axial', 'fixed-base', 'infinite'):
+    raise _bad(where, 'ReformerLM.pos_type', model.get('pos_type'), "'axial'")
+  for key in ('pos_axial_shape', 'pos_d_axial_embs'):
+    if model.get(key) is not None:
+      _ints(where, f'ReformerLM.{key}', model[key], 1, MAX_LEN)
+  for cls, settings in attention.items():
+    for key, rule in _ATTENTION_RANGES.items():
+      _check_value(where, f'{cls}.{key}', settings.get(key), rule)
+    buckets = settings.get('n_buckets')
+    if buckets is not None:
+      if isinstance(buckets, (list, tuple)):
+        _ints(where, f'{cls}.n_buckets', buckets, 2, 1 << 16, (1, 4))
+      else:
+        _check_value(where, f'{cls}.n_buckets', buckets, (_INT, 2, 1 << 16))
+    for key in ('predict_mem_len', 'predict_drop_len'):
+      value = settings.get(key)
+      if value is not None and value > model['max_len']:
+        raise _bad(
+          where,
+          f'{cls}.{key}',
+          value,
+          f'at most ReformerLM.max_len ({model["max_len"]})',
+        )
+
+
 def check_settings(model: dict, attention: dict, attention_type, where: str):
   """Rejects settings that Trax would silently get wrong.
 

@@ -11,15 +11,15 @@ routes Trax's own loader through it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import sys
+import tempfile
 
-from src.core import rundir
+from src.core import files, rundir
 from src.core.errors import UserError
 from src.core.safe_pickle import read_pickle
 
@@ -276,8 +276,9 @@ def _sha256(path: str) -> str:
 
 
 def _write_json(path: str, obj):
-  tmp = f'{path}.tmp-{os.getpid()}'
-  with open(tmp, 'w', encoding='utf-8') as f:
+  folder = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix='.' + os.path.basename(path))
+  with os.fdopen(fd, 'w', encoding='utf-8') as f:
     json.dump(obj, f, indent=1)
     f.flush()
     os.fsync(f.fileno())
@@ -324,7 +325,7 @@ def seal(out_dir: str, step: int, keep: int = 2, extra: dict | None = None):
   os.makedirs(root, exist_ok=True)
   for name in os.listdir(root):  # Left by a run killed while sealing.
     if name.startswith('.tmp-step-'):
-      shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+      files.remove_inside(os.path.join(root, name), out_dir)
   tmp = os.path.join(root, f'.tmp-step-{step}-{os.getpid()}')
   os.makedirs(tmp)
   for n in files:
@@ -334,11 +335,11 @@ def seal(out_dir: str, step: int, keep: int = 2, extra: dict | None = None):
       shutil.copy2(os.path.join(out_dir, n), os.path.join(tmp, n))
   _write_json(os.path.join(tmp, MANIFEST), manifest)
   final = os.path.join(root, f'step-{step}')
-  shutil.rmtree(final, ignore_errors=True)
+  files.remove_inside(final, out_dir)
   os.replace(tmp, final)
   _write_json(os.path.join(out_dir, MANIFEST), manifest)
   for _, old in snapshots(out_dir)[max(keep, 1) :]:
-    shutil.rmtree(old, ignore_errors=True)
+    files.remove_inside(old, out_dir)
 
 
 def _check(folder: str, only=None) -> tuple[dict | None, str]:
@@ -426,7 +427,7 @@ def restore(out_dir: str, folder: str):
   level of `out_dir`, manifest last; stray files of the damaged set go."""
   for n in checkpoint_files(out_dir):
     if n not in checkpoint_files(folder):
-      os.remove(os.path.join(out_dir, n))
+      files.remove_inside(os.path.join(out_dir, n), out_dir)
   for n in checkpoint_files(folder):
     tmp = os.path.join(out_dir, f'.{n}.restore-{os.getpid()}')
     shutil.copy2(os.path.join(folder, n), tmp)
@@ -439,12 +440,11 @@ def discard(out_dir: str, step: int) -> int:
   """Takes back the checkpoint of `step` (found bad after it was saved):
   the newest earlier intact snapshot becomes the checkpoint again, or, if
   there is none, the checkpoint files go. Returns the step now saved."""
-  shutil.rmtree(os.path.join(out_dir, SNAPSHOTS, f'step-{step}'), True)
+  files.remove_inside(os.path.join(out_dir, SNAPSHOTS, f'step-{step}'), out_dir)
   for earlier, folder in snapshots(out_dir):
     if earlier < step and _check(folder)[0] is not None:
       restore(out_dir, folder)
       return earlier
   for n in checkpoint_files(out_dir) + [MANIFEST]:
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(os.path.join(out_dir, n))
+    files.remove_inside(os.path.join(out_dir, n), out_dir)
   return 0

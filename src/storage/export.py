@@ -20,10 +20,11 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 
 import numpy as np
 
-from src.core import rundir
+from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
 from src.model import ginconf, reformer
@@ -109,8 +110,9 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
   """
   from safetensors.numpy import save_file
 
-  if os.path.exists(out_dir):
-    raise UserError(f'{out_dir} exists; choose a new folder for the export')
+  if os.path.lexists(out_dir):
+    what = 'is a link' if os.path.islink(out_dir) else 'exists'
+    raise UserError(f'{out_dir} {what}; choose a new folder for the export')
   folder = _choose(run_dir, step)
   flat, step = checkpoints.read_checkpoint_weights(folder)  # Verified.
   meta = checkpoints.read_meta(folder) or {}
@@ -147,9 +149,7 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
   }
   parent = os.path.dirname(os.path.abspath(out_dir))
   os.makedirs(parent, exist_ok=True)
-  tmp = os.path.join(parent, f'.{os.path.basename(out_dir)}.tmp-{os.getpid()}')
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(out_dir)}.')
   try:
     save_file(
       {checkpoints.weight_key(i): w for i, w in enumerate(flat)},
@@ -157,7 +157,11 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
       metadata={'format': checkpoints.EXPORT_FORMAT, 'step': str(step)},
     )
     for name in (tokenizer.MODEL_FILE, tokenizer.INFO_FILE):
-      shutil.copyfile(os.path.join(run_dir, name), os.path.join(tmp, name))
+      data = files.read_regular(
+        os.path.join(run_dir, name), tokenizer.MAX_BYTES
+      )
+      with open(os.path.join(tmp, name), 'wb') as f:
+        f.write(data)
     with open(os.path.join(tmp, ginconf.MODEL_GIN), 'w', encoding='utf-8') as f:
       f.write(
         f'# Model settings of {os.path.basename(os.path.normpath(run_dir))} '

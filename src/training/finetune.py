@@ -18,10 +18,10 @@ import os
 
 import numpy as np
 
-from src.core import rundir
+from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import ginconf, reformer
+from src.model import ginconf, preflight, reformer
 from src.storage import checkpoints
 
 INIT_FILE = rundir.INIT
@@ -102,6 +102,7 @@ def load(path: str) -> Source:
   model_text, gin_path, setup = ginconf.read_model_settings(path, what)
   tok = tokenizer.load(path)
   info = tokenizer.read_info(path)
+  preflight.check_model(setup, tok.vocab_size, what)
   flat, step = checkpoints.read_weights(path)
   rows = flat[0].shape[0] if flat and np.ndim(flat[0]) == 2 else None
   if rows != tok.vocab_size:
@@ -236,7 +237,7 @@ def record(out_dir: str, source: Source):
       timespec='seconds'
     ),
   }
-  tokenizer.write_atomic(
+  files.write_atomic(
     os.path.join(out_dir, INIT_FILE),
     (json.dumps(info, indent=2) + '\n').encode(),
   )

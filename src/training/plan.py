@@ -15,6 +15,7 @@ import os
 import shutil
 
 from src.config.jsonconfig import Section
+from src.core import files
 from src.core.errors import UserError
 from src.data import chatformat, corpus, tokenizer, windows
 from src.model import ginconf, preflight
@@ -87,6 +88,12 @@ def check_out_dir(s: Section) -> str:
     )
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise UserError(f'out-dir {out_dir!r} is a file; choose a folder name')
+  if os.path.islink(out_dir) and not os.path.exists(out_dir):
+    raise UserError(
+      f'out-dir {out_dir!r} is a link to {os.readlink(out_dir)!r}, which '
+      'does not exist; create that folder or choose another out-dir'
+    )
+  files.check_no_links(out_dir)
   return out_dir
 
 

@@ -17,10 +17,9 @@ import numpy as np
 from trax.supervised import training as trax_training
 
 from src.config.jsonconfig import Section
-from src.core import rundir, runlock
+from src.core import files, rundir, runlock
 from src.core.errors import UserError
 from src.core.signals import StopSignals
-from src.data import tokenizer
 from src.model import ginconf, preflight, reformer
 from src.storage import checkpoints
 from src.training import distributed, finetune, samples
@@ -30,7 +29,7 @@ from src.training.progress import Progress, devices_text, time_lines
 
 
 def _write_text(path: str, text: str):
-  tokenizer.write_atomic(path, text.encode('utf-8'))
+  files.write_atomic(path, text.encode('utf-8'))
 
 
 def _start_from(loop: JadeLoop, source: finetune.Source):

@@ -1,0 +1,192 @@
+"""Files from folders we did not write: read bounded, write only our own.
+
+A run folder (out-dir) or a model folder may come from someone else. What
+is read from one is read by `read_regular` / `read_json`: a regular file
+(never a link, a device or a FIFO), at most `limit` bytes, JSON nested at
+most `MAX_JSON_DEPTH` deep. What is written into one is written by
+`write_atomic` (a fresh temporary file, renamed into place: the rename
+replaces a planted link, it never writes through it), and an out-dir that
+holds links is refused before anything is written (`check_no_links`);
+`remove_inside` deletes only real entries inside the folder.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+import tempfile
+
+from src.core.errors import UserError
+
+KB, MB = 1024, 1024 * 1024
+MAX_JSON_DEPTH = 64
+MAX_ENTRIES = 100_000  # Entries an out-dir may hold before we stop looking.
+
+
+def write_atomic(path: str, data: bytes):
+  """Writes `data` to `path` through a temporary file and a rename."""
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix='.' + os.path.basename(path))
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def _size_text(n: int) -> str:
+  return f'{n / MB:.1f} MB' if n >= MB else f'{n} bytes'
+
+
+def open_regular(path: str, limit: int):
+  """An open binary file for `path`, which must be a regular file (not a
+  link, device or FIFO) of at most `limit` bytes; else a `UserError`."""
+  flags = (
+    os.O_RDONLY | getattr(os, 'O_NOFOLLOW', 0) | getattr(os, 'O_NONBLOCK', 0)
+  )
+  try:
+    fd = os.open(path, flags)
+  except OSError as e:
+    if e.errno == errno.ELOOP or os.path.islink(path):
+      raise UserError(
+        f'{path}: is a link ({os.readlink(path)!r}); a model or run folder '
+        'must hold the file itself: copy the folder again'
+      ) from None
+    if isinstance(e, FileNotFoundError):
+      raise
+    raise UserError(f'{path}: cannot be read ({e.strerror})') from None
+  info = os.fstat(fd)
+  if not stat.S_ISREG(info.st_mode):
+    os.close(fd)
+    raise UserError(
+      f'{path}: is not a regular file; a model or run folder must hold '
+      'plain files: copy the folder again'
+    )
+  if info.st_size > limit:
+    os.close(fd)
+    raise UserError(
+      f'{path}: {_size_text(info.st_size)}, more than such a file can be '
+      f'({_size_text(limit)}); the folder is damaged or not a Jade V8 '
+      'folder: copy it again'
+    )
+  return os.fdopen(fd, 'rb')
+
+
+def read_regular(path: str, limit: int) -> bytes:
+  """The bytes of `path` (see `open_regular`)."""
+  with open_regular(path, limit) as f:
+    data = f.read(limit + 1)
+  if len(data) > limit:  # Grew while we read it.
+    raise UserError(f'{path}: more than {_size_text(limit)}; copy it again')
+  return data
+
+
+def json_depth(text: str) -> int:
+  """How deep `text`'s arrays and objects nest (strings skipped)."""
+  depth = deepest = 0
+  in_string = escaped = False
+  for ch in text:
+    if in_string:
+      if escaped:
+        escaped = False
+      elif ch == '\\':
+        escaped = True
+      elif ch == '"':
+        in_string = False
+    elif ch == '"':
+      in_string = True
+    elif ch in '[{':
+      depth += 1
+      deepest = max(deepest, depth)
+    elif ch in ']}':
+      depth -= 1
+  return deepest
+
+
+def parse_json(text: str, path: str):
+  """`json.loads(text)`, refusing nesting deeper than MAX_JSON_DEPTH."""
+  if json_depth(text) > MAX_JSON_DEPTH:
+    raise UserError(
+      f'{path}: JSON nested more than {MAX_JSON_DEPTH} deep, which no Jade '
+      'V8 file is; the file is damaged: copy the folder again'
+    )
+  try:
+    return json.loads(text)
+  except ValueError as e:
+    raise UserError(
+      f'{path}: not valid JSON ({e}); the file is damaged: copy the '
+      'folder again'
+    ) from None
+
+
+def read_json(path: str, limit: int = MB):
+  """A JSON file from a model or run folder, bounded (see `read_regular`)."""
+  data = read_regular(path, limit)
+  try:
+    text = data.decode('utf-8')
+  except UnicodeDecodeError:
+    raise UserError(
+      f'{path}: not UTF-8 text; the file is damaged: copy the folder again'
+    ) from None
+  return parse_json(text, path)
+
+
+def links_inside(folder: str) -> list[tuple[str, str]]:
+  """`(path, target)` of every link in `folder`, at any depth (the links
+  are not followed)."""
+  found, seen = [], 0
+  for root, dirs, names in os.walk(folder):
+    for name in dirs + names:
+      seen += 1
+      path = os.path.join(root, name)
+      if os.path.islink(path):
+        found.append((path, os.readlink(path)))
+    if seen > MAX_ENTRIES:
+      raise UserError(
+        f'{folder}: more than {MAX_ENTRIES} files and folders, which no run '
+        'folder holds; use a new --out-dir'
+      )
+  return found
+
+
+def check_no_links(folder: str, what: str = 'out-dir'):
+  """Refuses a folder that holds links: the run would write or delete
+  where they point. (The folder itself may be a link: it is used where
+  it points, and everything inside must be real.)"""
+  if not os.path.isdir(folder):
+    return
+  found = links_inside(folder)
+  if found:
+    path, target = found[0]
+    more = f' (and {len(found) - 1} more)' if len(found) > 1 else ''
+    raise UserError(
+      f'{what} {folder!r}: {path} is a link to {target!r}{more}; a run '
+      'writes and deletes inside its out-dir, never through links: '
+      'remove the links or use a new --out-dir'
+    )
+
+
+def is_inside(path: str, folder: str) -> bool:
+  """Whether `path` is a real entry (not a link) under `folder`."""
+  if os.path.islink(path):
+    return False
+  real, top = os.path.realpath(path), os.path.realpath(folder)
+  return real != top and os.path.commonpath([real, top]) == top
+
+
+def remove_inside(path: str, folder: str):
+  """Deletes `path` (a file or a folder tree) if it is a real entry inside
+  `folder`; a link or anything outside is left alone."""
+  if not os.path.lexists(path) or not is_inside(path, folder):
+    return
+  if os.path.isdir(path):
+    shutil.rmtree(path, ignore_errors=True)
+  else:
+    os.remove(path)
