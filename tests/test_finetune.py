@@ -1,5 +1,6 @@
 """Fine-tuning (init-from) and the weights-only export."""
 
+import hashlib
 import json
 import os
 import pickle
@@ -212,6 +213,15 @@ def test_init_from_refusals(case, tiny_run, exported, tmp_path):
     tok.unsaved = (200, 'x')
     tokenizer.save(source, tok)
     assert info['vocab_size'] == 300
+    # Signed as if exported so: the checksums alone would refuse it.
+    for name in ('tokenizer.model', 'tokenizer.json'):
+      data = open(os.path.join(source, name), 'rb').read()
+      info['files'][name] = {
+        'size': len(data),
+        'sha256': hashlib.sha256(data).hexdigest(),
+      }
+    with open(os.path.join(source, 'export.json'), 'w') as f:
+      json.dump(info, f)
     match = r'tokenizer has \d+ pieces but the weights. embedding has 300'
   else:  # A run from scratch cannot become a fine-tune run.
     out = tmp_path / 'scratch'

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import io
 import pickle
+import zlib
 
 from src.core.errors import UserError
 
@@ -36,10 +37,60 @@ _ALLOWED = {
 }
 
 
+# A checkpoint's metadata pickle holds small arrays only (the weights and
+# optimizer slots are separate NumPy files): larger ones are refused before
+# they are allocated, as is a pickle that decompresses to more than this.
+MAX_ARRAY_ELEMENTS = 1 << 24
+MAX_PICKLE_BYTES = 256 * 1024 * 1024
+
+
+def _elements(shape) -> int:
+  shape = (shape,) if isinstance(shape, int) else tuple(shape)
+  n = 1
+  for d in shape:
+    if not isinstance(d, int) or d < 0:
+      raise pickle.UnpicklingError(f'array shape {shape!r} is not a shape')
+    n *= d
+  return n
+
+
+def _bounded(shape):
+  if _elements(shape) > MAX_ARRAY_ELEMENTS:
+    raise pickle.UnpicklingError(
+      f'an array of {_elements(shape):,} elements, more than a checkpoint holds'
+    )
+
+
+class _NdarrayName:
+  """What `numpy.ndarray` resolves to: allocation bounded by the shape."""
+
+  def __new__(cls, shape, *args, **kwargs):
+    import numpy as np
+
+    _bounded(shape)
+    return np.ndarray(shape, *args, **kwargs)
+
+
+def _bounded_reconstruct(real):
+  def reconstruct(subtype, shape, dtype):
+    import numpy as np
+
+    _bounded(shape)
+    return real(
+      np.ndarray if subtype is _NdarrayName else subtype, shape, dtype
+    )
+
+  return reconstruct
+
+
 class SafeUnpickler(pickle.Unpickler):
   """Unpickles only the types a Trax checkpoint is made of."""
 
   def find_class(self, module, name):
+    if (module, name) == ('numpy', 'ndarray'):
+      return _NdarrayName
+    if name == '_reconstruct' and (module, name) in _ALLOWED:
+      return _bounded_reconstruct(super().find_class(module, name))
     if (module, name) in _ALLOWED or (
       module == 'numpy.dtypes' and name.endswith('DType')
     ):
@@ -61,6 +112,10 @@ def safe_load(data: bytes, path: str = 'checkpoint'):
     ValueError,
     TypeError,
     IndexError,
+    KeyError,
+    OverflowError,
+    MemoryError,
+    RecursionError,
   ) as e:
     raise UserError(
       f'{path}: not a readable Trax checkpoint ({e}); delete '
@@ -69,14 +124,25 @@ def safe_load(data: bytes, path: str = 'checkpoint'):
 
 
 def read_pickle(path: str, gzipped: bool = True):
-  with open(path, 'rb') as f:
-    data = f.read()
-  if gzipped:
+  """The object in a checkpoint pickle: a regular file, decompressed to at
+  most MAX_PICKLE_BYTES, unpickled with `SafeUnpickler`."""
+  from src.core import files
+
+  if not gzipped:
+    return safe_load(files.read_regular(path, MAX_PICKLE_BYTES), path)
+  with files.open_regular(path, MAX_PICKLE_BYTES) as raw:
     try:
-      data = gzip.decompress(data)
-    except (OSError, EOFError) as e:
+      with gzip.GzipFile(fileobj=raw) as f:
+        data = f.read(MAX_PICKLE_BYTES + 1)
+    except (OSError, EOFError, zlib.error) as e:
       raise UserError(
         f'{path}: damaged ({e}); delete it to start over, or '
         'restore it from a backup'
       ) from None
+  if len(data) > MAX_PICKLE_BYTES:
+    raise UserError(
+      f'{path}: decompresses to more than {MAX_PICKLE_BYTES >> 20} MB, '
+      'more than a checkpoint holds; the file is damaged or not a '
+      'checkpoint: delete it to start over, or restore it from a backup'
+    )
   return safe_load(data, path)

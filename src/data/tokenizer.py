@@ -15,6 +15,7 @@ import io
 import itertools
 import json
 import os
+import re
 
 import numpy as np
 import sentencepiece as spm
@@ -39,6 +40,9 @@ def data_fingerprint(conversations) -> str:
     h.update(turn.text.encode('utf-8'))
     h.update(b'\n')
   return h.hexdigest()
+
+
+_CONTROL = re.compile('[\x00-\x08\x0b-\x1f\x7f-\x9f]')
 
 
 class Tokenizer:
@@ -72,7 +76,10 @@ class Tokenizer:
     return self.sp.encode(text)
 
   def decode(self, ids) -> str:
-    return self.sp.decode([int(i) for i in ids if int(i) != PAD_ID])
+    """The text of `ids`; control characters (a byte-fallback piece can
+    make ESC) come out escaped (`\\x1b`), never as terminal commands."""
+    text = self.sp.decode([int(i) for i in ids if int(i) != PAD_ID])
+    return _CONTROL.sub(lambda m: f'\\x{ord(m.group()):02x}', text)
 
   def encode_turn(self, turn: chatformat.Turn) -> list[int]:
     """User turn: its text. AI turn: start marker, text, end marker."""

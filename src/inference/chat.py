@@ -48,6 +48,9 @@ class Turn:
   ids: list[int]  # As fed to the model (AI turns include both markers).
 
 
+# /load reads at most this much: far more text than a context holds.
+MAX_LOAD_BYTES = 8 * 1024 * 1024
+
 # Fed before the first turn of every context (see the module docstring).
 START = [tokenizer.EOS_ID]
 
@@ -264,6 +267,13 @@ class ChatSession:
   def load(self, path: str):
     if not os.path.isfile(path):
       raise UserError(f'{path}: no such file')
+    size = os.path.getsize(path)
+    if size > MAX_LOAD_BYTES:
+      raise UserError(
+        f'{path}: {size / 2**20:.0f} MB; /load reads at most '
+        f'{MAX_LOAD_BYTES >> 20} MB (the context keeps only its last '
+        f'{self.decoder.max_len} tokens): load the end of the conversation'
+      )
     try:
       convs = chatformat.read_file(path, markers=self.markers)
     except OSError as e:

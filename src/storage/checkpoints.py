@@ -30,9 +30,28 @@ WEIGHTS = rundir.WEIGHTS
 def read_meta(model_dir: str) -> dict | None:
   """The checkpoint's metadata (step, history, ...), or None if absent."""
   path = os.path.join(model_dir, CHECKPOINT)
-  if not os.path.exists(path):
+  if not os.path.lexists(path):
     return None
-  return read_pickle(path)
+  meta = read_pickle(path)
+  problem = None
+  if not isinstance(meta, dict):
+    problem = f'it holds a {type(meta).__name__}, not a dict'
+  elif not _is_int(meta.get('step')) or meta['step'] < 0:
+    problem = f'its step is {meta.get("step")!r}'
+  elif not _is_int(meta.get('flat_weights')):
+    problem = 'it has no flat_weights setting'
+  if problem:
+    raise UserError(
+      f'{path}: not a Trax checkpoint ({problem}); delete the model.* '
+      'files to start over, or copy the folder again'
+    )
+  return meta
+
+
+def _is_int(value) -> bool:
+  import numpy as np
+
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def latest_step(model_dir: str) -> int:
@@ -65,20 +84,89 @@ def weight_key(i: int) -> str:
 def read_export_meta(folder: str) -> dict:
   """`export.json`, or a UserError naming what is wrong with it."""
   path = os.path.join(folder, EXPORT_META)
+  meta = files.read_json(path)
   try:
-    with open(path, encoding='utf-8') as f:
-      meta = json.load(f)
+    if not isinstance(meta, dict):
+      raise TypeError('not a JSON object')
     if meta.get('format') != EXPORT_FORMAT:
       raise ValueError(f'format is {meta.get("format")!r}')
-    int(meta['step'])
-    int(meta['n_arrays'])
-    dict(meta['files'])
-  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    if not _is_int(meta.get('step')) or meta['step'] < 0:
+      raise ValueError(f'step is {meta.get("step")!r}')
+    n = meta.get('n_arrays')
+    if not _is_int(n) or not 0 < n <= MAX_ARRAYS:
+      raise ValueError(f'n_arrays is {n!r}')
+    _check_listing(meta.get('files'))
+  except (ValueError, KeyError, TypeError) as e:
     raise UserError(
       f'{path}: damaged ({type(e).__name__}: {e}); it must be the JSON '
       'that python -m src.apps.export wrote (download the model again)'
     ) from None
   return meta
+
+
+MAX_ARRAYS = 100_000  # Weight arrays a model may have.
+EXPORT_DTYPES = {'F32', 'F16', 'F64', 'I32', 'I64'}  # What an export holds.
+
+
+def _check_listing(listing):
+  """A manifest's or export.json's `files`: name -> {size, sha256}."""
+  if not isinstance(listing, dict):
+    raise TypeError(f'files is a {type(listing).__name__}, not an object')
+  for name, want in listing.items():
+    if not (
+      isinstance(want, dict)
+      and _is_int(want.get('size'))
+      and want['size'] >= 0
+      and isinstance(want.get('sha256'), str)
+    ):
+      raise ValueError(f'the entry of {name!r} is not {{size, sha256}}')
+    if os.path.basename(name) != name or name in ('.', '..'):
+      raise ValueError(f'{name!r} is not a file name')
+
+
+def _check_file(path: str, want: dict) -> str:
+  """'' if `path` is a regular file of the listed size and checksum, else
+  what is wrong."""
+  if not os.path.lexists(path):
+    return f'{os.path.basename(path)} is missing'
+  if os.path.islink(path) or not os.path.isfile(path):
+    return f'{os.path.basename(path)} is not a regular file'
+  size = os.path.getsize(path)
+  if size != want['size']:
+    return f'{os.path.basename(path)} has {size} bytes, not {want["size"]}'
+  if _sha256(path) != want['sha256']:
+    return f'{os.path.basename(path)} does not match its checksum'
+  return ''
+
+
+def _safetensors_header(path: str, n: int) -> None:
+  """Checks the header of an export's weights before they are read: `n`
+  arrays, dtypes an export holds, offsets that cover the file exactly."""
+  import struct
+
+  with files.open_regular(path, 1 << 40) as f:
+    head = f.read(8)
+    size = os.fstat(f.fileno()).st_size
+    length = struct.unpack('<Q', head)[0] if len(head) == 8 else -1
+    if not 2 <= length <= min(size - 8, 64 * files.MB):
+      raise ValueError('no safetensors header')
+    header = files.parse_json(f.read(length).decode('utf-8'), path)
+  if not isinstance(header, dict):
+    raise ValueError('the header is not an object')
+  header.pop('__metadata__', None)
+  if len(header) != n:
+    raise ValueError(f'{len(header)} arrays, export.json says {n}')
+  end = 0
+  for name, entry in header.items():
+    dtype = entry.get('dtype') if isinstance(entry, dict) else None
+    if dtype not in EXPORT_DTYPES:
+      raise ValueError(f'{name} has dtype {dtype!r}; an export holds F32')
+    offsets = entry.get('data_offsets')
+    if not (isinstance(offsets, list) and len(offsets) == 2):
+      raise ValueError(f'{name} has no data_offsets')
+    end = max(end, *offsets)
+  if 8 + length + end != size:
+    raise ValueError('its arrays do not cover the file exactly')
 
 
 def read_export(folder: str) -> tuple[list, dict]:
@@ -88,22 +176,31 @@ def read_export(folder: str) -> tuple[list, dict]:
 
   meta = read_export_meta(folder)
   path = os.path.join(folder, EXPORT_WEIGHTS)
-  want = meta['files'].get(EXPORT_WEIGHTS, {})
-  if not os.path.isfile(path):
-    raise UserError(f'{path}: missing; the exported model is incomplete')
-  size = os.path.getsize(path)
-  if size != want.get('size') or _sha256(path) != want.get('sha256'):
-    raise UserError(
-      f'{path}: damaged or truncated ({size} bytes; export.json lists '
-      f'{want.get("size")} bytes and another checksum); download the model '
-      'again'
-    )
-  with open(path, 'rb') as f:
-    data = f.read()
+  listing = meta['files']
+  for name in (EXPORT_WEIGHTS, rundir.TOKENIZER_MODEL, rundir.TOKENIZER_INFO):
+    if name not in listing:
+      raise UserError(
+        f'{os.path.join(folder, EXPORT_META)}: does not list {name}; '
+        'download the model again'
+      )
+  for name, want in listing.items():
+    problem = _check_file(os.path.join(folder, name), want)
+    if problem:
+      raise UserError(
+        f'{os.path.join(folder, name)}: damaged or truncated ({problem}; '
+        'export.json lists every file with its size and SHA-256); '
+        'download the model again'
+      )
+  n = int(meta['n_arrays'])
   try:
-    arrays = load(data)
-  except (SafetensorError, ValueError, OSError) as e:
-    raise UserError(f'{path}: not a readable safetensors file ({e})') from None
+    _safetensors_header(path, n)
+    with files.open_regular(path, 1 << 40) as f:
+      arrays = load(f.read())
+  except (SafetensorError, ValueError, OSError, UnicodeDecodeError) as e:
+    raise UserError(
+      f'{path}: not a weights file an export holds ({e}); download the '
+      'model again'
+    ) from None
   n = int(meta['n_arrays'])
   keys = [weight_key(i) for i in range(n)]
   if sorted(arrays) != keys:
@@ -285,13 +382,29 @@ def _write_json(path: str, obj):
   os.replace(tmp, path)
 
 
-def read_manifest(folder: str) -> dict | None:
-  """`model.manifest.json` of a checkpoint folder, or None."""
+def _manifest(path: str) -> dict | None:
+  """A manifest with the shape `seal` writes, else None."""
+  manifest = files.read_json(path)
   try:
-    with open(os.path.join(folder, MANIFEST), encoding='utf-8') as f:
-      manifest = json.load(f)
-    return manifest if isinstance(manifest, dict) else None
-  except (OSError, ValueError):
+    if not isinstance(manifest, dict):
+      return None
+    if not _is_int(manifest.get('step')) or manifest['step'] < 0:
+      return None
+    tokens = manifest.get('tokens', 0)
+    if tokens is not None and not _is_int(tokens):
+      return None
+    _check_listing(manifest.get('files'))
+  except (ValueError, TypeError):
+    return None
+  return manifest
+
+
+def read_manifest(folder: str) -> dict | None:
+  """`model.manifest.json` of a checkpoint folder, or None (missing or not
+  what `seal` writes)."""
+  try:
+    return _manifest(os.path.join(folder, MANIFEST))
+  except (OSError, UserError):
     return None
 
 
@@ -309,7 +422,7 @@ def snapshots(out_dir: str) -> list[tuple[int, str]]:
 def seal(out_dir: str, step: int, keep: int = 2, extra: dict | None = None):
   """Records the checkpoint Trax just wrote (see above) and keeps `keep`.
   `extra`: more facts for the manifest (e.g. `tokens` trained on)."""
-  files = checkpoint_files(out_dir)
+  names = checkpoint_files(out_dir)
   manifest = {
     **(extra or {}),
     'step': int(step),
@@ -318,7 +431,7 @@ def seal(out_dir: str, step: int, keep: int = 2, extra: dict | None = None):
         'size': os.path.getsize(os.path.join(out_dir, n)),
         'sha256': _sha256(os.path.join(out_dir, n)),
       }
-      for n in files
+      for n in names
     },
   }
   root = os.path.join(out_dir, SNAPSHOTS)
@@ -328,7 +441,7 @@ def seal(out_dir: str, step: int, keep: int = 2, extra: dict | None = None):
       files.remove_inside(os.path.join(root, name), out_dir)
   tmp = os.path.join(root, f'.tmp-step-{step}-{os.getpid()}')
   os.makedirs(tmp)
-  for n in files:
+  for n in names:
     try:
       os.link(os.path.join(out_dir, n), os.path.join(tmp, n))
     except OSError:  # A file system without hard links.
@@ -348,12 +461,12 @@ def _check(folder: str, only=None) -> tuple[dict | None, str]:
   the weights needs no optimizer slots)."""
   path = os.path.join(folder, MANIFEST)
   try:
-    with open(path, encoding='utf-8') as f:
-      manifest = json.load(f)
-    files = manifest['files']
-    int(manifest['step'])
-  except (OSError, ValueError, KeyError, TypeError):
+    manifest = _manifest(path)
+  except (OSError, UserError):
     return None, f'{path} is missing or damaged'
+  if manifest is None:
+    return None, f'{path} is missing or damaged'
+  files = manifest['files']
   present = set(checkpoint_files(folder))
   if only is not None:
     if not set(only) <= set(files) & present:
@@ -362,11 +475,9 @@ def _check(folder: str, only=None) -> tuple[dict | None, str]:
   elif set(files) != present or CHECKPOINT not in files:
     return None, 'its files are not the ones the manifest lists'
   for name, want in files.items():
-    p = os.path.join(folder, name)
-    if os.path.getsize(p) != want.get('size'):
-      return None, f'{name} has {os.path.getsize(p)} bytes, not {want["size"]}'
-    if _sha256(p) != want.get('sha256'):
-      return None, f'{name} does not match its checksum'
+    problem = _check_file(os.path.join(folder, name), want)
+    if problem:
+      return None, problem
   return manifest, ''
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import shutil
@@ -50,17 +49,25 @@ def _last_eval(meta: dict) -> tuple[int, float] | None:
     values = meta['history']['_values']['eval']['metrics/loss']
     step, loss = values[-1]
     return int(step), float(loss)
-  except (KeyError, IndexError, TypeError, ValueError):
+  except (KeyError, IndexError, TypeError, ValueError, AttributeError):
     return None
 
 
 def _run_settings(run_dir: str) -> dict:
   path = os.path.join(run_dir, rundir.SETTINGS)
   try:
-    with open(path, encoding='utf-8') as f:
-      return dict(json.load(f)['train'])
-  except (OSError, ValueError, KeyError, TypeError):
+    return dict(files.read_json(path)['train'])
+  except (OSError, UserError, ValueError, KeyError, TypeError):
     return {}
+
+
+def _md_code(value, limit: int = 120) -> str:
+  """`value` as the inside of a Markdown code span in a table cell: one
+  line, no backticks, pipes escaped, at most `limit` characters. Text from
+  a run folder never becomes links or instructions in a model card."""
+  text = ''.join(c if c.isprintable() else ' ' for c in str(value))
+  text = text.replace('`', "'")[:limit]
+  return text.replace('|', '\\|')
 
 
 def _folder_size(folder: str, names=None) -> int:
@@ -211,7 +218,7 @@ A ReformerLM chat model exported from a Jade V8 training run at step
 
 | | |
 |---|---|
-| trained on | `{info['trained_on']}` ({
+| trained on | `{_md_code(info['trained_on'])}` ({
     f'{tokens:,} tokens with loss' if tokens else 'token count not recorded'
   }) |
 | quality | {quality} |
@@ -220,7 +227,7 @@ A ReformerLM chat model exported from a Jade V8 training run at step
 {m['n_heads']} heads, {setup.attention_text} ({a.get('n_hashes', '-')} hashes) |
 | weights | {info['n_weights']:,} ({info['n_arrays']} arrays) |
 | vocabulary | {info['vocab_size']} sentencepiece pieces |
-| markers | `{'`, `'.join(info['markers'])}` |
+| markers | `{'`, `'.join(_md_code(m, 40) for m in info['markers'])}` |
 
 ## Chat with it
 
@@ -243,5 +250,5 @@ optimizer and schedule come from `gin/finetune.gin`.
 - `model.gin`: the model's settings, read as data (only `Name.setting =
   value` lines of known settings are accepted).
 - `export.json`: step, sizes, package versions and the SHA-256 of every
-  file; Jade V8 checks the weights against it before loading them.
+  file; Jade V8 checks every file against it before loading any.
 """

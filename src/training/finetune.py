@@ -148,6 +148,13 @@ def plan(settings, out_dir: str) -> Plan | None:
     UserError: `init-from` for an out-dir that already holds a run
       trained from scratch, or any problem with the pretrained model.
   """
+  given = settings['init-from']
+  if given and os.path.realpath(given) == os.path.realpath(out_dir):
+    raise UserError(
+      f'init-from and out-dir are the same folder ({out_dir!r}): a '
+      'fine-tune run starts from one model and writes into a new folder; '
+      'give another --out-dir'
+    )
   record = read_record(out_dir)
   if checkpoints.exists(out_dir):
     if record is None:
