@@ -111,3 +111,23 @@ def copy_of(tmp_path):
     return str(dst)
 
   return copy
+
+
+FINETUNE_GIN = os.path.join(ROOT, 'gin', 'finetune.gin')
+
+
+def finetune_settings(out, source, **kw):
+  values = {'init-from': source, 'gin': FINETUNE_GIN, 'steps': 2}
+  values.update(kw)
+  return train_settings(out, **values)
+
+
+@pytest.fixture(scope='session')
+def exported(tiny_run, tmp_path_factory):
+  """A weights-only export of the shared tiny run."""
+  from src.storage import export
+
+  out = str(tmp_path_factory.mktemp('export') / 'model')
+  lines = []
+  info = export.export(tiny_run['out'], out, log=lines.append)
+  return {'dir': out, 'info': info, 'log': lines}

@@ -18,27 +18,14 @@ from src.inference import decoding
 from src.storage import checkpoints, export
 from src.training import finetune, trainer
 
-from .conftest import DATA, ROOT, train_settings
-
-FINETUNE_GIN = os.path.join(ROOT, 'gin', 'finetune.gin')
+from .conftest import (
+  DATA,
+  finetune_settings,
+)
 
 
 def flat_weights(layer):
   return [np.asarray(w) for w in jax.tree_util.tree_leaves(layer.weights)]
-
-
-def finetune_settings(out, source, **kw):
-  values = {'init-from': source, 'gin': FINETUNE_GIN, 'steps': 2}
-  values.update(kw)
-  return train_settings(out, **values)
-
-
-@pytest.fixture(scope='module')
-def exported(tiny_run, tmp_path_factory):
-  out = str(tmp_path_factory.mktemp('export') / 'model')
-  lines = []
-  info = export.export(tiny_run['out'], out, log=lines.append)
-  return {'dir': out, 'info': info, 'log': lines}
 
 
 @pytest.fixture(scope='module')

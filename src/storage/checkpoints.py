@@ -11,6 +11,7 @@ routes Trax's own loader through it.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ import re
 import shutil
 import sys
 import tempfile
+import zlib
 
 from src.core import files, rundir
 from src.core.errors import UserError
@@ -169,7 +171,13 @@ def _safetensors_header(path: str, n: int) -> None:
     raise ValueError('its arrays do not cover the file exactly')
 
 
-def read_export(folder: str) -> tuple[list, dict]:
+def _memory_available() -> int:
+  import psutil
+
+  return int(psutil.virtual_memory().available)
+
+
+def read_export(folder: str, max_bytes: int | None = None):
   """The flat weight arrays of an export and its metadata."""
   from safetensors import SafetensorError
   from safetensors.numpy import load
@@ -183,6 +191,13 @@ def read_export(folder: str) -> tuple[list, dict]:
         f'{os.path.join(folder, EXPORT_META)}: does not list {name}; '
         'download the model again'
       )
+  limit = max_bytes or _memory_available()
+  if os.path.isfile(path) and os.path.getsize(path) > limit:
+    raise UserError(
+      f'{path}: {os.path.getsize(path) / 2**20:.0f} MB, more than the '
+      f'{limit / 2**20:.0f} MB of weights its model.gin describes; the '
+      'export is damaged or not this model: download it again'
+    )
   for name, want in listing.items():
     problem = _check_file(os.path.join(folder, name), want)
     if problem:
@@ -211,13 +226,20 @@ def read_export(folder: str) -> tuple[list, dict]:
   return [arrays[k] for k in keys], meta
 
 
-def read_weights(model_dir: str) -> tuple[list, int]:
-  """The flat weight arrays and training step of a run folder (its latest
+def weight_bytes_limit(n_weights: int) -> int:
+  """Bytes of weight files a model of `n_weights` weights may need (float32,
+  plus a margin for the count being an estimate and for headers)."""
+  return int(n_weights * 4 * 1.5) + (1 << 20)
+
+
+def read_weights(model_dir: str, max_bytes: int | None = None):
+  """`(flat weight arrays, training step)` of a run folder (its latest
   intact checkpoint) or an export; nothing is unpickled but the run's
-  checkpoint metadata, through `SafeUnpickler`."""
+  checkpoint metadata, through `SafeUnpickler`. More than `max_bytes` of
+  weights (see `weight_bytes_limit`) is refused before it is read."""
 
   if is_export(model_dir):
-    flat, meta = read_export(model_dir)
+    flat, meta = read_export(model_dir, max_bytes)
     return flat, int(meta['step'])
   _, folder, problem = verify(model_dir, only=(CHECKPOINT, WEIGHTS))
   if folder is None:
@@ -231,24 +253,65 @@ def read_weights(model_dir: str) -> tuple[list, int]:
       f'the intact one in {folder}',
       file=sys.stderr,
     )
-  return read_checkpoint_weights(folder)
+  return read_checkpoint_weights(folder, max_bytes)
 
 
-def read_checkpoint_weights(folder: str) -> tuple[list, int]:
-  """The flat weight arrays and step of the checkpoint in `folder`, a
-  folder `verify` has already found intact."""
+def _read_npy_stream(path: str, compressed_size: int, max_bytes: int) -> list:
+  """The arrays of a gzipped stream of .npy records (Trax's weights file),
+  each header checked before its data is read: no object arrays, and at
+  most `max_bytes` in all (a small file cannot claim a huge array)."""
+  import numpy as np
+  from numpy.lib import format as npy
+
+  out, total = [], 0
+  with files.open_regular(path, compressed_size) as raw:
+    with gzip.GzipFile(fileobj=raw) as f:
+      while True:
+        try:
+          version = npy.read_magic(f)
+        except ValueError:  # The end of the stream.
+          break
+        if version == (1, 0):
+          shape, fortran, dtype = npy.read_array_header_1_0(f)
+        else:
+          shape, fortran, dtype = npy.read_array_header_2_0(f)
+        if dtype.hasobject:
+          raise ValueError('an array of Python objects')
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        total += nbytes
+        if total > max_bytes or len(out) >= MAX_ARRAYS:
+          raise ValueError(
+            f'more than the {max_bytes / 2**20:.0f} MB of weights the '
+            'model needs'
+          )
+        data = f.read(nbytes)
+        if len(data) != nbytes:
+          raise ValueError('truncated')
+        array = np.frombuffer(data, dtype).reshape(
+          shape, order='F' if fortran else 'C'
+        )
+        out.append(array)
+  return out
+
+
+def read_checkpoint_weights(folder: str, max_bytes: int | None = None):
+  """`(flat weight arrays, step)` of the checkpoint in `folder`, a folder
+  `verify` has already found intact."""
   import jax
   import numpy as np
-  from trax import layers as tl
 
   meta = read_meta(folder)
   path = os.path.join(folder, WEIGHTS)
   if not os.path.exists(path):
     raise UserError(f'{path}: missing; the checkpoint is incomplete')
+  limit = max_bytes or _memory_available()
   try:
-    flat = tl.np_from_file(path, compresslevel=meta['flat_weights'])
-  except (OSError, EOFError, ValueError) as e:
-    raise UserError(f'{path}: damaged ({e})') from None
+    flat = _read_npy_stream(path, os.path.getsize(path), limit)
+  except (OSError, EOFError, ValueError, zlib.error) as e:
+    raise UserError(
+      f'{path}: damaged or not the weights of this model ({e}); copy the '
+      'folder again'
+    ) from None
   flat = [
     np.asarray(jax.lax.bitcast_convert_type(w, jax.numpy.bfloat16))
     if w.dtype == np.uint16
@@ -332,7 +395,14 @@ def load_weights(model_dir: str, layer, input_signature):
   Returns:
     The training step of the weights.
   """
-  flat, step = read_weights(model_dir)
+  import jax
+  import numpy as np
+
+  expected = jax.tree_util.tree_leaves(
+    layer.weights_and_state_signature(input_signature, unsafe=True)[0]
+  )
+  n = sum(int(np.prod(e.shape)) for e in expected)
+  flat, step = read_weights(model_dir, weight_bytes_limit(n))
   set_weights(model_dir, layer, input_signature, flat)
   return step
 

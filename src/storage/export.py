@@ -26,7 +26,7 @@ import numpy as np
 from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import ginconf, reformer
+from src.model import ginconf, preflight, reformer
 from src.storage import checkpoints
 
 PACKAGES = ('trax', 'jax', 'jaxlib', 'sentencepiece', 'safetensors', 'numpy')
@@ -121,10 +121,13 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
     what = 'is a link' if os.path.islink(out_dir) else 'exists'
     raise UserError(f'{out_dir} {what}; choose a new folder for the export')
   folder = _choose(run_dir, step)
-  flat, step = checkpoints.read_checkpoint_weights(folder)  # Verified.
-  meta = checkpoints.read_meta(folder) or {}
   tok = tokenizer.load(run_dir)
   model_text, _, setup = ginconf.read_model_settings(run_dir, run_dir)
+  limit = checkpoints.weight_bytes_limit(
+    preflight.count_weights(setup, tok.vocab_size)
+  )
+  flat, step = checkpoints.read_checkpoint_weights(folder, limit)  # Verified.
+  meta = checkpoints.read_meta(folder) or {}
   # bfloat16 weights are stored as float32 (exact), so any reader can
   # load them.
   flat = [
