@@ -494,3 +494,13 @@ def test_full_attention_model_trains_samples_and_chats(tmp_path, capsys):
   d = decoding.Decoder.load(str(out))
   s = session(d, out=io.StringIO(), temperature=0.0, max_new_tokens=5)
   assert isinstance(s.reply('Hello there'), str)
+
+
+def test_load_refuses_a_file_larger_than_a_context_could_use(decoder, tmp_path):
+  big = tmp_path / 'big.txt'
+  with open(big, 'wb') as f:
+    f.truncate(chat.MAX_LOAD_BYTES + 1)  # Sparse: nothing is written.
+  s = session(decoder)
+  with pytest.raises(UserError, match='/load reads at most 8 MB'):
+    s.load(str(big))
+  assert s.turns == []

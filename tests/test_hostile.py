@@ -356,7 +356,7 @@ def test_weights_files_claiming_more_than_the_model_are_refused(
   with gzip.open(path, 'wb') as f:
     f.write(buffer.getvalue())  # Magic and header, then no data.
   with pytest.raises(ValueError, match='MB of weights the model needs'):
-    checkpoints._read_npy_stream(str(path), path.stat().st_size, 1 << 20)
+    safe_pickle.read_npy_stream(str(path), path.stat().st_size, 1 << 20)
   # A 10 GB sparse safetensors file listed with its size: refused by its
   # size, before its checksum is computed or a byte is read.
   folder = str(tmp_path / 'model')
@@ -368,3 +368,55 @@ def test_weights_files_claiming_more_than_the_model_are_refused(
   json.dump(meta, open(os.path.join(folder, 'export.json'), 'w'))
   with pytest.raises(UserError, match='more than the .* MB of weights'):
     decoding.load_run(folder, 'eval')
+
+
+@pytest.mark.parametrize(
+  'binding, match',
+  [
+    ('ReformerLM.pos_axial_shape = 5', 'pos_axial_shape = 5 must be a tuple'),
+    ('LSHSelfAttention.chunk_len = 0', 'chunk_len = 0 must be a whole'),
+    ("LSHSelfAttention.n_buckets = 'x'", "n_buckets = 'x' must be a whole"),
+    ("ReformerLM.n_heads = 'x'", "n_heads = 'x' must be a whole"),
+    (
+      'ReformerLM.ff_activation = @trax.optimizers.Adam',
+      'ff_activation = @Adam must be one of',
+    ),
+    (
+      'ReformerLM.attention_type = @trax.layers.Relu',
+      'attention_type = @Relu must be @SelfAttention',
+    ),
+    (
+      'LSHSelfAttention.predict_mem_len = 10000000000',
+      'predict_mem_len = 10000000000 must be a whole number',
+    ),
+  ],
+)
+def test_model_settings_of_the_wrong_type_or_range_are_one_line(binding, match):
+  from src.model import ginconf
+
+  text = open(os.path.join(ROOT, 'gin', 'tiny.gin')).read()
+  with pytest.raises(UserError, match=match):
+    ginconf.parse_text(text + '\n' + binding + '\n', 'model.gin')
+  ginconf.parse_text(text, 'model.gin')  # The shipped settings pass.
+
+
+def test_resuming_checks_the_checkpoint_trax_reads(tiny_run, copy_of):
+  """Trax's Loop reads the metadata pickle and the weight files itself
+  when resuming: through the same checks (shape of the metadata, NumPy
+  headers before data)."""
+  import trax.layers
+
+  from src.runtime.trax_patches import checkpoint_io
+
+  out = copy_of(tiny_run['out'])
+  path = os.path.join(out, 'model.pkl.gz')
+  with gzip.open(path, 'wb') as f:
+    pickle.dump([1, 2], f)
+  with pytest.raises(UserError, match='holds a list, not a dict'):
+    checkpoint_io._trax_unpickle_from_file(path, gzip=True)
+  assert trax.layers.np_from_file is safe_pickle.np_from_file
+  weights = os.path.join(out, 'model.weights.npy.gz')
+  with open(weights, 'r+b') as f:
+    f.truncate(os.path.getsize(weights) // 2)
+  with pytest.raises(UserError, match='damaged or not the weights'):
+    trax.layers.np_from_file(weights, compresslevel=2)

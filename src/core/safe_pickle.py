@@ -146,3 +146,102 @@ def read_pickle(path: str, gzipped: bool = True):
       'checkpoint: delete it to start over, or restore it from a backup'
     )
   return safe_load(data, path)
+
+
+def read_npy_stream(path: str, compressed_size: int, max_bytes: int) -> list:
+  """The arrays of a gzipped stream of .npy records (Trax's weights file),
+  each header checked before its data is read: no object arrays, and at
+  most `max_bytes` in all (a small file cannot claim a huge array)."""
+  import numpy as np
+  from numpy.lib import format as npy
+
+  out, total = [], 0
+  from src.core import files
+
+  with files.open_regular(path, compressed_size) as raw:
+    with gzip.GzipFile(fileobj=raw) as f:
+      while True:
+        try:
+          version = npy.read_magic(f)
+        except ValueError:  # The end of the stream.
+          break
+        if version == (1, 0):
+          shape, fortran, dtype = npy.read_array_header_1_0(f)
+        else:
+          shape, fortran, dtype = npy.read_array_header_2_0(f)
+        if dtype.hasobject:
+          raise ValueError('an array of Python objects')
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        total += nbytes
+        if total > max_bytes or len(out) >= 100_000:
+          raise ValueError(
+            f'more than the {max_bytes / 2**20:.0f} MB of weights the '
+            'model needs'
+          )
+        data = f.read(nbytes)
+        if len(data) != nbytes:
+          raise ValueError('truncated')
+        array = np.frombuffer(data, dtype).reshape(
+          shape, order='F' if fortran else 'C'
+        )
+        out.append(array)
+  return out
+
+
+def _int(value) -> bool:
+  import numpy as np
+
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_meta(meta, path: str):
+  """`meta` if it has the shape of a Trax checkpoint's metadata (the keys
+  Trax's `Loop` reads, of the types it reads them as), else a UserError."""
+  problem = None
+  if not isinstance(meta, dict):
+    problem = f'it holds a {type(meta).__name__}, not a dict'
+  elif not _int(meta.get('step')) or meta['step'] < 0:
+    problem = f'its step is {meta.get("step")!r}'
+  elif not _int(meta.get('flat_weights')):
+    problem = 'it has no flat_weights setting'
+  elif not isinstance(meta.get('history', {}), dict):
+    problem = 'its history is not a dict'
+  elif not (
+    _int(meta.get('slots_per_task', 0))
+    or isinstance(meta.get('slots_per_task'), (list, tuple))
+  ):
+    problem = 'its slots_per_task is neither a number nor a list'
+  elif not isinstance(meta.get('flat_state', ()), (list, tuple)):
+    problem = 'its flat_state is not a list'
+  if problem:
+    raise UserError(
+      f'{path}: not a Trax checkpoint ({problem}); delete the model.* '
+      'files to start over, or copy the folder again'
+    )
+  return meta
+
+
+def memory_available() -> int:
+  import psutil
+
+  return int(psutil.virtual_memory().available)
+
+
+def np_from_file(file_path, compresslevel):
+  """Trax's `np_from_file` (weights and optimizer slots of a checkpoint),
+  reading each NumPy header before its data: at most the memory this
+  machine has available, and a damaged file is a UserError."""
+  import os
+
+  del compresslevel
+  if not os.path.lexists(file_path):
+    raise FileNotFoundError(file_path)
+  try:
+    return read_npy_stream(
+      file_path, os.path.getsize(file_path), memory_available()
+    )
+  except (OSError, EOFError, ValueError, zlib.error) as e:
+    raise UserError(
+      f'{file_path}: damaged or not the weights of this model ({e}); delete '
+      'the model.* files to start over, or copy the folder again'
+    ) from None

@@ -202,14 +202,28 @@ def check_model(setup, vocab_size: int, what: str):
   whose weights (read, then set into the model: twice their size) and
   the running baseline do not fit this device. `what` names the folder."""
   n = count_weights(setup, vocab_size)
-  need = 2 * 4 * n + BASELINE
+  need = 2 * 4 * n + predict_memory(setup) + BASELINE
   limit, where = device_limit()
   if need > limit:
     raise UserError(
-      f'{what}: its model.gin describes {n:,} weights, about {gb(need)} to '
-      f'load, but {where}; use a machine with more memory, or check that '
-      'the folder is the model you meant'
+      f'{what}: its model.gin describes {n:,} weights and a chat memory of '
+      f'{gb(predict_memory(setup))}, about {gb(need)} to load, but '
+      f'{where}; use a machine with more memory, or check that the folder '
+      'is the model you meant'
     )
+
+
+def predict_memory(setup) -> float:
+  """Bytes of the attention memory decoding keeps: keys and values of
+  `predict_mem_len` positions in every layer and head (float32)."""
+  m = setup.model
+  per_position = m['n_heads'] * (m['d_attention_key'] + m['d_attention_value'])
+  total = 0.0
+  for name in setup.layer_attention or ():
+    settings = setup.attention if 'LSH' in name else (setup.local or {})
+    mem = settings.get('predict_mem_len') or m['max_len']
+    total += 4.0 * mem * per_position
+  return total
 
 
 # ---- Time ----------------------------------------------------------------

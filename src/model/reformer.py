@@ -301,6 +301,8 @@ def _check_value(where: str, name: str, value, rule):
 
 
 def _ints(where, name, value, low, high, length=(1, 8)):
+  if isinstance(value, (list, tuple)) and not value:
+    return  # An empty tuple: no axial positions.
   if not isinstance(value, (list, tuple)) or not (
     length[0] <= len(value) <= length[1]
   ):
@@ -358,15 +360,6 @@ def check_types(model: dict, attention: dict[str, dict], where: str):
         _ints(where, f'{cls}.n_buckets', buckets, 2, 1 << 16, (1, 4))
       else:
         _check_value(where, f'{cls}.n_buckets', buckets, (_INT, 2, 1 << 16))
-    for key in ('predict_mem_len', 'predict_drop_len'):
-      value = settings.get(key)
-      if value is not None and value > model['max_len']:
-        raise _bad(
-          where,
-          f'{cls}.{key}',
-          value,
-          f'at most ReformerLM.max_len ({model["max_len"]})',
-        )
 
 
 def check_settings(model: dict, attention: dict, attention_type, where: str):

@@ -11,7 +11,6 @@ routes Trax's own loader through it.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -21,9 +20,9 @@ import sys
 import tempfile
 import zlib
 
-from src.core import files, rundir
+from src.core import files, rundir, safe_pickle
 from src.core.errors import UserError
-from src.core.safe_pickle import read_pickle
+from src.core.safe_pickle import check_meta, read_npy_stream, read_pickle
 
 CHECKPOINT = rundir.CHECKPOINT
 WEIGHTS = rundir.WEIGHTS
@@ -34,20 +33,7 @@ def read_meta(model_dir: str) -> dict | None:
   path = os.path.join(model_dir, CHECKPOINT)
   if not os.path.lexists(path):
     return None
-  meta = read_pickle(path)
-  problem = None
-  if not isinstance(meta, dict):
-    problem = f'it holds a {type(meta).__name__}, not a dict'
-  elif not _is_int(meta.get('step')) or meta['step'] < 0:
-    problem = f'its step is {meta.get("step")!r}'
-  elif not _is_int(meta.get('flat_weights')):
-    problem = 'it has no flat_weights setting'
-  if problem:
-    raise UserError(
-      f'{path}: not a Trax checkpoint ({problem}); delete the model.* '
-      'files to start over, or copy the folder again'
-    )
-  return meta
+  return check_meta(read_pickle(path), path)
 
 
 def _is_int(value) -> bool:
@@ -171,12 +157,6 @@ def _safetensors_header(path: str, n: int) -> None:
     raise ValueError('its arrays do not cover the file exactly')
 
 
-def _memory_available() -> int:
-  import psutil
-
-  return int(psutil.virtual_memory().available)
-
-
 def read_export(folder: str, max_bytes: int | None = None):
   """The flat weight arrays of an export and its metadata."""
   from safetensors import SafetensorError
@@ -191,7 +171,7 @@ def read_export(folder: str, max_bytes: int | None = None):
         f'{os.path.join(folder, EXPORT_META)}: does not list {name}; '
         'download the model again'
       )
-  limit = max_bytes or _memory_available()
+  limit = max_bytes or safe_pickle.memory_available()
   if os.path.isfile(path) and os.path.getsize(path) > limit:
     raise UserError(
       f'{path}: {os.path.getsize(path) / 2**20:.0f} MB, more than the '
@@ -256,44 +236,6 @@ def read_weights(model_dir: str, max_bytes: int | None = None):
   return read_checkpoint_weights(folder, max_bytes)
 
 
-def _read_npy_stream(path: str, compressed_size: int, max_bytes: int) -> list:
-  """The arrays of a gzipped stream of .npy records (Trax's weights file),
-  each header checked before its data is read: no object arrays, and at
-  most `max_bytes` in all (a small file cannot claim a huge array)."""
-  import numpy as np
-  from numpy.lib import format as npy
-
-  out, total = [], 0
-  with files.open_regular(path, compressed_size) as raw:
-    with gzip.GzipFile(fileobj=raw) as f:
-      while True:
-        try:
-          version = npy.read_magic(f)
-        except ValueError:  # The end of the stream.
-          break
-        if version == (1, 0):
-          shape, fortran, dtype = npy.read_array_header_1_0(f)
-        else:
-          shape, fortran, dtype = npy.read_array_header_2_0(f)
-        if dtype.hasobject:
-          raise ValueError('an array of Python objects')
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        total += nbytes
-        if total > max_bytes or len(out) >= MAX_ARRAYS:
-          raise ValueError(
-            f'more than the {max_bytes / 2**20:.0f} MB of weights the '
-            'model needs'
-          )
-        data = f.read(nbytes)
-        if len(data) != nbytes:
-          raise ValueError('truncated')
-        array = np.frombuffer(data, dtype).reshape(
-          shape, order='F' if fortran else 'C'
-        )
-        out.append(array)
-  return out
-
-
 def read_checkpoint_weights(folder: str, max_bytes: int | None = None):
   """`(flat weight arrays, step)` of the checkpoint in `folder`, a folder
   `verify` has already found intact."""
@@ -304,9 +246,9 @@ def read_checkpoint_weights(folder: str, max_bytes: int | None = None):
   path = os.path.join(folder, WEIGHTS)
   if not os.path.exists(path):
     raise UserError(f'{path}: missing; the checkpoint is incomplete')
-  limit = max_bytes or _memory_available()
+  limit = max_bytes or safe_pickle.memory_available()
   try:
-    flat = _read_npy_stream(path, os.path.getsize(path), limit)
+    flat = read_npy_stream(path, os.path.getsize(path), limit)
   except (OSError, EOFError, ValueError, zlib.error) as e:
     raise UserError(
       f'{path}: damaged or not the weights of this model ({e}); copy the '
