@@ -486,6 +486,7 @@ def test_full_attention_model_trains_samples_and_chats(tmp_path, capsys):
     + (
       'ReformerLM.attention_type = @SelfAttention',
       'SelfAttention.chunk_len = None',  # Full, not local.
+      'SelfAttention.n_chunks_before = 0',
     ),
     log=lines.append,
   )

@@ -354,6 +354,14 @@ def check_types(model: dict, attention: dict[str, dict], where: str):
   for cls, settings in attention.items():
     for key, rule in _ATTENTION_RANGES.items():
       _check_value(where, f'{cls}.{key}', settings.get(key), rule)
+    if settings.get('chunk_len') is None and (
+      settings.get('n_chunks_before') or settings.get('n_chunks_after')
+    ):
+      raise UserError(
+        f'{where}: {cls}.chunk_len is None (full attention) but '
+        f'{cls}.n_chunks_before is {settings.get("n_chunks_before")}; add '
+        f'"{cls}.n_chunks_before = 0" (chunks before mean local attention)'
+      )
     buckets = settings.get('n_buckets')
     if buckets is not None:
       if isinstance(buckets, (list, tuple)):
