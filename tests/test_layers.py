@@ -103,8 +103,9 @@ def test_no_import_cycles():
 
 
 def test_importing_src_has_no_side_effects():
-  """Every package imports without Trax, JAX or TensorFlow and without
-  touching the environment; only `src.runtime.bootstrap()` does that."""
+  """Every package, and the command-line modules, import without Trax,
+  JAX or TensorFlow and without touching the environment; only
+  `src.runtime.bootstrap()` does that."""
   code = (
     'import os, sys\n'
     'before = dict(os.environ)\n'
@@ -112,6 +113,8 @@ def test_importing_src_has_no_side_effects():
     'import src.storage, src.inference, src.training, src.analysis, src.apps\n'
     'import src.runtime.trax_patches\n'
     'from src.data import chatformat, corpus, tokenizer, windows\n'
+    '# The command lines import Trax only after bootstrap():\n'
+    'import src.apps.cli, src.apps.convert, src.apps.export\n'
     'heavy = [m for m in ("trax", "jax", "tensorflow") if m in sys.modules]\n'
     'print(heavy, dict(os.environ) == before)\n'
   )

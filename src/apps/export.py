@@ -7,12 +7,12 @@ import argparse
 import sys
 
 from src import runtime
-from src.storage import export
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(
-    prog='python -m src.apps.export', description=export.__doc__.split('\n')[0]
+    prog='python -m src.apps.export',
+    description='A shareable, weights-only copy of a training run.',
   )
   parser.add_argument('run_dir', help='a training out-dir')
   parser.add_argument('out_dir', help='a new folder for the export')
@@ -23,7 +23,9 @@ def main(argv=None):
     help='export the kept checkpoint of this step (default: the latest)',
   )
   args = parser.parse_args(argv)
-  runtime.bootstrap()
+  runtime.bootstrap()  # Before Trax is imported (by src.storage.export).
+  from src.storage import export
+
   export.export(args.run_dir, args.out_dir, args.step)
   return 0
 
