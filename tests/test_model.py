@@ -53,12 +53,22 @@ def test_a_mixed_model_must_have_local_blocks_and_whole_cycles():
     ginconf.parse(TINY_GIN, local + ('ReformerLM.n_layers = 3',))
   with pytest.raises(UserError, match='n_chunks_after must be 0'):
     ginconf.parse(TINY_GIN, local + ('SelfAttention.n_chunks_after = 1',))
-  # One kind (full attention) needs no local settings.
+  # One kind (full attention) needs no local settings, but tiny.gin's
+  # chunks before (for its local blocks) cannot stay: Trax would assert.
+  with pytest.raises(UserError, match='add "SelfAttention.n_chunks_before'):
+    ginconf.parse(
+      TINY_GIN,
+      (
+        'ReformerLM.attention_type = @SelfAttention',
+        'SelfAttention.chunk_len = None',
+      ),
+    )
   full = ginconf.parse(
     TINY_GIN,
     (
       'ReformerLM.attention_type = @SelfAttention',
       'SelfAttention.chunk_len = None',
+      'SelfAttention.n_chunks_before = 0',
     ),
   )
   assert full.local is None and full.attention_name == 'SelfAttention'

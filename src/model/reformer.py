@@ -354,8 +354,11 @@ def check_types(model: dict, attention: dict[str, dict], where: str):
   for cls, settings in attention.items():
     for key, rule in _ATTENTION_RANGES.items():
       _check_value(where, f'{cls}.{key}', settings.get(key), rule)
-    if settings.get('chunk_len') is None and (
-      settings.get('n_chunks_before') or settings.get('n_chunks_after')
+    mixed = len({_class_name(k) for k in kinds}) > 1  # See check_local.
+    if (
+      not mixed
+      and settings.get('chunk_len') is None
+      and (settings.get('n_chunks_before') or settings.get('n_chunks_after'))
     ):
       raise UserError(
         f'{where}: {cls}.chunk_len is None (full attention) but '
