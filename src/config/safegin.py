@@ -29,17 +29,19 @@ from src.core.errors import UserError
 
 _ATTENTION = {'LSHSelfAttention', 'SelfAttention', 'PureLSHSelfAttention'}
 _OPTIMIZERS = {'Adam', 'Adafactor', 'SGD', 'Momentum', 'RMSProp', 'SM3'}
-_ACTIVATIONS = {
-  'Relu',
-  'Gelu',
-  'FastGelu',
-  'Tanh',
-  'Sigmoid',
-  'Swish',
-  'LeakyRelu',
-  'Elu',
-  'Selu',
-}
+ACTIVATIONS = frozenset(
+  {
+    'Relu',
+    'Gelu',
+    'FastGelu',
+    'Tanh',
+    'Sigmoid',
+    'Swish',
+    'LeakyRelu',
+    'Elu',
+    'Selu',
+  }
+)
 # Configurables a binding may name (the part before the last dot).
 CONFIGURABLES = frozenset(
   {'ReformerLM', 'lr_schedule', 'optimizer', 'output_loss', 'positions', 'lsh'}
@@ -48,7 +50,7 @@ CONFIGURABLES = frozenset(
 )
 # Classes a value may reference with `@` (each also with its module
 # prefix): activations, attention layers, optimizers.
-REFERENCES = frozenset(_ACTIVATIONS | _ATTENTION | _OPTIMIZERS)
+REFERENCES = frozenset(ACTIVATIONS | _ATTENTION | _OPTIMIZERS)
 PREFIXES = ('', 'trax.models.', 'trax.layers.', 'trax.optimizers.', 'jade.')
 
 _FIX = 'a gin file here may only bind settings (see gin/tiny.gin)'

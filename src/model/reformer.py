@@ -17,6 +17,7 @@ import numpy as np
 import trax
 from trax import layers as tl
 
+from src.config import safegin
 from src.core.errors import UserError
 from src.runtime.trax_patches import fast_lsh
 
@@ -258,17 +259,6 @@ _ATTENTION_RANGES = {
   'use_python_loop': (_BOOL, 0, 1),
   'use_reference_code': (_BOOL, 0, 1),
 }
-_ACTIVATIONS = {
-  'Relu',
-  'Gelu',
-  'FastGelu',
-  'Tanh',
-  'Sigmoid',
-  'Swish',
-  'LeakyRelu',
-  'Elu',
-  'Selu',
-}
 _ATTENTION_CLASSES = {'LSHSelfAttention', 'SelfAttention'}
 
 
@@ -339,12 +329,12 @@ def check_types(model: dict, attention: dict[str, dict], where: str):
       model.get('attention_type'),
       '@SelfAttention, @LSHSelfAttention or a list of them',
     )
-  if _class_name(model.get('ff_activation')) not in _ACTIVATIONS:
+  if _class_name(model.get('ff_activation')) not in safegin.ACTIVATIONS:
     raise _bad(
       where,
       'ReformerLM.ff_activation',
       model.get('ff_activation'),
-      f'one of {", ".join("@" + a for a in sorted(_ACTIVATIONS))}',
+      f'one of {", ".join("@" + a for a in sorted(safegin.ACTIVATIONS))}',
     )
   if model.get('pos_type') not in (None, 'axial', 'fixed-base', 'infinite'):
     raise _bad(where, 'ReformerLM.pos_type', model.get('pos_type'), "'axial'")
