@@ -21,7 +21,7 @@ import tempfile
 
 from src.core.errors import UserError
 
-KB, MB = 1024, 1024 * 1024
+MB = 1024 * 1024
 MAX_JSON_DEPTH = 64
 MAX_ENTRIES = 100_000  # Entries an out-dir may hold before we stop looking.
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import pickle
 import zlib
 
+from src.core import files
 from src.core.errors import UserError
 
 _ALLOWED = {
@@ -42,6 +44,7 @@ _ALLOWED = {
 # they are allocated, as is a pickle that decompresses to more than this.
 MAX_ARRAY_ELEMENTS = 1 << 24
 MAX_PICKLE_BYTES = 256 * 1024 * 1024
+MAX_ARRAYS = 100_000  # Weight arrays a model may have.
 
 
 def _elements(shape) -> int:
@@ -126,8 +129,6 @@ def safe_load(data: bytes, path: str = 'checkpoint'):
 def read_pickle(path: str, gzipped: bool = True):
   """The object in a checkpoint pickle: a regular file, decompressed to at
   most MAX_PICKLE_BYTES, unpickled with `SafeUnpickler`."""
-  from src.core import files
-
   if not gzipped:
     return safe_load(files.read_regular(path, MAX_PICKLE_BYTES), path)
   with files.open_regular(path, MAX_PICKLE_BYTES) as raw:
@@ -156,8 +157,6 @@ def read_npy_stream(path: str, compressed_size: int, max_bytes: int) -> list:
   from numpy.lib import format as npy
 
   out, total = [], 0
-  from src.core import files
-
   with files.open_regular(path, compressed_size) as raw:
     with gzip.GzipFile(fileobj=raw) as f:
       while True:
@@ -173,7 +172,7 @@ def read_npy_stream(path: str, compressed_size: int, max_bytes: int) -> list:
           raise ValueError('an array of Python objects')
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         total += nbytes
-        if total > max_bytes or len(out) >= 100_000:
+        if total > max_bytes or len(out) >= MAX_ARRAYS:
           raise ValueError(
             f'more than the {max_bytes / 2**20:.0f} MB of weights the '
             'model needs'
@@ -188,7 +187,8 @@ def read_npy_stream(path: str, compressed_size: int, max_bytes: int) -> list:
   return out
 
 
-def _int(value) -> bool:
+def is_int(value) -> bool:
+  """A whole number as JSON or a pickle holds one (not a bool)."""
   import numpy as np
 
   return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -200,14 +200,14 @@ def check_meta(meta, path: str):
   problem = None
   if not isinstance(meta, dict):
     problem = f'it holds a {type(meta).__name__}, not a dict'
-  elif not _int(meta.get('step')) or meta['step'] < 0:
+  elif not is_int(meta.get('step')) or meta['step'] < 0:
     problem = f'its step is {meta.get("step")!r}'
-  elif not _int(meta.get('flat_weights')):
+  elif not is_int(meta.get('flat_weights')):
     problem = 'it has no flat_weights setting'
   elif not isinstance(meta.get('history', {}), dict):
     problem = 'its history is not a dict'
   elif not (
-    _int(meta.get('slots_per_task', 0))
+    is_int(meta.get('slots_per_task', 0))
     or isinstance(meta.get('slots_per_task'), (list, tuple))
   ):
     problem = 'its slots_per_task is neither a number nor a list'
@@ -227,21 +227,25 @@ def memory_available() -> int:
   return int(psutil.virtual_memory().available)
 
 
-def np_from_file(file_path, compresslevel):
-  """Trax's `np_from_file` (weights and optimizer slots of a checkpoint),
-  reading each NumPy header before its data: at most the memory this
-  machine has available, and a damaged file is a UserError."""
-  import os
-
-  del compresslevel
-  if not os.path.lexists(file_path):
-    raise FileNotFoundError(file_path)
+def read_weights_file(path: str, max_bytes: int | None = None) -> list:
+  """The arrays of a checkpoint's weights or optimizer-slots file (see
+  `read_npy_stream`), at most `max_bytes` (default: the memory this machine
+  has available); a damaged file is a UserError."""
   try:
     return read_npy_stream(
-      file_path, os.path.getsize(file_path), memory_available()
+      path, os.path.getsize(path), max_bytes or memory_available()
     )
   except (OSError, EOFError, ValueError, zlib.error) as e:
     raise UserError(
-      f'{file_path}: damaged or not the weights of this model ({e}); delete '
+      f'{path}: damaged or not the weights of this model ({e}); delete '
       'the model.* files to start over, or copy the folder again'
     ) from None
+
+
+def np_from_file(file_path, compresslevel):
+  """Trax's `np_from_file` (weights and optimizer slots of a checkpoint),
+  through `read_weights_file`."""
+  del compresslevel
+  if not os.path.lexists(file_path):
+    raise FileNotFoundError(file_path)
+  return read_weights_file(file_path)

@@ -15,7 +15,8 @@ the per-device batch (float32 everywhere):
 - logits: training and evaluation compute them `output_loss.chunk_size`
   rows at a time (`3 chunk V`; all `4 B L V` when chunking is off);
 - on CPU, the frameworks themselves (JAX, Trax, compiled programs: `BASELINE`;
-  TensorFlow is not loaded, see `src.runtime.trax_patches.compat` fix 10).
+  TensorFlow is not loaded, see
+  `src.runtime.trax_patches.lazy_tensorflow`).
 
 The two fitted constants (`BASELINE`, `ACTIVATION_FACTOR`) come from peak
 RSS measured on CPU: 1k-16k tokens with a small model at vocab 300 within

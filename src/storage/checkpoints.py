@@ -18,11 +18,16 @@ import re
 import shutil
 import sys
 import tempfile
-import zlib
 
 from src.core import files, rundir, safe_pickle
 from src.core.errors import UserError
-from src.core.safe_pickle import check_meta, read_npy_stream, read_pickle
+from src.core.safe_pickle import (
+  MAX_ARRAYS,
+  check_meta,
+  is_int,
+  read_pickle,
+  read_weights_file,
+)
 
 CHECKPOINT = rundir.CHECKPOINT
 WEIGHTS = rundir.WEIGHTS
@@ -34,12 +39,6 @@ def read_meta(model_dir: str) -> dict | None:
   if not os.path.lexists(path):
     return None
   return check_meta(read_pickle(path), path)
-
-
-def _is_int(value) -> bool:
-  import numpy as np
-
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def latest_step(model_dir: str) -> int:
@@ -78,10 +77,10 @@ def read_export_meta(folder: str) -> dict:
       raise TypeError('not a JSON object')
     if meta.get('format') != EXPORT_FORMAT:
       raise ValueError(f'format is {meta.get("format")!r}')
-    if not _is_int(meta.get('step')) or meta['step'] < 0:
+    if not is_int(meta.get('step')) or meta['step'] < 0:
       raise ValueError(f'step is {meta.get("step")!r}')
     n = meta.get('n_arrays')
-    if not _is_int(n) or not 0 < n <= MAX_ARRAYS:
+    if not is_int(n) or not 0 < n <= MAX_ARRAYS:
       raise ValueError(f'n_arrays is {n!r}')
     _check_listing(meta.get('files'))
   except (ValueError, KeyError, TypeError) as e:
@@ -92,7 +91,6 @@ def read_export_meta(folder: str) -> dict:
   return meta
 
 
-MAX_ARRAYS = 100_000  # Weight arrays a model may have.
 EXPORT_DTYPES = {'F32', 'F16', 'F64', 'I32', 'I64'}  # What an export holds.
 
 
@@ -103,7 +101,7 @@ def _check_listing(listing):
   for name, want in listing.items():
     if not (
       isinstance(want, dict)
-      and _is_int(want.get('size'))
+      and is_int(want.get('size'))
       and want['size'] >= 0
       and isinstance(want.get('sha256'), str)
     ):
@@ -196,7 +194,6 @@ def read_export(folder: str, max_bytes: int | None = None):
       f'{path}: not a weights file an export holds ({e}); download the '
       'model again'
     ) from None
-  n = int(meta['n_arrays'])
   keys = [weight_key(i) for i in range(n)]
   if sorted(arrays) != keys:
     raise UserError(
@@ -246,14 +243,7 @@ def read_checkpoint_weights(folder: str, max_bytes: int | None = None):
   path = os.path.join(folder, WEIGHTS)
   if not os.path.exists(path):
     raise UserError(f'{path}: missing; the checkpoint is incomplete')
-  limit = max_bytes or safe_pickle.memory_available()
-  try:
-    flat = read_npy_stream(path, os.path.getsize(path), limit)
-  except (OSError, EOFError, ValueError, zlib.error) as e:
-    raise UserError(
-      f'{path}: damaged or not the weights of this model ({e}); copy the '
-      'folder again'
-    ) from None
+  flat = read_weights_file(path, max_bytes)
   flat = [
     np.asarray(jax.lax.bitcast_convert_type(w, jax.numpy.bfloat16))
     if w.dtype == np.uint16
@@ -400,10 +390,10 @@ def _manifest(path: str) -> dict | None:
   try:
     if not isinstance(manifest, dict):
       return None
-    if not _is_int(manifest.get('step')) or manifest['step'] < 0:
+    if not is_int(manifest.get('step')) or manifest['step'] < 0:
       return None
     tokens = manifest.get('tokens', 0)
-    if tokens is not None and not _is_int(tokens):
+    if tokens is not None and not is_int(tokens):
       return None
     _check_listing(manifest.get('files'))
   except (ValueError, TypeError):
