@@ -88,7 +88,12 @@ def load_run(model_dir: str, mode: str, bindings=()):
   layer = reformer.reformer_lm(tok.vocab_size, mode, directed=setup.directed)
   length = 1 if mode == 'predict' else setup.max_len
   signature = trax.shapes.ShapeDtype((1, length), np.int32)
-  step = checkpoints.load_weights(model_dir, layer, signature)
+  step = checkpoints.load_weights(
+    model_dir,
+    layer,
+    signature,
+    preflight.weight_file_bytes(setup, tok.vocab_size),
+  )
   return setup, tok, layer, step
 
 

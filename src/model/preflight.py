@@ -198,6 +198,13 @@ def check(setup, vocab_size: int, batch_per_device: int, loss_chunk: int):
   return est, limit
 
 
+def weight_file_bytes(setup, vocab_size: int) -> int:
+  """Bytes of weight files the configured model may need: its weights as
+  float32, with a margin for the count being an estimate (`count_weights`)
+  and for headers. A larger weights file is refused before it is read."""
+  return int(count_weights(setup, vocab_size) * F32 * 1.5) + (1 << 20)
+
+
 def check_model(setup, vocab_size: int, what: str):
   """Refuses, before anything is allocated, a model to chat with or score
   whose weights (read, then set into the model: twice their size) and

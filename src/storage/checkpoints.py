@@ -203,17 +203,12 @@ def read_export(folder: str, max_bytes: int | None = None):
   return [arrays[k] for k in keys], meta
 
 
-def weight_bytes_limit(n_weights: int) -> int:
-  """Bytes of weight files a model of `n_weights` weights may need (float32,
-  plus a margin for the count being an estimate and for headers)."""
-  return int(n_weights * 4 * 1.5) + (1 << 20)
-
-
 def read_weights(model_dir: str, max_bytes: int | None = None):
   """`(flat weight arrays, training step)` of a run folder (its latest
   intact checkpoint) or an export; nothing is unpickled but the run's
   checkpoint metadata, through `SafeUnpickler`. More than `max_bytes` of
-  weights (see `weight_bytes_limit`) is refused before it is read."""
+  weights (see `preflight.weight_file_bytes`) is refused before it is
+  read."""
 
   if is_export(model_dir):
     flat, meta = read_export(model_dir, max_bytes)
@@ -312,7 +307,7 @@ def set_weights(model_dir: str, layer, input_signature, flat) -> None:
   layer.weights = jax.tree_util.tree_map(jax.numpy.asarray, weights)
 
 
-def load_weights(model_dir: str, layer, input_signature):
+def load_weights(model_dir: str, layer, input_signature, max_bytes=None):
   """Initializes `layer` and loads the saved weights into it.
 
   Works for a run folder (latest intact checkpoint) and an export, and for
@@ -323,18 +318,12 @@ def load_weights(model_dir: str, layer, input_signature):
     model_dir: The run or export folder.
     layer: An uninitialized Trax layer of the trained architecture.
     input_signature: `ShapeDtype` of the layer's input.
+    max_bytes: Refuse more weights than this (`preflight.weight_file_bytes`).
 
   Returns:
     The training step of the weights.
   """
-  import jax
-  import numpy as np
-
-  expected = jax.tree_util.tree_leaves(
-    layer.weights_and_state_signature(input_signature, unsafe=True)[0]
-  )
-  n = sum(int(np.prod(e.shape)) for e in expected)
-  flat, step = read_weights(model_dir, weight_bytes_limit(n))
+  flat, step = read_weights(model_dir, max_bytes)
   set_weights(model_dir, layer, input_signature, flat)
   return step
 

@@ -123,9 +123,7 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
   folder = _choose(run_dir, step)
   tok = tokenizer.load(run_dir)
   model_text, _, setup = ginconf.read_model_settings(run_dir, run_dir)
-  limit = checkpoints.weight_bytes_limit(
-    preflight.count_weights(setup, tok.vocab_size)
-  )
+  limit = preflight.weight_file_bytes(setup, tok.vocab_size)
   flat, step = checkpoints.read_checkpoint_weights(folder, limit)  # Verified.
   meta = checkpoints.read_meta(folder) or {}
   # bfloat16 weights are stored as float32 (exact), so any reader can

@@ -104,10 +104,7 @@ def load(path: str) -> Source:
   info = tokenizer.read_info(path)
   preflight.check_model(setup, tok.vocab_size, what)
   flat, step = checkpoints.read_weights(
-    path,
-    checkpoints.weight_bytes_limit(
-      preflight.count_weights(setup, tok.vocab_size)
-    ),
+    path, preflight.weight_file_bytes(setup, tok.vocab_size)
   )
   rows = flat[0].shape[0] if flat and np.ndim(flat[0]) == 2 else None
   if rows != tok.vocab_size:
