@@ -33,12 +33,12 @@ def load_setup(model_dir: str, bindings=()) -> ginconf.GinSetup:
       'or an export'
     )
   path = os.path.join(model_dir, ginconf.MODEL_GIN)
-  if not os.path.exists(path):
+  if not os.path.lexists(path):
     raise UserError(
       f'{path}: missing; {model_dir!r} is not a finished training run '
       '(train into it with python train.py --out-dir ...)'
     )
-  return ginconf.parse(path, tuple(bindings))
+  return ginconf.parse_text(ginconf.read_saved(path), path, tuple(bindings))
 
 
 def predict_bindings(n_heads: int) -> list[str]:

@@ -27,7 +27,7 @@ import trax
 
 import gin
 from src.config import safegin
-from src.core import rundir
+from src.core import files, rundir
 from src.core.errors import UserError
 from src.model import reformer
 
@@ -137,19 +137,28 @@ def model_bindings(text: str, where: str) -> str:
   return '\n'.join(kept) + '\n'
 
 
+MAX_GIN_BYTES = 1024 * 1024  # A saved model.gin is a few hundred bytes.
+
+
+def read_saved(path: str) -> str:
+  """A `model.gin` from a run or model folder: a regular file of at most
+  MAX_GIN_BYTES, UTF-8, newlines as text mode reads them."""
+  try:
+    text = files.read_regular(path, MAX_GIN_BYTES).decode('utf-8')
+  except UnicodeDecodeError as e:
+    raise UserError(
+      f'{path}: cannot be read ({_one_line(e)}); copy the folder again'
+    ) from None
+  return text.replace('\r\n', '\n').replace('\r', '\n')
+
+
 def read_model_settings(folder: str, what: str):
   """A run's or export's model settings: `(model bindings text, path of
   its model.gin, GinSetup)`; `what` names the folder in the error."""
   path = os.path.join(folder, MODEL_GIN)
-  if not os.path.isfile(path):
+  if not os.path.lexists(path):
     raise UserError(f'{path}: missing; {what} is not a complete model')
-  try:
-    with open(path, encoding='utf-8') as f:
-      text = model_bindings(f.read(), path)
-  except (OSError, UnicodeDecodeError) as e:
-    raise UserError(
-      f'{path}: cannot be read ({_one_line(e)}); copy the folder again'
-    ) from None
+  text = model_bindings(read_saved(path), path)
   return text, path, parse_text(text, path)
 
 
@@ -254,10 +263,9 @@ def add_bindings(bindings) -> None:
 
 def saved_text(out_dir: str) -> str | None:
   p = os.path.join(out_dir, MODEL_GIN)
-  if not os.path.exists(p):
+  if not os.path.lexists(p):
     return None
-  with open(p, encoding='utf-8') as f:
-    return f.read()
+  return read_saved(p)
 
 
 def check_same_as_saved(setup: GinSetup, out_dir: str):

@@ -72,9 +72,8 @@ def read_record(out_dir: str) -> dict | None:
   path = os.path.join(out_dir, INIT_FILE)
   if not os.path.exists(path):
     return None
+  record = files.read_json(path)
   try:
-    with open(path, encoding='utf-8') as f:
-      record = json.load(f)
     str(record['path'])
     int(record['step'])
   except (OSError, ValueError, KeyError, TypeError) as e:
