@@ -81,7 +81,7 @@ def test_a_model_folder_with_a_code_running_gin_is_refused(tiny_run, copy_of):
   with open(os.path.join(folder, ginconf.MODEL_GIN), 'a') as f:
     f.write(text)
   with pytest.raises(UserError, match='is not allowed'):
-    decoding.load_setup(folder)
+    decoding.load_run(folder, 'eval')
   result = subprocess.run(
     [sys.executable, 'evaluate.py', '--model-dir', folder, '--prompt', 'hi'],
     cwd=ROOT,

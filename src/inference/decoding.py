@@ -11,7 +11,6 @@ memory is updated in place instead of copied every token.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import numpy as np
@@ -19,26 +18,14 @@ import trax
 
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import ginconf, preflight, reformer
+from src.model import ginconf, reformer
 from src.runtime.trax_patches import fast_lsh
-from src.storage import checkpoints
+from src.storage import checkpoints, modelfolder
 
-
-def load_setup(model_dir: str, bindings=()) -> ginconf.GinSetup:
-  """Parses the run's saved `model.gin` (plus `bindings`)."""
-  if not os.path.isdir(model_dir):
-    raise UserError(
-      f'model-dir {model_dir!r}: no such folder; point --model-dir (or '
-      '"eval": {"model-dir": ...} in config.json) at a training out-dir '
-      'or an export'
-    )
-  path = os.path.join(model_dir, ginconf.MODEL_GIN)
-  if not os.path.lexists(path):
-    raise UserError(
-      f'{path}: missing; {model_dir!r} is not a finished training run '
-      '(train into it with python train.py --out-dir ...)'
-    )
-  return ginconf.parse_text(ginconf.read_saved(path), path, tuple(bindings))
+MODEL_DIR_FIX = (
+  'point --model-dir (or "eval": {"model-dir": ...} in config.json) at a '
+  'training out-dir or an export'
+)
 
 
 def predict_bindings(n_heads: int) -> list[str]:
@@ -72,29 +59,27 @@ def attention_bindings(setup: ginconf.GinSetup) -> list[str]:
 def load_run(model_dir: str, mode: str, bindings=()):
   """A run's gin setup, tokenizer and a `mode` model with its weights.
 
-  Every reader of a finished run (chat, perplexity) loads through here.
+  Every reader of a finished run (chat, perplexity) loads through here
+  (the folder itself is read by `modelfolder.load`).
 
   Returns:
     `(setup, tokenizer, layer, step)`: the layer initialized for batch 1 and
     the checkpoint's training step.
   """
-  setup = load_setup(model_dir, bindings)
+  what = f'model-dir {model_dir!r}'
+  model = modelfolder.load(model_dir, what, MODEL_DIR_FIX, bindings)
+  setup = model.setup
   if mode == 'predict':
     ginconf.add_bindings(
       predict_bindings(setup.model['n_heads']) + attention_bindings(setup)
     )
-  tok = tokenizer.load(model_dir)
-  preflight.check_model(setup, tok.vocab_size, model_dir)
-  layer = reformer.reformer_lm(tok.vocab_size, mode, directed=setup.directed)
+  layer = reformer.reformer_lm(
+    model.tok.vocab_size, mode, directed=setup.directed
+  )
   length = 1 if mode == 'predict' else setup.max_len
   signature = trax.shapes.ShapeDtype((1, length), np.int32)
-  step = checkpoints.load_weights(
-    model_dir,
-    layer,
-    signature,
-    preflight.weight_file_bytes(setup, tok.vocab_size),
-  )
-  return setup, tok, layer, step
+  checkpoints.set_weights(model_dir, layer, signature, model.flat)
+  return setup, model.tok, layer, model.step
 
 
 MIN_BLOCK = 1024  # Tokens fed at position 0 from which a block is read.

@@ -152,16 +152,6 @@ def read_saved(path: str) -> str:
   return text.replace('\r\n', '\n').replace('\r', '\n')
 
 
-def read_model_settings(folder: str, what: str):
-  """A run's or export's model settings: `(model bindings text, path of
-  its model.gin, GinSetup)`; `what` names the folder in the error."""
-  path = os.path.join(folder, MODEL_GIN)
-  if not os.path.lexists(path):
-    raise UserError(f'{path}: missing; {what} is not a complete model')
-  text = model_bindings(read_saved(path), path)
-  return text, path, parse_text(text, path)
-
-
 def parse(
   path: str, bindings: tuple[str, ...] = (), base: tuple[str, str] = None
 ) -> GinSetup:

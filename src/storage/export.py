@@ -26,8 +26,8 @@ import numpy as np
 from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import ginconf, preflight, reformer
-from src.storage import checkpoints
+from src.model import ginconf, reformer
+from src.storage import checkpoints, modelfolder
 
 PACKAGES = ('trax', 'jax', 'jaxlib', 'sentencepiece', 'safetensors', 'numpy')
 
@@ -120,11 +120,15 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
   if os.path.lexists(out_dir):
     what = 'is a link' if os.path.islink(out_dir) else 'exists'
     raise UserError(f'{out_dir} {what}; choose a new folder for the export')
-  folder = _choose(run_dir, step)
-  tok = tokenizer.load(run_dir)
-  model_text, _, setup = ginconf.read_model_settings(run_dir, run_dir)
-  limit = preflight.weight_file_bytes(setup, tok.vocab_size)
-  flat, step = checkpoints.read_checkpoint_weights(folder, limit)  # Verified.
+  folder = _choose(run_dir, step)  # Verified.
+  model = modelfolder.load(
+    run_dir,
+    run_dir,
+    'give a training out-dir',
+    checkpoint=folder,
+    check_memory=False,
+  )
+  tok, setup, flat, step = model.tok, model.setup, model.flat, model.step
   meta = checkpoints.read_meta(folder) or {}
   # bfloat16 weights are stored as float32 (exact), so any reader can
   # load them.
@@ -173,7 +177,7 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
     with open(os.path.join(tmp, ginconf.MODEL_GIN), 'w', encoding='utf-8') as f:
       f.write(
         f'# Model settings of {os.path.basename(os.path.normpath(run_dir))} '
-        f'at step {step} (read as data; see README.md).\n' + model_text
+        f'at step {step} (read as data; see README.md).\n' + model.gin_text
       )
     with open(os.path.join(tmp, rundir.MODEL_CARD), 'w', encoding='utf-8') as f:
       f.write(model_card(info, setup, out_dir))

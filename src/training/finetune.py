@@ -21,8 +21,8 @@ import numpy as np
 from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import ginconf, preflight, reformer
-from src.storage import checkpoints
+from src.model import ginconf, reformer
+from src.storage import checkpoints, modelfolder
 
 INIT_FILE = rundir.INIT
 # Settings that may differ from the pretrained model's.
@@ -38,33 +38,12 @@ UNKNOWN_WARN = 0.01  # Warn above this share of unknown-piece tokens.
 
 
 @dataclasses.dataclass
-class Source:
-  """A pretrained model, read and checked (nothing is written)."""
-
-  path: str
-  kind: str  # 'export' or 'run'
-  step: int
-  flat: list  # Flat weight arrays.
-  digest: str  # checkpoint.weights_digest(flat)
-  tok: tokenizer.Tokenizer
-  tok_info: dict
-  gin: tuple[str, str]  # (model bindings, where they came from)
-  setup: ginconf.GinSetup  # The model's settings alone.
-
-  def describe(self) -> str:
-    return (
-      f'{self.path} ({self.kind}, step {self.step}, weights sha256 '
-      f'{self.digest[:12]})'
-    )
-
-
-@dataclasses.dataclass
 class Plan:
   """How a run relates to a pretrained model."""
 
   gin: tuple[str, str]  # Base model bindings for ginconf.parse.
   tok_info: dict  # The tokenizer's info (vocab size, markers).
-  source: Source | None  # Set when the run starts now (step 0).
+  source: modelfolder.ModelFolder | None  # Set when the run starts now.
   record: dict | None  # init.json of a fine-tune run being resumed.
 
 
@@ -84,46 +63,17 @@ def read_record(out_dir: str) -> dict | None:
   return record
 
 
-def load(path: str) -> Source:
+INIT_FROM_FIX = (
+  'give a training out-dir or an export (python -m src.apps.export RUN_DIR '
+  'OUT_DIR)'
+)
+
+
+def load(path: str) -> modelfolder.ModelFolder:
   """Reads and checks a pretrained model (a run folder or an export)."""
-  what = f'init-from {path!r}'
-  if not os.path.isdir(path):
-    raise UserError(
-      f'{what}: no such folder; give a training out-dir or an export '
-      '(python -m src.apps.export RUN_DIR OUT_DIR)'
-    )
-  kind = 'export' if checkpoints.is_export(path) else 'run'
-  if kind == 'run' and not checkpoints.exists(path):
-    raise UserError(
-      f'{what}: no checkpoint in that folder; train it first, or point at '
-      'a finished run or an export'
-    )
-  model_text, gin_path, setup = ginconf.read_model_settings(path, what)
-  tok = tokenizer.load(path)
-  info = tokenizer.read_info(path)
-  preflight.check_model(setup, tok.vocab_size, what)
-  flat, step = checkpoints.read_weights(
-    path, preflight.weight_file_bytes(setup, tok.vocab_size)
-  )
-  rows = flat[0].shape[0] if flat and np.ndim(flat[0]) == 2 else None
-  if rows != tok.vocab_size:
-    raise UserError(
-      f"{what}: the tokenizer has {tok.vocab_size} pieces but the weights' "
-      f'embedding has {rows} rows; the tokenizer does not belong to these '
-      'weights (copy the model folder again)'
-    )
-  check_shapes(path, setup, tok.vocab_size, flat)
-  return Source(
-    path=path,
-    kind=kind,
-    step=step,
-    flat=flat,
-    digest=checkpoints.weights_digest(flat),
-    tok=tok,
-    tok_info=info,
-    gin=(model_text, gin_path),
-    setup=setup,
-  )
+  source = modelfolder.load(path, f'init-from {path!r}', INIT_FROM_FIX)
+  check_shapes(path, source.setup, source.tok.vocab_size, source.flat)
+  return source
 
 
 def check_shapes(path: str, setup, vocab_size: int, flat):
@@ -181,7 +131,10 @@ def plan(settings, out_dir: str) -> Plan | None:
     return None
   source = load(path)
   return Plan(
-    gin=source.gin, tok_info=source.tok_info, source=source, record=None
+    gin=(source.gin_text, source.gin_path),
+    tok_info=source.tok_info,
+    source=source,
+    record=None,
   )
 
 
@@ -205,7 +158,9 @@ def tokenizer_settings(settings, info: dict, where: str) -> dict:
   return values
 
 
-def check_settings(setup: ginconf.GinSetup, source: Source, gin_path: str):
+def check_settings(
+  setup: ginconf.GinSetup, source: modelfolder.ModelFolder, gin_path: str
+):
   """The gin file may not change the pretrained model's settings (only
   dropout)."""
   for group, mine, theirs in (
@@ -219,7 +174,7 @@ def check_settings(setup: ginconf.GinSetup, source: Source, gin_path: str):
       if mine.get(key) != theirs.get(key):
         raise UserError(
           f'{gin_path}: sets {group}.{key} = {mine.get(key)!r}, but the '
-          f'pretrained model ({source.gin[1]}) has {theirs.get(key)!r}; a '
+          f'pretrained model ({source.gin_path}) has {theirs.get(key)!r}; a '
           "fine-tune run keeps the model's settings (only dropout may "
           'differ): remove it from the gin file (gin/finetune.gin binds '
           'none)'
@@ -234,7 +189,7 @@ def unknown_share(tokens) -> float:
   )
 
 
-def record(out_dir: str, source: Source):
+def record(out_dir: str, source: modelfolder.ModelFolder):
   """Writes `init.json`: where this run started."""
   info = {
     'path': os.path.abspath(source.path),

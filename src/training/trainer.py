@@ -21,7 +21,7 @@ from src.core import files, rundir, runlock
 from src.core.errors import UserError
 from src.core.signals import StopSignals
 from src.model import ginconf, preflight, reformer
-from src.storage import checkpoints
+from src.storage import checkpoints, modelfolder
 from src.training import distributed, finetune, samples
 from src.training import plan as run_plan
 from src.training.loop import Diverged, JadeLoop, StopRequested
@@ -32,7 +32,7 @@ def _write_text(path: str, text: str):
   files.write_atomic(path, text.encode('utf-8'))
 
 
-def _start_from(loop: JadeLoop, source: finetune.Source):
+def _start_from(loop: JadeLoop, source: modelfolder.ModelFolder):
   """Puts the pretrained weights into a fresh Loop (step 0)."""
   treedef = jax.tree_util.tree_structure(loop.model.weights)
   mine = jax.tree_util.tree_leaves(loop.model.weights)
