@@ -56,8 +56,9 @@ def main(argv=None):
   from src import runtime
 
   runtime.bootstrap()
+  from src.apps import chat
   from src.config import jsonconfig
-  from src.inference import chat, decoding, sampling
+  from src.inference import decoding, sampling
 
   settings = jsonconfig.from_args(args, 'eval')
   model_dir = settings['model-dir']

@@ -197,7 +197,7 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
   import jax
 
   from src.data import chatformat
-  from src.inference import chat, decoding, scoring
+  from src.inference import decoding, generate, scoring
 
   bindings = []
   if n_hashes is not None:
@@ -235,7 +235,7 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
       distance = distances[-1] if d == 'no fact' else d
       while True:  # A sample that fits the context whole.
         s = make_sample(rng, filler, distance, count, d != 'no fact')
-        ids = list(chat.START)
+        ids = list(generate.START)
         for r, t in s.turns:
           ids += ids_of(r, t)
         if len(ids) <= max_len:
@@ -252,7 +252,7 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
         # Input positions are the ids' shifted by one (the model's
         # ShiftRight): the answer's query sits at `first`.
         statement = ids_of(*s.turns[0])
-        value_at = len(chat.START) + statement.index(ids[first]) + 1
+        value_at = len(generate.START) + statement.index(ids[first]) + 1
         question = ids_of(*s.turns[-2])
         asked_at = range(first - len(question), first)
         layers = {}  # Layer -> what some head of it may attend to.

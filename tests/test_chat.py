@@ -11,10 +11,11 @@ import pytest
 import trax
 
 import evaluate
+from src.apps import chat
 from src.apps.cli import run_main
 from src.core.errors import UserError
 from src.data import chatformat, tokenizer
-from src.inference import chat, decoding, sampling, scoring
+from src.inference import decoding, sampling, scoring
 from src.model import ginconf, reformer
 from src.storage import checkpoints
 

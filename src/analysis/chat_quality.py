@@ -55,10 +55,8 @@ def measure(run_dir: str, data: str | None = None, n_prompts: int = 200):
     `[(prompt, reply, trained answer, hit)]`, `held_samples` `[(prompt,
     reply)]`, `seconds`, `step`.
   """
-  import io
-
   from src.analysis import memorization
-  from src.inference import chat, decoding, sampling
+  from src.inference import decoding, generate, sampling
 
   train, held = memorization.split(run_dir, data)
   answers, shown = first_exchanges(train)
@@ -71,13 +69,15 @@ def measure(run_dir: str, data: str | None = None, n_prompts: int = 200):
   ][:n_prompts]
   decoder = decoding.Decoder.load(run_dir)
   settings = sampling.SamplingSettings(temperature=0.0, max_new_tokens=64)
-  session = chat.ChatSession(decoder, settings, out=io.StringIO())
+  context = generate.Context(decoder)
 
   def answer(prompt):
-    session.reset()
-    reply = session.reply(prompt, stream=False) or ''
-    ended = len(session.turns[-1].ids) - 2 < settings.max_new_tokens
-    return reply, ended
+    context.reset()
+    ids = (
+      generate.reply(context, prompt, settings, np.random.default_rng(0)) or []
+    )
+    reply = generate.display(decoder.tokenizer, ids)
+    return reply, len(ids) < settings.max_new_tokens
 
   t0 = time.time()
   samples = []

@@ -7,12 +7,10 @@ in a fresh conversation, the same way `evaluate.py` would.
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import trax
 
-from src.inference import chat, sampling
+from src.inference import generate, sampling
 from src.inference.decoding import Decoder, attention_bindings
 from src.model import ginconf, reformer
 
@@ -33,20 +31,22 @@ class SampleReplies:
     )
     layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
     self.decoder = Decoder(layer, max_len, tok)
-    settings = sampling.SamplingSettings(
+    self.settings = sampling.SamplingSettings(
       temperature=0.0, max_new_tokens=min(MAX_NEW_TOKENS, max_len // 2)
     )
-    self.session = chat.ChatSession(self.decoder, settings, out=io.StringIO())
-    self.session.one_line = True
+    self.context = generate.Context(self.decoder)
 
   def __call__(self, weights) -> list[tuple[str, str]]:
     """`(prompt, reply)` per prompt, with these (training) weights."""
     self.decoder.weights = weights
+    rng = np.random.default_rng(0)  # Unused: the replies are greedy.
     replies = []
     for prompt in self.prompts:
-      self.session.reset()
-      replies.append((prompt, self.session.reply(prompt, stream=False) or ''))
-    self.session.reset()
+      self.context.reset()
+      ids = generate.reply(self.context, prompt, self.settings, rng)
+      text = generate.display(self.decoder.tokenizer, ids or [], one_line=True)
+      replies.append((prompt, text))
+    self.context.reset()
     return replies
 
 

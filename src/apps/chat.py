@@ -1,19 +1,9 @@
-"""A chat session: the conversation, its context budget, and REPL commands.
+"""The chat REPL: a conversation with a trained model in the terminal.
 
-The whole conversation is the model's context. Each user turn is encoded as
-the training data encodes it (a line break becomes the line-break marker),
-followed by the AI start marker; the model then writes until it emits the
-AI end marker or reaches `max_new_tokens`. Only the new tokens of a turn are
-fed to the decoder. When the next turn would not fit in the context, the
-oldest turns are dropped (whole turns only) and the rest is read again once.
-
-A context starts the way a conversation starts in training. There, every
-conversation follows the EOS that ends the one before it in the packed
-stream, and windows fall at random offsets (`chunks`), so "EOS, then a user
-turn" is what a conversation start looks like to the model. A chat context
-is therefore `[pad, EOS, first user turn, ...]`: the decoder puts the pad
-(training shifts inputs right, so position 0 always sees it) and the
-session the EOS (`START`).
+`ChatSession` holds one conversation (`src.inference.generate.Context`),
+streams each reply as `generate` writes it, and runs the REPL's /commands
+(settings, save and load in the training-data format). `run_repl` reads
+messages and commands until /quit or end of input; Ctrl-C stops a reply.
 """
 
 from __future__ import annotations
@@ -26,9 +16,10 @@ import numpy as np
 
 from src.core.errors import UserError
 from src.core.signals import StopSignals
-from src.data import chatformat, tokenizer
+from src.data import chatformat
 from src.inference import sampling
 from src.inference.decoding import Decoder
+from src.inference.generate import START, Context, Turn, display, generate
 
 HELP = """commands:
   /help              this list
@@ -41,18 +32,8 @@ HELP = """commands:
 Ctrl-C stops a reply; Ctrl-D leaves."""
 
 
-@dataclasses.dataclass
-class Turn:
-  role: str  # chatformat.USER or chatformat.AI
-  text: str  # With line-break markers, without AI markers.
-  ids: list[int]  # As fed to the model (AI turns include both markers).
-
-
 # /load reads at most this much: far more text than a context holds.
 MAX_LOAD_BYTES = 8 * 1024 * 1024
-
-# Fed before the first turn of every context (see the module docstring).
-START = [tokenizer.EOS_ID]
 
 
 class ChatSession:
@@ -69,7 +50,7 @@ class ChatSession:
     self.markers = self.tok.markers
     self.settings = settings
     self.out = out or sys.stdout
-    self.turns: list[Turn] = []
+    self.context = Context(decoder, say=self._say)
     self.rng = np.random.default_rng(settings.seed)
     # Ctrl-C stops a reply between tokens (see src.core.signals).
     self.flag = StopSignals(('SIGINT',), second_sigint_raises=False)
@@ -90,13 +71,20 @@ class ChatSession:
 
   # ---- conversation state
 
+  @property
+  def turns(self) -> list[Turn]:
+    return self.context.turns
+
+  @turns.setter
+  def turns(self, turns: list[Turn]):
+    self.context.turns = turns
+
   def reset(self):
-    self.turns.clear()
-    self.decoder.reset()
+    self.context.reset()
     self.rng = np.random.default_rng(self.settings.seed)
 
   def used(self) -> int:
-    return self.decoder.position
+    return self.context.used()
 
   def _say(self, text: str):
     self.out.write(text + '\n')
@@ -104,55 +92,10 @@ class ChatSession:
 
   def recover(self):
     """Rebuilds the context from the finished turns after a reply or a
-    command was cut short (Ctrl-C while feeding, an error): an unanswered
-    user message is dropped and the rest is read again, with Ctrl-C held
-    off meanwhile."""
-    while self.turns and self.turns[-1].role == chatformat.USER:
-      self.turns.pop()
+    command was cut short (Ctrl-C while feeding, an error), with Ctrl-C
+    held off meanwhile (`Context.recover`)."""
     with self.flag.armed():
-      self.decoder.reset()
-      ids = [i for t in self.turns for i in t.ids]
-      if ids:
-        self._feed(ids)
-
-  def _feed(self, ids):
-    """Feeds `ids`, after the start of a context if it is empty."""
-    if self.used() == 0:
-      ids = START + list(ids)
-    return self.decoder.feed(ids)
-
-  def _make_room(self, needed: int):
-    """Drops the oldest turns until `needed` more tokens fit; re-reads."""
-    lead = 1 + len(START)  # The decoder's pad and the session's start.
-    start = lead if self.used() == 0 else 0
-    if self.used() + start + needed <= self.decoder.max_len:
-      return
-    kept = list(self.turns)
-    while kept and lead + sum(len(t.ids) for t in kept) + needed > (
-      self.decoder.max_len
-    ):
-      kept.pop(0)
-    while kept and kept[0].role != chatformat.USER and len(kept) > 1:
-      kept.pop(0)  # Start the kept context on a user turn.
-    dropped = len(self.turns) - len(kept)
-    ids = [i for t in kept for i in t.ids]
-    self._say(
-      f'(context full: dropped the {dropped} oldest turn(s); re-reading '
-      f'the last {len(ids)} tokens)'
-    )
-    self.turns = kept
-    self.decoder.reset()
-    if ids:
-      self._feed(ids)
-
-  def user_ids(self, text: str) -> tuple[str, list[int]]:
-    """Encodes a user message as the training data does (bytes that are
-    not UTF-8, e.g. from a pipe, become U+FFFD or '?')."""
-    text = text.encode('utf-8', 'replace').decode('utf-8')
-    text = text.replace('\0', ' ')
-    br = f' {self.markers.line_break} '
-    text = br.join(part.strip() for part in text.splitlines() if part.strip())
-    return text, self.tok.encode(text)
+      self.context.recover()
 
   # ---- replying
 
@@ -162,58 +105,25 @@ class ChatSession:
     The reply is written to `out` as it is generated; line-break markers are
     shown as line breaks. Returns None for an empty message.
     """
-    text, ids = self.user_ids(text)
-    if not ids:
-      return None
     s = self.settings
-    # Besides the message: pad, START, start marker, reply, end marker.
-    room = self.decoder.max_len - s.max_new_tokens - 3 - len(START)
-    if len(ids) > room:
-      self._say(
-        f'(your message is {len(ids)} tokens; the context holds '
-        f'{room} besides the reply, so only its last {room} are kept)'
-      )
-      ids = ids[-room:]
-      text = self.tok.decode(ids)
-    self._make_room(len(ids) + 1 + s.max_new_tokens + 1)
-    self.turns.append(Turn(chatformat.USER, text, ids))
-    logits = self._feed(ids + [self.tok.ai_start_id])
-    recent = [i for t in self.turns for i in t.ids][-s.repetition_window :]
+    logits = self.context.ask(text, s.max_new_tokens)
+    if logits is None:
+      return None
     reply_ids: list[int] = []
     shown = ''
-    banned = [tokenizer.PAD_ID, self.tok.ai_start_id]
     with self.flag.armed() as flag:
-      while len(reply_ids) < s.max_new_tokens and not flag.stop:
-        logits = np.array(logits, np.float64)
-        if not np.isfinite(logits).all():
-          raise UserError(
-            'the model computes NaN/inf: its weights are broken (a training '
-            'run that diverged?); retrain with a lower learning rate'
-          )
-        logits[banned] = -np.inf  # Never inside a reply.
-        token = sampling.next_token(logits, s, self.rng, recent)
-        if token in (self.tok.ai_end_id, tokenizer.EOS_ID):
-          break
+      for token in generate(
+        self.context, logits, s, self.rng, stop=lambda: flag.stop
+      ):
         reply_ids.append(token)
-        recent.append(token)
         if stream:
           text_so_far = self._display(reply_ids)
           if text_so_far.startswith(shown):
             self.out.write(text_so_far[len(shown) :])
             self.out.flush()
             shown = text_so_far
-        logits = self.decoder.feed([token])
       stopped = flag.stop
-    # Close the AI turn in the model's context as training data does.
-    self.decoder.feed([self.tok.ai_end_id])
-    reply_text = self.tok.decode(reply_ids).strip()
-    self.turns.append(
-      Turn(
-        chatformat.AI,
-        reply_text,
-        [self.tok.ai_start_id] + reply_ids + [self.tok.ai_end_id],
-      )
-    )
+    self.context.answer(reply_ids)
     if stream:
       final = self._display(reply_ids)
       if final.startswith(shown):
@@ -223,10 +133,7 @@ class ChatSession:
     return self._display(reply_ids)
 
   def _display(self, ids) -> str:
-    text = self.tok.decode(ids)
-    join = f' {self.markers.line_break} ' if self.one_line else '\n'
-    parts = [part.strip() for part in text.split(self.markers.line_break)]
-    return join.join(p for p in parts if p or not self.one_line).strip()
+    return display(self.tok, ids, self.one_line)
 
   # ---- files
 
@@ -287,10 +194,8 @@ class ChatSession:
     budget -= 1 + len(START)
     while turns and sum(len(t.ids) for t in turns) > budget:
       turns.pop(0)
-    ids = [i for t in turns for i in t.ids]
-    self.turns = turns
-    if ids:
-      self._feed(ids)
+    self.context.reread(turns)
+    ids = self.context.ids()
     self._say(f'(loaded {len(turns)} turns, {len(ids)} tokens, from {path})')
 
   # ---- commands
