@@ -14,9 +14,12 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 from typing import Any
 
 from src.core.errors import UserError
+
+WINDOWS = ('moving', 'fixed')  # Values of train.windows.
 
 # Each entry: key -> (default, help). The default's type is the key's type;
 # None means "optional string".
@@ -165,6 +168,96 @@ EVAL_KEYS: dict[str, tuple[Any, str]] = {
 }
 
 SECTIONS = {'train': TRAIN_KEYS, 'eval': EVAL_KEYS}
+
+# Train keys that count something: each must be at least 1.
+AT_LEAST_ONE = (
+  'steps',
+  'eval-every',
+  'log-every',
+  'checkpoint-every',
+  'eval-batches',
+  'keep-checkpoints',
+  'accumulate-steps',
+  'num-processes',
+  'connect-timeout',
+  'heartbeat-timeout',
+)
+_ADDRESS = re.compile(r'^\[?[A-Za-z0-9_.:-]+?\]?:(\d{1,5})$')
+
+
+def check_train(s: Section) -> None:
+  """Every range and choice check of the train settings, in one place
+  (run when a section is read). Checks that need the devices (the batch
+  splits across them) are made when the run is planned.
+
+  Raises:
+    UserError: naming the setting, its value and the fix.
+  """
+  where = s.source
+  for key in AT_LEAST_ONE:
+    if s[key] < 1:
+      raise UserError(f'{where}: train.{key} must be at least 1 (got {s[key]})')
+  if s['vocab-size'] < 16:
+    raise UserError(
+      f'{where}: train.vocab-size {s["vocab-size"]} is too small; use at '
+      'least 16 (the default is 500)'
+    )
+  if not 0 <= s['seed'] < 2**31:
+    raise UserError(
+      f'{where}: train.seed {s["seed"]} must be between 0 and {2**31 - 1}'
+    )
+  if s['windows'] not in WINDOWS:
+    raise UserError(
+      f'{where}: train.windows {s["windows"]!r} is not "moving" or '
+      '"fixed"; use "moving" (the default)'
+    )
+  if not 0 <= s['pad-fraction'] < 1:
+    raise UserError(
+      f'{where}: train.pad-fraction {s["pad-fraction"]} must be at least 0 '
+      f'and below 1 (the default is {TRAIN_KEYS["pad-fraction"][0]})'
+    )
+  if s['eval-data'] is None and not 0 <= s['eval-fraction'] < 1:
+    raise UserError(
+      f'{where}: eval-fraction {s["eval-fraction"]} must be at least 0 '
+      'and below 1 (e.g. 0.05)'
+    )
+  _check_processes(s)
+
+
+def _check_processes(s: Section) -> None:
+  """The multi-host settings describe a possible run."""
+  where = s.source
+  coordinator = (s['coordinator'] or '').strip()
+  n, i = s['num-processes'], s['process-id']
+  if not 0 <= i < n:
+    raise UserError(
+      f'{where}: train.process-id {i} must be between 0 and '
+      f'num-processes - 1 = {n - 1}; number the processes 0..{n - 1}, '
+      "the coordinator's host being 0"
+    )
+  if coordinator in ('', 'auto'):
+    if n > 1 and coordinator == '':
+      raise UserError(
+        f'{where}: train.num-processes is {n} but no coordinator is set; '
+        'set coordinator to "HOST:PORT" of process 0 (or "auto" on a TPU '
+        'pod slice, SLURM or Open MPI)'
+      )
+    return
+  m = _ADDRESS.match(coordinator)
+  if not m or not 0 < int(m.group(1)) < 65536:
+    raise UserError(
+      f'{where}: train.coordinator {coordinator!r} is not HOST:PORT; use '
+      "the address of process 0's machine and a free port, e.g. "
+      '"10.0.0.2:1234" (or "auto")'
+    )
+  if n < 2:
+    raise UserError(
+      f'{where}: train.coordinator is set but num-processes is {n}; set '
+      'num-processes to the number of processes (machines) in the run'
+    )
+
+
+CHECKS = {'train': check_train, 'eval': lambda s: None}
 
 
 def _type_name(default) -> str:
@@ -349,9 +442,11 @@ def read_section(
     if value is not None:
       values[key] = convert(value, keys[key][0], f'--{key}')
   full = {k: values.get(k, default) for k, (default, _) in keys.items()}
-  return Section(
+  found = Section(
     full, path if os.path.exists(path) else '(defaults)', frozenset(values)
   )
+  CHECKS[section](found)
+  return found
 
 
 def from_values(
@@ -366,7 +461,9 @@ def from_values(
     k: convert(values[k], d, f'{source}: {section}.{k}') if k in values else d
     for k, (d, _) in keys.items()
   }
-  return Section(full, source, frozenset(values))
+  found = Section(full, source, frozenset(values))
+  CHECKS[section](found)
+  return found
 
 
 def add_arguments(parser: argparse.ArgumentParser, section: str):

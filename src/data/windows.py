@@ -33,12 +33,13 @@ import bisect
 
 import numpy as np
 
+from src.config import jsonconfig
 from src.core.errors import UserError
 from src.data.tokenizer import PAD_ID, ROLE_AI, ROLE_AI_CONTEXT
 
 # Measured on the quick start (BENCHMARKS.md, "Training windows").
-PAD_FRACTION = 0.1
-WINDOWS = ('moving', 'fixed')
+PAD_FRACTION = jsonconfig.TRAIN_KEYS['pad-fraction'][0]
+WINDOWS = jsonconfig.WINDOWS
 
 
 class TokenView:

@@ -31,45 +31,9 @@ def _markers(settings: Section) -> chatformat.Markers:
   return markers
 
 
-def _check_run_settings(s: Section, log=print):
-  for key in (
-    'steps',
-    'eval-every',
-    'log-every',
-    'checkpoint-every',
-    'eval-batches',
-    'vocab-size',
-    'keep-checkpoints',
-    'accumulate-steps',
-  ):
-    if s[key] < 1:
-      raise UserError(
-        f'{s.source}: train.{key} must be at least 1 (got {s[key]})'
-      )
-  if not 0 <= s['seed'] < 2**31:
-    raise UserError(
-      f'{s.source}: train.seed {s["seed"]} must be between 0 and {2**31 - 1}'
-    )
-  if s['windows'] not in windows.WINDOWS:
-    raise UserError(
-      f'{s.source}: train.windows {s["windows"]!r} is not "moving" or '
-      '"fixed"; use "moving" (the default)'
-    )
-  if not 0 <= s['pad-fraction'] < 1:
-    raise UserError(
-      f'{s.source}: train.pad-fraction {s["pad-fraction"]} must be at '
-      f'least 0 and below 1 (the default is {windows.PAD_FRACTION})'
-    )
-  if s['eval-data'] is None and not 0 <= s['eval-fraction'] < 1:
-    raise UserError(
-      f'{s.source}: eval-fraction {s["eval-fraction"]} must be at least 0 '
-      'and below 1 (e.g. 0.05)'
-    )
-  if s['vocab-size'] < 16:
-    raise UserError(
-      f'{s.source}: train.vocab-size {s["vocab-size"]} is too '
-      'small; use at least 16 (the default is 500)'
-    )
+def _notes(s: Section, log=print):
+  """Notes on settings that are accepted but do nothing (the checks are
+  made when the settings are read: `jsonconfig.check_train`)."""
   if s['tpu-ip']:
     log(
       f'note: "tpu-ip" ({s["tpu-ip"]}) is not needed and is ignored: on a '
@@ -145,7 +109,7 @@ def prepare(
     checks passed.
   """
   cluster = cluster or distributed.local()
-  _check_run_settings(settings, log)
+  _notes(settings, log)
   out_dir = check_out_dir(settings)
   s, fine, base = _with_pretrained(settings, out_dir, leader)
   markers = _markers(s)
