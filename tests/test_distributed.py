@@ -258,16 +258,16 @@ def test_a_batch_is_split_between_processes():
   from src.data import windows
 
   tokens = np.arange(5000, dtype=np.int32) % 97 + 3
-  whole = windows.ChunkBatches(tokens, 64, 8, seed=3)
+  whole = windows.WindowBatches(tokens, 64, 8, seed=3)
   parts = [
-    windows.ChunkBatches(tokens, 64, 8, seed=3, part=(i, 2)) for i in (0, 1)
+    windows.WindowBatches(tokens, 64, 8, seed=3, part=(i, 2)) for i in (0, 1)
   ]
   for step in (0, 5, 200):
     ids = [p.batch(step)[0] for p in parts]
     assert all(len(x) == 4 for x in ids)
     np.testing.assert_array_equal(np.concatenate(ids), whole.batch(step)[0])
   with pytest.raises(UserError, match='does not split into 3'):
-    windows.ChunkBatches(tokens, 64, 8, seed=3, part=(0, 3))
+    windows.WindowBatches(tokens, 64, 8, seed=3, part=(0, 3))
 
 
 def test_fingerprints_name_what_differs():

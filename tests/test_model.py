@@ -194,7 +194,7 @@ def test_one_training_step_per_gin_file(gin_file, bindings):
   vocab = 300
   rng = np.random.default_rng(0)
   stream = rng.integers(3, vocab, size=setup.max_len * 3).astype(np.int32)
-  batches = windows.ChunkBatches(stream, setup.max_len, 1, seed=0)
+  batches = windows.WindowBatches(stream, setup.max_len, 1, seed=0)
   task = trax_training.TrainTask(
     batches.iterate(),
     reformer.loss_layer(),

@@ -187,13 +187,13 @@ class Recording(training.JadeLoop):
     losses.append(np.asarray(loss).tolist())
     return loss, stats
 training.JadeLoop = Recording
-orig = windows.ChunkBatches.batch
+orig = windows.WindowBatches.batch
 def batch(self, step):
   b = orig(self, step)
   if self.seed == 0:
     rows.append([r[w > 0].tolist() for r, w in zip(b[0], b[2])])
   return b
-windows.ChunkBatches.batch = batch
+windows.WindowBatches.batch = batch
 loop = training.train(train_settings({out!r}, steps=2), gin_bindings=MICRO,
                       log=lambda s: None)
 import jax
@@ -203,7 +203,7 @@ print(json.dumps({{'devices': jax.local_device_count(), 'rows': rows,
 
 
 @pytest.mark.slow  # 2 devices train in the suite: tests/test_distributed.py
-def test_eight_devices_each_train_on_a_different_chunk(tmp_path):
+def test_eight_devices_each_train_on_a_different_window(tmp_path):
   out = str(tmp_path / 'run8')
   code = MULTI_DEVICE.format(root=ROOT, out=out)
   result = run_script(
@@ -214,7 +214,7 @@ def test_eight_devices_each_train_on_a_different_chunk(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert report['devices'] == 8 and report['step'] == 2
-  # The sample batch plus one batch per step, each with 8 distinct chunks.
+  # The sample batch plus one batch per step, each with 8 distinct windows.
   for rows in report['rows']:
     assert len(rows) == 8
     assert len({tuple(r) for r in rows}) == 8
@@ -426,7 +426,7 @@ def test_one_run_per_out_dir(tiny_run, copy_of, tmp_path):
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
-  """2 micro-batches of 1 chunk give the same step as 1 batch of 2. Exact
+  """2 micro-batches of 1 window give the same step as 1 batch of 2. Exact
   attention and no dropout, so nothing random differs between the two."""
   exact = MICRO + (
     'LSHSelfAttention.chunk_len = 64',

@@ -71,8 +71,8 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
   ),
   'batch-size': (
     0,
-    'Chunks per step across all devices; 0 means one '
-    'chunk per device. Must be a multiple of the device '
+    'Training windows per step across all devices; 0 means one '
+    'window per device. Must be a multiple of the device '
     'count.',
   ),
   'accumulate-steps': (
@@ -114,7 +114,7 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     'A folder (or file) of conversations to evaluate on instead; then '
     'nothing is held out of "data" and eval-fraction is not used.',
   ),
-  'seed': (0, 'Seed for weights, padding split and chunk shuffling.'),
+  'seed': (0, 'Seed for weights, padding split and window shuffling.'),
   'vocab-size': (
     500,
     'Sentencepiece vocabulary size (up to 32000 and '

@@ -152,7 +152,7 @@ def loss_weights(roles: np.ndarray, ai_only: bool) -> np.ndarray:
   return (roles != ROLE_AI_CONTEXT).astype(np.float32)
 
 
-def pad_chunk(
+def pad_window(
   tokens: np.ndarray,
   max_len: int,
   left: int,
@@ -193,7 +193,7 @@ class Window:
     return self.view.take(a, a + self.length)
 
 
-class ChunkBatches:
+class WindowBatches:
   """Batches of padded windows for every training step (see the module).
 
   Attributes:
@@ -319,7 +319,7 @@ class ChunkBatches:
 
   # ---- batches
 
-  def chunk_ids(self, step: int) -> np.ndarray:
+  def window_ids(self, step: int) -> np.ndarray:
     """Indices (into the epoch's grid) of the windows of `step` (of this
     part's share of them, see `part`)."""
     epoch, k = self.locate(step)
@@ -336,7 +336,7 @@ class ChunkBatches:
     epoch, _ = self.locate(step)
     view, starts, lengths, _ = self.layout(epoch)
     out = []
-    for index in self.chunk_ids(step):
+    for index in self.window_ids(step):
       length = int(lengths[index])
       rng = np.random.default_rng([self.seed, epoch, int(index), 1])
       left = int(rng.integers(0, self.max_len - length + 1))
@@ -349,7 +349,7 @@ class ChunkBatches:
     ids, weights = [], []
     for w in windows:
       tokens, roles = w.take(shift)
-      i, wt = pad_chunk(
+      i, wt = pad_window(
         tokens, self.max_len, w.left, loss_weights(roles, self.ai_only)
       )
       ids.append(i)
@@ -374,13 +374,13 @@ class ChunkBatches:
 
 
 def batch_size_for(devices: int, batch_size: int) -> int:
-  """The global batch: `batch_size`, or one chunk per device if it is 0."""
+  """The global batch: `batch_size`, or one window per device if it is 0."""
   if batch_size == 0:
     return devices
   if batch_size < 0 or batch_size % devices:
     raise UserError(
       f'batch-size {batch_size} does not split evenly across {devices} '
       f'device(s); use a multiple of {devices} (e.g. {devices} or '
-      f'{2 * devices}), or 0 for one chunk per device'
+      f'{2 * devices}), or 0 for one window per device'
     )
   return batch_size

@@ -19,7 +19,7 @@ Who does what (see `src.training.trainer`):
   optimizer slots before the first step (`share_loop_state`), so it needs
   no shared file system.
 - Each step's batch is the one a single process with all the devices would
-  get (`chunks.ChunkBatches`, a function of seed and step); each process
+  get (`windows.WindowBatches`, a function of seed and step); each process
   feeds its own slice of it (`Cluster.part`).
 - At start every process compares its settings, gin and data fingerprints
   with the chief's (`check_same`) and refuses to train on a difference,

@@ -75,8 +75,8 @@ class RunPlan:
   start_step: int  # The checkpoint's step (0: a fresh run).
   checkpoint_folder: str | None  # An intact snapshot to restore from.
   checkpoint_damage: str | None  # Why out-dir's checkpoint is not usable.
-  train_batches: windows.ChunkBatches
-  eval_batches: windows.ChunkBatches
+  train_batches: windows.WindowBatches
+  eval_batches: windows.WindowBatches
   n_tokens: int  # Tokens in the training corpus (held-out part included).
   n_train_tokens: int
   n_eval_tokens: int
@@ -200,7 +200,7 @@ def _batch_size(s: Section, cluster: distributed.Cluster) -> tuple[int, int]:
   if per_device % k:
     raise UserError(
       f'{s.source}: train.accumulate-steps {k} does not split the batch '
-      f'of {per_device} chunk(s) per device ({batch_size} over {devices} '
+      f'of {per_device} window(s) per device ({batch_size} over {devices} '
       f'device(s)) evenly; set batch-size to a multiple of {devices * k}'
     )
   return batch_size, per_device // k
@@ -272,16 +272,16 @@ def _batches(s, max_len, batch_size, cluster, train_view, eval_view, log):
     'windows': s['windows'],
     'part': cluster.part,
   }
-  train_batches = windows.ChunkBatches(
+  train_batches = windows.WindowBatches(
     train_view, max_len, batch_size, s['seed'], **options
   )
-  eval_batches = windows.ChunkBatches(
+  eval_batches = windows.WindowBatches(
     eval_view, max_len, batch_size, s['seed'] + 1, **options
   )
   if train_batches.n_chunks < batch_size:
     log(
       f'note: only {train_batches.n_chunks} chunk(s) of {max_len} tokens '
-      f'for a batch of {batch_size}: some devices will see the same chunk '
+      f'for a batch of {batch_size}: some devices will see the same window '
       'in a step; add data or lower max_len'
     )
   return train_batches, eval_batches

@@ -1,4 +1,5 @@
-"""Chunking: exact shapes, padding masks, random split, distinct chunks."""
+"""Training windows: exact shapes, padding masks, random split, distinct
+windows."""
 
 import numpy as np
 import pytest
@@ -34,14 +35,14 @@ def _epoch_windows(b, epoch):
 
 def test_fixed_windows_shapes_padding_and_weights_with_odd_max_len():
   stream = np.arange(3, 3 + 23, dtype=np.int32)  # 23 tokens, max_len 7.
-  b = windows.ChunkBatches(stream, 7, 2, seed=0, windows='fixed')
+  b = windows.WindowBatches(stream, 7, 2, seed=0, windows='fixed')
   assert b.n_chunks == 4 and b.steps_per_epoch == 2
   inputs, targets, weights = b.batch(0)
   assert inputs.shape == targets.shape == weights.shape == (2, 7)
   assert inputs.dtype == np.int32 and weights.dtype == np.float32
   np.testing.assert_array_equal(inputs, targets)
   seen = []
-  for step in range(2):  # One epoch covers all four chunks.
+  for step in range(2):  # One epoch covers all four windows.
     ids, _, w = b.batch(step)
     seen += [tuple(r) for r in _real(ids, w)]
   assert sorted(seen) == sorted(
@@ -52,7 +53,7 @@ def test_fixed_windows_shapes_padding_and_weights_with_odd_max_len():
 def test_moving_windows_change_offset_and_order_every_epoch():
   lengths = np.random.default_rng(0).integers(5, 40, size=60)
   stream, ends, view = _convs(lengths)
-  b = windows.ChunkBatches(view, 64, 2, seed=4, pad_fraction=0.2)
+  b = windows.WindowBatches(view, 64, 2, seed=4, pad_fraction=0.2)
   offsets = []  # Where the first token of each conversation lands.
   for epoch in range(6):
     got = _epoch_windows(b, epoch)
@@ -78,7 +79,7 @@ def test_every_conversation_whole_and_once_per_epoch():
   lengths = np.random.default_rng(1).integers(3, 150, size=80)  # Some > 64.
   stream, ends, view = _convs(lengths)
   starts = np.concatenate([[0], ends[:-1]])
-  b = windows.ChunkBatches(view, 64, 4, seed=2, pad_fraction=0.3)
+  b = windows.WindowBatches(view, 64, 4, seed=2, pad_fraction=0.3)
   for epoch in range(4):
     packed = np.concatenate(_epoch_windows(b, epoch))
     # Every token exactly once.
@@ -96,7 +97,7 @@ def test_every_conversation_whole_and_once_per_epoch():
 def test_padding_has_the_configured_share():
   stream, ends, view = _convs([50] * 400)
   for fraction in (0.0, 0.1, 0.4):
-    b = windows.ChunkBatches(view, 100, 8, seed=0, pad_fraction=fraction)
+    b = windows.WindowBatches(view, 100, 8, seed=0, pad_fraction=fraction)
     ids, _, w = b.batch(3)
     inner = _epoch_windows(b, 0)[1:-1]
     real = np.array([len(x) for x in inner])
@@ -109,23 +110,23 @@ def test_padding_has_the_configured_share():
 
 
 def test_padding_split_is_random_and_seeded():
-  stream = np.ones(2, np.int32)  # One 2-token chunk, 30 padding positions.
+  stream = np.ones(2, np.int32)  # One 2-token window, 30 padding positions.
   lefts = set()
   for seed in range(20):
-    b = windows.ChunkBatches(stream, max_len=32, batch_size=1, seed=seed)
+    b = windows.WindowBatches(stream, max_len=32, batch_size=1, seed=seed)
     lefts.add(int(np.flatnonzero(b.batch(0)[2][0])[0]))
   assert len(lefts) > 5  # Not always left, not always right.
-  b = windows.ChunkBatches(stream, 32, 1, seed=3)
+  b = windows.WindowBatches(stream, 32, 1, seed=3)
   np.testing.assert_array_equal(b.batch(5)[0], b.batch(5)[0])
 
 
 def test_resume_at_any_step_reproduces_the_batches():
   lengths = np.random.default_rng(3).integers(3, 90, size=70)
   _, _, view = _convs(lengths)
-  a = windows.ChunkBatches(view, 32, 2, seed=9)
+  a = windows.WindowBatches(view, 32, 2, seed=9)
   first = [a.batch(s) for s in range(200)]  # Many epochs, in order.
   for step in (0, 1, 57, 130, 199, 75):  # Fresh objects, any order.
-    b = windows.ChunkBatches(view, 32, 2, seed=9)
+    b = windows.WindowBatches(view, 32, 2, seed=9)
     got = next(b.iterate(step))
     for x, y in zip(got, first[step]):
       np.testing.assert_array_equal(x, y)
@@ -134,27 +135,27 @@ def test_resume_at_any_step_reproduces_the_batches():
 def test_each_device_row_gets_a_different_window_every_step():
   lengths = np.random.default_rng(5).integers(3, 60, size=100)
   stream, _, view = _convs(lengths)
-  b = windows.ChunkBatches(view, 64, 8, seed=1)
+  b = windows.WindowBatches(view, 64, 8, seed=1)
   epoch_steps = []
   for step in range(40):
     ids, _, w = b.batch(step)
     rows = [tuple(r) for r in _real(ids, w)]
     assert len(set(rows)) == 8
-    assert len(set(b.chunk_ids(step).tolist())) == 8
+    assert len(set(b.window_ids(step).tolist())) == 8
     epoch_steps.append(b.locate(step)[0])
   # The windows of one epoch's full batches are distinct windows.
   n0 = epoch_steps.count(0)
-  used = np.concatenate([b.chunk_ids(s) for s in range(n0)])
+  used = np.concatenate([b.window_ids(s) for s in range(n0)])
   assert len(set(used.tolist())) == len(used) == n0 * 8
-  assert not np.array_equal(b.chunk_ids(0), b.chunk_ids(n0))
+  assert not np.array_equal(b.window_ids(0), b.window_ids(n0))
 
 
 def test_bad_window_settings_are_errors():
   stream = np.ones(10, np.int32)
   with pytest.raises(UserError, match='pad-fraction 1.0'):
-    windows.ChunkBatches(stream, 8, 1, 0, pad_fraction=1.0)
+    windows.WindowBatches(stream, 8, 1, 0, pad_fraction=1.0)
   with pytest.raises(UserError, match='windows .sliding. is not one of'):
-    windows.ChunkBatches(stream, 8, 1, 0, windows='sliding')
+    windows.WindowBatches(stream, 8, 1, 0, windows='sliding')
 
 
 def test_batch_size_must_divide_across_devices():
@@ -232,7 +233,7 @@ def test_loss_weights_are_exact(trained_tokenizer):
   view = windows.TokenView(ids, roles)
   n = len(ids)
   for ai, expected in ((False, default), (True, ai_only)):
-    b = windows.ChunkBatches(
+    b = windows.WindowBatches(
       view, n + 5, 1, seed=0, ai_only=ai, windows='fixed'
     )
     got_ids, _, weights = b.batch(0)
