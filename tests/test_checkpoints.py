@@ -10,8 +10,7 @@ import pytest
 from src.core.errors import UserError
 from src.inference import decoding
 from src.storage import checkpoints
-from src.training import loop as training_loop
-from src.training import trainer
+from src.training import callbacks, trainer
 
 from .conftest import MICRO, train_settings
 
@@ -140,13 +139,13 @@ def test_step_values_are_checked_one_step_later_without_waiting():
   """Each step checks the one before it (already finished on the device);
   a save checks its own step first."""
   stub = types.SimpleNamespace(_unchecked=(7, np.float32(np.nan), 1.0))
-  with pytest.raises(training_loop.Diverged) as d:
-    training_loop.JadeLoop._check_finite(stub)
+  with pytest.raises(callbacks.Diverged) as d:
+    callbacks.FiniteCheck.check(stub)
   assert d.value.step == 7 and d.value.what == 'the loss is nan'
   assert d.value.saved_bad and stub._unchecked is None
   stub._unchecked = (8, np.ones(2), np.float32(np.inf))
-  with pytest.raises(training_loop.Diverged, match='gradient norm is inf'):
-    training_loop.JadeLoop._check_finite(stub)
+  with pytest.raises(callbacks.Diverged, match='gradient norm is inf'):
+    callbacks.FiniteCheck.check(stub)
   stub._unchecked = (9, 1.5, 2.0)
-  training_loop.JadeLoop._check_finite(stub)  # Finite: nothing happens.
+  callbacks.FiniteCheck.check(stub)  # Finite: nothing happens.
   assert stub._unchecked is None

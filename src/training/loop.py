@@ -1,10 +1,8 @@
-"""`JadeLoop`: Trax's training `Loop` with our console, chunked loss, running
-scalars, sample replies, divergence checks and sealed checkpoints."""
+"""`JadeLoop`: Trax's training `Loop` with the chunked loss, our console,
+sealed checkpoints, and the jobs around each step (`src.training.callbacks`:
+finite checks, running scalars, sample replies)."""
 
 from __future__ import annotations
-
-import os
-import time
 
 import jax
 import numpy as np
@@ -13,20 +11,12 @@ from trax import optimizers as trax_optimizers
 from trax.layers import base as trax_base
 from trax.supervised import training as trax_training
 
-from src.core import rundir
 from src.core.signals import StopSignals
 from src.model import reformer
 from src.storage import checkpoints
-from src.training import distributed, samples
+from src.training import callbacks, distributed
+from src.training.callbacks import Diverged
 from src.training.progress import Progress
-
-
-class Diverged(Exception):
-  """The loss, gradients or weights stopped being finite at `step`."""
-
-  def __init__(self, step: int, what: str, saved_bad: bool = False):
-    super().__init__(step, what)
-    self.step, self.what, self.saved_bad = step, what, saved_bad
 
 
 class StopRequested(Exception):
@@ -64,24 +54,20 @@ class JadeLoop(trax_training.Loop):
     self._rng_per_process = False  # Set once the weights are initialized.
     self._accumulate = accumulate
     self._ranges = tuple(ranges)  # Position ranges of the eval losses.
-    # Running scalars every `log_every` steps: the loss is the progress
-    # line's running mean (over `log_every` steps, see `_train`).
-    self._log_every = log_every
-    self._window_tokens = 0.0  # Loss tokens since the last log.
-    self._window_hits = None  # Device [hits, total] since the last log.
-    self._window_start = time.time()
-    self._running_writer = None
-    self.sampler = None  # samples.SampleReplies, set once the Loop exists.
+    self.samples = None  # callbacks.SampleReplies, set once the Loop exists.
     self._keep = keep_checkpoints
     self._tokens = float(tokens_before)  # Loss tokens trained on so far.
     self._init_text = init_text
-    self._unchecked = None  # (step, loss, gradient norm), see _check_finite
+    self._finite = callbacks.FiniteCheck()
     self._progress = progress
     self.signals = signals or StopSignals()
     self._tokens_per_step = tokens_per_step
     self._output_chunk = loss_chunk_size
     super().__init__(*args, **kwargs)
     self._rng_per_process = self._cluster.count > 1
+    self._running = callbacks.RunningScalars(
+      progress, log_every, self.output_dir, self.is_chief
+    )
 
   def new_rng(self):
     """Trax's next key; after initialization, a different one on each
@@ -139,85 +125,24 @@ class JadeLoop(trax_training.Loop):
     # This process's tokens; the others' are about as many.
     self._tokens += tokens * self._cluster.count
     self._progress.step_done(self.step, loss, lr, tokens)
-    self._window_tokens += tokens
     counts = reformer.hit_counts(
       self._trainer_per_task[task_index].accelerated_model_with_loss.state
     )
-    if counts is not None:  # Added on the device: no wait here.
-      w = self._window_hits
-      self._window_hits = counts if w is None else w + counts
-    if self.step % self._log_every == 0:
-      self._write_running(lr)
-    # The previous step's values are ready by now; checking this step's
-    # here would make every step wait for the device to finish it.
-    self._check_finite()
-    self._unchecked = (self.step, loss, stats.get('gradients_l2', 0.0))
+    self._running.after_step(self.step, lr, tokens, counts)
+    self._finite.after_step(self.step, loss, stats.get('gradients_l2', 0.0))
     if self.signals.signum is not None:
-      self._check_finite()
+      self._finite.check()
       raise StopRequested(self.signals.signum)
     return loss, stats
 
-  def _write_running(self, lr: float):
-    """Running training scalars of the last `log_every` steps."""
-    tokens, self._window_tokens = self._window_tokens, 0.0
-    counts, self._window_hits = self._window_hits, None
-    now, start = time.time(), self._window_start
-    self._window_start = now
-    if not self.is_chief or self.output_dir is None:
-      return
-    if self._running_writer is None:
-      from trax import jaxboard
-
-      self._running_writer = jaxboard.SummaryWriter(
-        os.path.join(self.output_dir, rundir.TRAIN_EVENTS)
-      )
-    loss = self._progress.running_loss()
-    values = {
-      'loss': loss,
-      'perplexity': reformer.perplexity(loss),
-      'learning_rate': lr,
-      'tokens_per_second': tokens / max(now - start, 1e-9),
-    }
-    if counts is not None:  # The chunked loss counts right guesses.
-      hits, total = (float(v) for v in np.asarray(counts))
-      values['accuracy'] = hits / max(total, 1e-9)
-    for name, value in values.items():
-      self._running_writer.scalar(f'running/{name}', value, step=self.step)
-    self._running_writer.flush()
-
   def run_evals(self, summary_writers=None):
     super().run_evals(summary_writers)
-    if self.sampler is None or not self.is_chief:
-      return
-    replies = self.sampler(self._eval_model.weights)
-    for prompt, reply in replies:
-      self._progress.message(
-        f'step {self.step}: sample {prompt!r} -> {reply!r}'
-      )
-    writer = (summary_writers or [None])[0]
-    if writer is not None:
-      writer.text(
-        'samples', samples.markdown(self.step, replies), step=self.step
-      )
-      writer.flush()
+    if self.samples is not None and self.is_chief:
+      writer = (summary_writers or [None])[0]
+      self.samples.after_eval(self.step, self._eval_model.weights, writer)
 
   def close_writers(self):
-    if self._running_writer is not None:
-      self._running_writer.close()
-      self._running_writer = None
-
-  def _check_finite(self):
-    """Raises `Diverged` if the last unchecked step's loss or gradient
-    norm is not finite (before any checkpoint of that step is written)."""
-    if self._unchecked is None:
-      return
-    step, loss, grad_norm = self._unchecked
-    self._unchecked = None
-    for name, value in (('loss', loss), ('gradient norm', grad_norm)):
-      if not np.isfinite(np.asarray(value)).all():
-        raise Diverged(
-          step, f'the {name} is {float(np.mean(value))}', saved_bad=True
-        )
+    self._running.close()
 
   def _save_gin(self, summary_writer):
     super()._save_gin(summary_writer)
@@ -269,7 +194,7 @@ class JadeLoop(trax_training.Loop):
     return out
 
   def save_checkpoint(self, basename):
-    self._check_finite()
+    self._finite.check()
     leaves = jax.tree_util.tree_leaves(self._model.weights)
     if not all(bool(jax.numpy.isfinite(w).all()) for w in leaves):
       raise Diverged(self.step, 'the weights hold NaN/inf')

@@ -22,7 +22,7 @@ from src.core.errors import UserError
 from src.core.signals import StopSignals
 from src.model import ginconf, preflight, reformer
 from src.storage import checkpoints, modelfolder
-from src.training import distributed, finetune, samples
+from src.training import callbacks, distributed, finetune, samples
 from src.training import plan as run_plan
 from src.training.loop import Diverged, JadeLoop, StopRequested
 from src.training.progress import Progress, devices_text, time_lines
@@ -260,7 +260,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
       f'{out_dir}: the checkpoint says step {start} but loaded '
       f'as step {loop.step}; the checkpoint files disagree'
     )
-  _add_samples(loop, plan, cluster, log)
+  _add_samples(loop, plan, cluster, progress, log)
   if cluster.chief:
     _write_text(
       os.path.join(out_dir, rundir.OPERATIVE_GIN), ginconf.operative_text()
@@ -272,13 +272,14 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
   return loop
 
 
-def _add_samples(loop: JadeLoop, plan, cluster, log):
+def _add_samples(loop: JadeLoop, plan, cluster, progress: Progress, log):
   """Sample replies at every evaluation, on the chief."""
   prompts = plan.settings['sample-prompts']
   if not prompts or not cluster.chief:
     return
   try:
-    loop.sampler = samples.SampleReplies(plan.tokenizer, plan.gin, prompts)
+    replies = samples.SampleReplies(plan.tokenizer, plan.gin, prompts)
+    loop.samples = callbacks.SampleReplies(replies, progress)
   except (UserError, AssertionError, ValueError, TypeError) as e:
     # The model trains whatever its predict mode makes of the settings.
     log(f'note: no sample replies during training ({e or type(e).__name__})')
