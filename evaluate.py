@@ -6,6 +6,8 @@ python evaluate.py --prompt "Hello!"    # one reply, then exit
 echo "Hi" | python evaluate.py          # each input line is a user turn,
                                         # each reply one line (|br| inside)
 python evaluate.py --perplexity data/   # loss/perplexity on held-out files
+python evaluate.py --serve              # OpenAI-compatible API and a chat
+                                        # page on http://127.0.0.1:8000
 """
 
 import argparse
@@ -34,6 +36,26 @@ def parse_args(argv=None):
     '--perplexity',
     metavar='PATH',
     help='report loss and perplexity on a conversation file or folder',
+  )
+  serve = parser.add_argument_group('serving (--serve)')
+  serve.add_argument(
+    '--serve',
+    action='store_true',
+    help='serve the model: OpenAI-compatible /v1/chat/completions and a '
+    'chat page at /',
+  )
+  serve.add_argument('--host', default='127.0.0.1', help='address to listen on')
+  serve.add_argument('--port', type=int, default=8000, help='port')
+  serve.add_argument(
+    '--api-key',
+    default=None,
+    help='require "Authorization: Bearer KEY" (also JADE_API_KEY)',
+  )
+  serve.add_argument(
+    '--max-queue',
+    type=int,
+    default=16,
+    help='requests that may wait while one is answered (more get 503)',
   )
   parser.add_argument(
     '--n-hashes',
@@ -81,7 +103,26 @@ def main(argv=None):
   fields = [f.name for f in dataclasses.fields(sampling.SamplingSettings)]
   sampler = sampling.SamplingSettings(**{k: getattr(args, k) for k in fields})
   sampler.check()
+  if args.serve and not (1 <= args.port < 65536 and args.max_queue >= 0):
+    from src.core.errors import UserError
+
+    raise UserError('--port must be 1-65535 and --max-queue 0 or more')
   decoder = decoding.Decoder.load(model_dir, n_hashes=args.n_hashes)
+  if args.serve:
+    import os
+
+    from src.apps import serve
+
+    serve.serve(
+      decoder,
+      os.path.basename(os.path.normpath(model_dir)),
+      host=args.host,
+      port=args.port,
+      api_key=args.api_key or os.environ.get('JADE_API_KEY'),
+      max_queue=args.max_queue,
+      defaults=sampler,
+    )
+    return 0
   session = chat.ChatSession(decoder, sampler)
   if args.prompt is not None:
     session.reply(args.prompt)

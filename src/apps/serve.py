@@ -1,0 +1,641 @@
+"""An OpenAI-compatible chat server and a web chat page for one model.
+
+  python evaluate.py --serve --model-dir runs/demo [--host 127.0.0.1]
+      [--port 8000] [--api-key KEY] [--max-queue 16]
+
+Routes: `GET /` (the chat page, `src/apps/web/index.html`), `GET /health`,
+`GET /v1/models`, `POST /v1/chat/completions` (streamed as server-sent
+events with `"stream": true`). Errors have OpenAI's shape, `{"error":
+{"message", "type", "param", "code"}}`, with the matching status.
+
+A conversation is rendered exactly as the REPL renders it
+(`src.inference.generate.Context`): system messages are dropped (counted in
+the `X-Jade-System-Dropped` header), each user message is one user turn,
+each assistant message one AI turn between the markers; the last message
+must be the user's. When a conversation no longer fits the context, its
+oldest turns are dropped as in the REPL (counted in
+`X-Jade-Dropped-Turns`); a last message that alone does not leave room
+for the reply is refused (400, naming the limit).
+
+One model serves one request at a time; up to `--max-queue` more wait
+(beyond that: 503). The model keeps the conversation it read last: a
+request that repeats it and adds a user message (what chat clients send
+each turn) feeds only the new message (prefix reuse); any other is read
+again as one block. A client that disconnects stops its generation at the
+next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from src.core.errors import UserError
+from src.data import chatformat
+from src.inference import generate, sampling
+from src.inference.decoding import Decoder
+
+PAGE = os.path.join(os.path.dirname(__file__), 'web', 'index.html')
+MAX_BODY = 4 * 1024 * 1024  # Bytes of one request body.
+MAX_MESSAGES = 4096
+ROLES = {'user': chatformat.USER, 'assistant': chatformat.AI}
+DROPPED_ROLES = ('system', 'developer')
+
+
+class ApiError(Exception):
+  """A request refused with `status` and an OpenAI-shaped error body."""
+
+  def __init__(self, status: int, message: str, param=None, kind=None):
+    super().__init__(message)
+    self.status, self.message, self.param = status, message, param
+    self.kind = kind or {
+      400: 'invalid_request_error',
+      401: 'authentication_error',
+      404: 'not_found_error',
+      503: 'server_busy',
+    }.get(status, 'server_error')
+
+  def body(self) -> dict:
+    return {
+      'error': {
+        'message': self.message,
+        'type': self.kind,
+        'param': self.param,
+        'code': None,
+      }
+    }
+
+
+@dataclasses.dataclass
+class Job:
+  """One chat-completion request, checked."""
+
+  messages: list[tuple[str, str]]  # (chatformat role, content), in order.
+  settings: sampling.SamplingSettings
+  seed: int | None
+  stop: list[str]
+  stream: bool
+  dropped_system: int
+
+
+def _number(body: dict, name: str, kind, default):
+  value = body.get(name)
+  if value is None:
+    return default
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if kind is int:
+    ok = ok and float(value).is_integer()
+  if not ok:
+    raise ApiError(400, f'{name} must be a number, not {value!r}', name)
+  return kind(value)
+
+
+def _content(message: dict, i: int) -> str:
+  content = message.get('content')
+  if isinstance(content, str):
+    return content
+  if isinstance(content, list):  # Content parts: text only.
+    texts = []
+    for part in content:
+      if not (isinstance(part, dict) and part.get('type') == 'text'):
+        raise ApiError(
+          400, 'only text content parts are supported', f'messages[{i}]'
+        )
+      texts.append(str(part.get('text', '')))
+    return '\n'.join(texts)
+  raise ApiError(400, 'content must be a string', f'messages[{i}].content')
+
+
+def parse_job(
+  body, model_id: str, max_len: int, defaults: sampling.SamplingSettings
+) -> Job:
+  """Checks a chat-completions body (what it leaves out is taken from
+  `defaults`, the server's command line); raises `ApiError` (400, 404)."""
+  if not isinstance(body, dict):
+    raise ApiError(400, 'the body must be a JSON object')
+  model = body.get('model', model_id)
+  if model != model_id:
+    raise ApiError(
+      404,
+      f'the model {model!r} does not exist; this server serves '
+      f'{model_id!r} (GET /v1/models)',
+      'model',
+      'invalid_request_error',
+    )
+  raw = body.get('messages')
+  if not isinstance(raw, list) or not raw:
+    raise ApiError(400, 'messages must be a non-empty list', 'messages')
+  if len(raw) > MAX_MESSAGES:
+    raise ApiError(400, f'at most {MAX_MESSAGES} messages', 'messages')
+  messages, dropped = [], 0
+  for i, m in enumerate(raw):
+    if not isinstance(m, dict):
+      raise ApiError(400, 'each message must be an object', f'messages[{i}]')
+    role = m.get('role')
+    if role in DROPPED_ROLES:
+      dropped += 1
+      continue
+    if role not in ROLES:
+      raise ApiError(
+        400,
+        f'role {role!r} is not supported (user, assistant, system)',
+        f'messages[{i}].role',
+      )
+    messages.append((ROLES[role], _content(m, i)))
+  if not messages or messages[-1][0] != chatformat.USER:
+    raise ApiError(400, 'the last message must be from the user', 'messages')
+  n = _number(body, 'n', int, 1)
+  if n != 1:
+    raise ApiError(400, 'n must be 1: one reply per request', 'n')
+  most = max_len // 2
+  max_tokens = _number(
+    body,
+    'max_completion_tokens',
+    int,
+    _number(body, 'max_tokens', int, min(defaults.max_new_tokens, most)),
+  )
+  if not 1 <= max_tokens <= most:
+    raise ApiError(
+      400,
+      f'max_tokens must be between 1 and {most} (half the context of '
+      f'{max_len} tokens)',
+      'max_tokens',
+    )
+  seed = body.get('seed')
+  if seed is not None and (
+    isinstance(seed, bool) or not isinstance(seed, int) or seed < 0
+  ):
+    raise ApiError(400, 'seed must be a whole number of 0 or more', 'seed')
+  settings = sampling.SamplingSettings(
+    temperature=_number(body, 'temperature', float, defaults.temperature),
+    top_p=_number(body, 'top_p', float, defaults.top_p),
+    top_k=_number(body, 'top_k', int, defaults.top_k),
+    repetition_penalty=_number(
+      body, 'repetition_penalty', float, defaults.repetition_penalty
+    ),
+    repetition_window=defaults.repetition_window,
+    max_new_tokens=max_tokens,
+    seed=seed or 0,
+  )
+  try:
+    settings.check()
+  except UserError as e:
+    raise ApiError(400, str(e)) from None
+  stop = body.get('stop')
+  stop = [stop] if isinstance(stop, str) else stop or []
+  if not (
+    isinstance(stop, list)
+    and len(stop) <= 4
+    and all(isinstance(s, str) and s for s in stop)
+  ):
+    raise ApiError(400, 'stop must be a string or up to 4 strings', 'stop')
+  stream = body.get('stream', False)
+  if not isinstance(stream, bool):
+    raise ApiError(400, 'stream must be true or false', 'stream')
+  return Job(messages, settings, seed, stop, stream, dropped)
+
+
+class Slot:
+  """The model and the one conversation it has read.
+
+  `conversation` is the whole conversation as the client knows it (the
+  `(role, content)` of each message it sent and each reply it got), so a
+  follow-up request (the same messages plus a new one) is recognized and
+  only the new message fed; the context may hold only its last turns.
+  """
+
+  def __init__(self, decoder: Decoder):
+    self.decoder = decoder
+    self.tok = decoder.tokenizer
+    self.context = generate.Context(decoder)
+    self.conversation: list[tuple[str, str]] = []
+
+  def _turn(self, role: str, content: str) -> generate.Turn:
+    text, ids = self.context.user_ids(content)
+    if role == chatformat.AI:
+      ids = [self.tok.ai_start_id] + ids + [self.tok.ai_end_id]
+    return generate.Turn(role, text, ids)
+
+  def prepare(self, job: Job):
+    """Makes the context hold `job`'s conversation up to its last message
+    and asks that one.
+
+    Returns:
+      `(logits, reused, dropped)`: the logits for the reply's first token,
+      how many context tokens were kept from the conversation before, and
+      how many old turns were dropped to make room.
+    """
+    earlier, (_, last) = job.messages[:-1], job.messages[-1]
+    _, last_ids = self.context.user_ids(last)
+    room = self.decoder.max_len - job.settings.max_new_tokens - 4
+    if not last_ids:
+      raise ApiError(400, 'the last message is empty', 'messages')
+    if len(last_ids) > room:
+      raise ApiError(
+        400,
+        f'the last message is {len(last_ids)} tokens; the context of '
+        f'{self.decoder.max_len} tokens holds at most {room} besides a '
+        f'reply of max_tokens={job.settings.max_new_tokens}',
+        'messages',
+      )
+    if self.conversation and earlier == self.conversation:
+      reused, trimmed = self.context.used(), 0  # Only the last is new.
+    else:
+      reused = 0
+      turns = [self._turn(r, c) for r, c in earlier]
+      budget = self.context.budget() - len(last_ids) - 2
+      budget -= job.settings.max_new_tokens
+      while turns and len(self.context.ids(turns)) > budget:
+        turns.pop(0)
+      while turns and turns[0].role != chatformat.USER:
+        turns.pop(0)
+      trimmed = len(earlier) - len(turns)
+      self.context.reread(turns)
+    before = len(self.context.turns)
+    logits = self.context.ask(last, job.settings.max_new_tokens)
+    kept = len(self.context.turns) - 1
+    dropped = trimmed + before - kept
+    self.conversation = list(earlier) + [(chatformat.USER, last)]
+    return logits, reused, dropped
+
+  def run(self, job: Job, cancel: threading.Event, emit=None) -> dict:
+    """Generates the reply of `job` (in a worker thread).
+
+    `emit(text)` receives each new piece of the reply's text as it is
+    generated (stop strings held back until they cannot match).
+
+    Returns:
+      `{'text', 'finish_reason', 'prompt_tokens', 'completion_tokens',
+      'reused_tokens', 'dropped_turns'}`.
+    """
+    try:
+      logits, reused, dropped = self.prepare(job)
+    except BaseException:
+      self.reset()
+      raise
+    prompt_tokens = self.context.used()
+    rng = np.random.default_rng(job.seed)  # No seed: fresh entropy.
+    hold = max((len(s) for s in job.stop), default=1) - 1
+    ids: list[int] = []
+    text, shown, finish = '', '', 'length'
+    try:
+      for token in generate.generate(
+        self.context, logits, job.settings, rng, stop=cancel.is_set
+      ):
+        ids.append(token)
+        text = generate.display(self.tok, ids)
+        cut = _stop_at(text, job.stop)
+        if cut is not None:
+          text, finish = text[:cut], 'stop'
+          break
+        # What cannot be the start of a stop string yet.
+        shown = _send(emit, shown, text[: len(text) - hold])
+      else:
+        if len(ids) < job.settings.max_new_tokens and not cancel.is_set():
+          finish = 'stop'  # The model ended its reply.
+      self.context.answer(ids)
+      self.conversation.append((chatformat.AI, text))
+    except BaseException:
+      self.reset()
+      raise
+    if not cancel.is_set():
+      _send(emit, shown, text)
+    return {
+      'text': text,
+      'finish_reason': finish,
+      'prompt_tokens': prompt_tokens,
+      'completion_tokens': len(ids),
+      'reused_tokens': reused,
+      'dropped_turns': dropped,
+    }
+
+  def reset(self):
+    self.context.reset()
+    self.conversation = []
+
+
+def _stop_at(text: str, stops) -> int | None:
+  found = [text.find(s) for s in stops if s in text]
+  return min(found) if found else None
+
+
+def _send(emit, shown: str, text: str) -> str:
+  """Emits what `text` adds to `shown`; returns the text shown now."""
+  if text.startswith(shown) and len(text) > len(shown):
+    if emit is not None:
+      emit(text[len(shown) :])
+    return text
+  return shown
+
+
+class Server:
+  """The model, its queue and the ASGI app."""
+
+  def __init__(
+    self,
+    decoder: Decoder,
+    model_id: str,
+    api_key: str | None = None,
+    max_queue: int = 16,
+    defaults: sampling.SamplingSettings | None = None,
+  ):
+    self.slot = Slot(decoder)
+    self.defaults = defaults or sampling.SamplingSettings()
+    self.model_id = model_id
+    self.api_key = api_key
+    self.max_queue = max_queue
+    self.waiting = 0
+    self.served = 0
+    self.created = int(time.time())
+    self._lock: asyncio.Lock | None = None
+
+  # ---- the model, one request at a time
+
+  async def _turn(self):
+    if self._lock is None:
+      self._lock = asyncio.Lock()
+    if self._lock.locked() and self.waiting >= self.max_queue:
+      raise ApiError(
+        503,
+        f'the server is busy ({self.waiting} requests waiting; '
+        f'--max-queue {self.max_queue}); try again shortly',
+      )
+    self.waiting += 1
+    try:
+      await self._lock.acquire()
+    finally:
+      self.waiting -= 1
+
+  async def complete(self, job: Job) -> dict:
+    """The whole reply (the lock is held until the model is free)."""
+    import anyio
+
+    await self._turn()
+    cancel = threading.Event()
+    try:
+      return await anyio.to_thread.run_sync(self.slot.run, job, cancel)
+    finally:
+      cancel.set()
+      self.served += 1
+      self._lock.release()
+
+  async def stream(self, job: Job):
+    """Yields the reply's text pieces, then the result dict."""
+    import anyio
+
+    await self._turn()
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancel = threading.Event()
+
+    def emit(text):
+      loop.call_soon_threadsafe(queue.put_nowait, ('text', text))
+
+    def work():
+      try:
+        result = self.slot.run(job, cancel, emit)
+        loop.call_soon_threadsafe(queue.put_nowait, ('done', result))
+      except BaseException as e:  # Reported to the client, never lost.
+        loop.call_soon_threadsafe(queue.put_nowait, ('error', e))
+
+    done = anyio.Event()
+
+    async def runner():
+      try:
+        await anyio.to_thread.run_sync(work)
+      finally:
+        self.served += 1
+        self._lock.release()
+        done.set()
+
+    task = asyncio.ensure_future(runner())
+    try:
+      while True:
+        kind, value = await queue.get()
+        if kind == 'error':
+          raise value
+        yield kind, value
+        if kind == 'done':
+          break
+    finally:
+      cancel.set()  # A client gone: stop at the next token.
+      with anyio.CancelScope(shield=True):
+        await done.wait()
+      del task
+
+  # ---- HTTP
+
+  def app(self):
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    return Starlette(
+      routes=[
+        Route('/', self.page),
+        Route('/health', self.health),
+        Route('/v1/models', self.models),
+        Route('/v1/chat/completions', self.chat, methods=['POST']),
+      ],
+      exception_handlers={404: self.not_found, 405: self.not_allowed},
+    )
+
+  @staticmethod
+  def _error(e: ApiError):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status)
+
+  async def not_found(self, request, exc):
+    return self._error(ApiError(404, f'no route {request.url.path}'))
+
+  async def not_allowed(self, request, exc):
+    return self._error(
+      ApiError(405, f'{request.method} is not allowed on {request.url.path}')
+    )
+
+  def _check_key(self, request):
+    if not self.api_key:
+      return
+    given = request.headers.get('authorization', '')
+    want = f'Bearer {self.api_key}'
+    if not hmac.compare_digest(given.encode(), want.encode()):
+      raise ApiError(
+        401, 'wrong or missing API key (Authorization: Bearer KEY)'
+      )
+
+  async def page(self, request):
+    from starlette.responses import HTMLResponse
+
+    with open(PAGE, encoding='utf-8') as f:
+      return HTMLResponse(f.read())
+
+  async def health(self, request):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(
+      {
+        'status': 'ok',
+        'model': self.model_id,
+        'busy': bool(self._lock and self._lock.locked()),
+        'waiting': self.waiting,
+        'served': self.served,
+      }
+    )
+
+  def _model(self) -> dict:
+    d = self.slot.decoder
+    return {
+      'id': self.model_id,
+      'object': 'model',
+      'created': self.created,
+      'owned_by': 'jade-v8',
+      'context_length': d.max_len,
+      'vocab_size': d.tokenizer.vocab_size,
+      'step': d.step,
+    }
+
+  async def models(self, request):
+    from starlette.responses import JSONResponse
+
+    try:
+      self._check_key(request)
+    except ApiError as e:
+      return self._error(e)
+    return JSONResponse({'object': 'list', 'data': [self._model()]})
+
+  async def chat(self, request):
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    try:
+      self._check_key(request)
+      data = await _read_body(request)
+      try:
+        body = json.loads(data)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f'the body is not JSON ({e})') from None
+      job = parse_job(
+        body, self.model_id, self.slot.decoder.max_len, self.defaults
+      )
+      ident = f'chatcmpl-{uuid.uuid4().hex[:24]}'
+      headers = {'X-Jade-System-Dropped': str(job.dropped_system)}
+      if not job.stream:
+        r = await self.complete(job)
+        headers['X-Jade-Dropped-Turns'] = str(r['dropped_turns'])
+        headers['X-Jade-Reused-Tokens'] = str(r['reused_tokens'])
+        return JSONResponse(self._completion(ident, r), headers=headers)
+    except ApiError as e:
+      return self._error(e)
+    except UserError as e:
+      return self._error(ApiError(500, str(e)))
+    return StreamingResponse(
+      self._events(ident, job),
+      media_type='text/event-stream',
+      headers={**headers, 'Cache-Control': 'no-cache'},
+    )
+
+  def _completion(self, ident: str, r: dict) -> dict:
+    return {
+      'id': ident,
+      'object': 'chat.completion',
+      'created': int(time.time()),
+      'model': self.model_id,
+      'choices': [
+        {
+          'index': 0,
+          'message': {'role': 'assistant', 'content': r['text']},
+          'finish_reason': r['finish_reason'],
+        }
+      ],
+      'usage': _usage(r),
+    }
+
+  def _chunk(self, ident: str, delta: dict, finish=None, usage=None) -> str:
+    chunk = {
+      'id': ident,
+      'object': 'chat.completion.chunk',
+      'created': int(time.time()),
+      'model': self.model_id,
+      'choices': [{'index': 0, 'delta': delta, 'finish_reason': finish}],
+    }
+    if usage is not None:
+      chunk['usage'] = usage
+    return f'data: {json.dumps(chunk)}\n\n'
+
+  async def _events(self, ident: str, job: Job):
+    yield self._chunk(ident, {'role': 'assistant', 'content': ''})
+    try:
+      async for kind, value in self.stream(job):
+        if kind == 'text':
+          yield self._chunk(ident, {'content': value})
+        else:
+          yield self._chunk(ident, {}, value['finish_reason'], _usage(value))
+    except ApiError as e:
+      yield f'data: {json.dumps(e.body())}\n\n'
+    except UserError as e:
+      yield f'data: {json.dumps(ApiError(500, str(e)).body())}\n\n'
+    yield 'data: [DONE]\n\n'
+
+
+def _usage(r: dict) -> dict:
+  return {
+    'prompt_tokens': r['prompt_tokens'],
+    'completion_tokens': r['completion_tokens'],
+    'total_tokens': r['prompt_tokens'] + r['completion_tokens'],
+  }
+
+
+async def _read_body(request) -> bytes:
+  """The request body, refused above MAX_BODY bytes."""
+  size = request.headers.get('content-length')
+  if size is not None and size.isdigit() and int(size) > MAX_BODY:
+    raise ApiError(400, f'the body is over {MAX_BODY >> 20} MB')
+  chunks, total = [], 0
+  async for chunk in request.stream():
+    total += len(chunk)
+    if total > MAX_BODY:
+      raise ApiError(400, f'the body is over {MAX_BODY >> 20} MB')
+    chunks.append(chunk)
+  return b''.join(chunks)
+
+
+def serve(
+  decoder: Decoder,
+  model_id: str,
+  host: str = '127.0.0.1',
+  port: int = 8000,
+  api_key: str | None = None,
+  max_queue: int = 16,
+  defaults: sampling.SamplingSettings | None = None,
+  log=print,
+):
+  """Serves until interrupted (Ctrl-C)."""
+  import uvicorn
+
+  server = Server(decoder, model_id, api_key, max_queue, defaults)
+  where = f'http://{host}:{port}'
+  log(
+    f'serving {model_id} (step {decoder.step}, context {decoder.max_len} '
+    f'tokens) on {where}: chat page {where}/, API {where}/v1'
+    + ('' if api_key else ' (no API key)')
+  )
+  if host not in ('127.0.0.1', 'localhost', '::1'):
+    log(
+      f'note: {host} is reachable from other machines; anyone who can '
+      'reach it can use the model' + ('' if api_key else ' (set --api-key)')
+    )
+  uvicorn.run(
+    server.app(),
+    host=host,
+    port=port,
+    log_level='warning',
+    limit_concurrency=max_queue + 16,
+    timeout_keep_alive=5,
+  )
