@@ -1,0 +1,219 @@
+"""The server: follow-up latency with and without prefix reuse, throughput
+and latency under concurrent clients, and memory over many requests.
+
+  python bench/serve.py runs/demo [--requests 1000] [--json out.json]
+
+1. Time to the first reply token of a follow-up turn after ~4k tokens of
+   conversation (`src.apps.serve.Slot`, no HTTP): with prefix reuse (only
+   the new 20-token message is fed), without (the conversation read again
+   as one block), and one fresh one-token decoder step for scale. The model
+   is the decode bench's shape (4 layers, d256, 4160-token context, random
+   weights: speed does not depend on them) with the run's tokenizer.
+2. The run's model served over HTTP on 127.0.0.1 (uvicorn in this process):
+   1, 4 and 8 concurrent clients, each sending its own one-message
+   conversations (max_tokens 16, temperature 0.8, seeded): requests/s,
+   reply tokens/s, p50/p95 latency, errors.
+3. The server's resident memory after 10 requests and after `--requests`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+from src import runtime  # noqa: E402
+
+runtime.bootstrap()
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import trax  # noqa: E402
+
+from src.apps import serve  # noqa: E402
+from src.data import chatformat, tokenizer  # noqa: E402
+from src.inference import decoding, sampling  # noqa: E402
+from src.model import ginconf, reformer  # noqa: E402
+
+GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
+
+
+def follow_up(run_dir: str, repeats: int = 5) -> dict:
+  """Part 1: first-token time of a follow-up turn at ~4k of history."""
+  tok = tokenizer.load(run_dir)
+  binds = common.DECODE_BINDINGS + tuple(decoding.predict_bindings(4))
+  ginconf.parse(GIN, binds)
+  layer = reformer.reformer_lm(tok.vocab_size, 'predict', directed=True)
+  layer.rng = jax.random.PRNGKey(0)
+  layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
+  decoder = decoding.Decoder(layer, common.DECODE_CONTEXT, tok)
+  slot = serve.Slot(decoder)
+  rng = np.random.default_rng(0)
+  words = [tok.decode([int(i)]) for i in rng.integers(10, tok.vocab_size, 4000)]
+  # ~4k tokens of history in 2-message exchanges, then a new message.
+  history = []
+  for i in range(0, 3900, 100):
+    role = chatformat.USER if (i // 100) % 2 == 0 else chatformat.AI
+    history.append((role, ' '.join(words[i : i + 100])))
+  new = ' '.join(words[3900:3920])
+  defaults = sampling.SamplingSettings(temperature=0.0, max_new_tokens=1)
+
+  def job(messages):
+    body = {
+      'messages': [
+        {'role': 'user' if r == chatformat.USER else 'assistant', 'content': c}
+        for r, c in messages
+      ],
+      'max_tokens': 1,
+      'temperature': 0,
+    }
+    return serve.parse_job(body, 'bench', decoder.max_len, defaults)
+
+  slot.run(job(history), threading.Event())
+  # The follow-up a chat client sends: everything so far, the reply it
+  # got, and a new 20-token message.
+  follow = slot.conversation + [(chatformat.USER, new)]
+
+  def first_token(reuse: bool) -> tuple[float, dict]:
+    slot.reset()
+    if reuse:  # The server answered the turn before.
+      slot.run(job(history), threading.Event())
+    t0 = time.perf_counter()
+    r = slot.run(job(follow), threading.Event())
+    return time.perf_counter() - t0, r
+
+  first_token(True)  # Compile the block and step paths.
+  first_token(False)
+  reused = [first_token(True) for _ in range(repeats)]
+  fresh = [first_token(False) for _ in range(repeats)]
+  decoder.reset()
+  decoder.feed([5])
+  steps = []
+  for _ in range(20):
+    t0 = time.perf_counter()
+    decoder.feed([7])
+    steps.append(time.perf_counter() - t0)
+  return {
+    'history_tokens': reused[0][1]['prompt_tokens'],
+    'reused_tokens': reused[0][1]['reused_tokens'],
+    'with_reuse_ms': 1000 * float(np.median([r[0] for r in reused])),
+    'without_reuse_ms': 1000 * float(np.median([r[0] for r in fresh])),
+    'one_step_ms': 1000 * float(np.median(steps)),
+  }
+
+
+def _post(port: int, body: dict) -> tuple[int, dict, float]:
+  t0 = time.perf_counter()
+  conn = http.client.HTTPConnection('127.0.0.1', port, timeout=300)
+  try:
+    conn.request(
+      'POST',
+      '/v1/chat/completions',
+      json.dumps(body),
+      {'Content-Type': 'application/json'},
+    )
+    r = conn.getresponse()
+    data = json.loads(r.read())
+    return r.status, data, time.perf_counter() - t0
+  finally:
+    conn.close()
+
+
+def start_server(run_dir: str):
+  import uvicorn
+
+  decoder = decoding.Decoder.load(run_dir)
+  server = serve.Server(decoder, 'bench', max_queue=64)
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  config = uvicorn.Config(
+    server.app(), host='127.0.0.1', port=port, log_level='warning'
+  )
+  http_server = uvicorn.Server(config)
+  thread = threading.Thread(target=http_server.run, daemon=True)
+  thread.start()
+  while not http_server.started:
+    time.sleep(0.05)
+  return port, http_server
+
+
+def load(port: int, clients: int, per_client: int) -> dict:
+  """Part 2: `clients` concurrent clients, `per_client` requests each."""
+
+  def client(c):
+    out = []
+    for i in range(per_client):
+      body = {
+        'messages': [{'role': 'user', 'content': f'Hello number {c}-{i}!'}],
+        'max_tokens': 16,
+        'temperature': 0.8,
+        'seed': 1000 * c + i,
+      }
+      status, data, seconds = _post(port, body)
+      tokens = data.get('usage', {}).get('completion_tokens', 0)
+      out.append((status, seconds, tokens))
+    return out
+
+  t0 = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+    results = [r for rs in pool.map(client, range(clients)) for r in rs]
+  wall = time.perf_counter() - t0
+  latency = np.array([s for _, s, _ in results])
+  return {
+    'clients': clients,
+    'requests': len(results),
+    'errors': sum(status != 200 for status, _, _ in results),
+    'requests_per_s': len(results) / wall,
+    'tokens_per_s': sum(t for *_, t in results) / wall,
+    'p50_ms': 1000 * float(np.percentile(latency, 50)),
+    'p95_ms': 1000 * float(np.percentile(latency, 95)),
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('run', help='a trained model folder (runs/demo)')
+  parser.add_argument('--requests', type=int, default=1000)
+  parser.add_argument('--json', help='write the figures here')
+  args = parser.parse_args()
+  found = {
+    'machine': f'{platform.processor() or platform.machine()}, '
+    f'{os.cpu_count()} cores',
+  }
+  found['follow_up'] = follow_up(args.run)
+  print(json.dumps(found['follow_up']), flush=True)
+  port, http_server = start_server(args.run)
+  process = psutil.Process()
+  load(port, 1, 10)  # Compile, and the first 10 requests.
+  found['rss_after_10_mb'] = process.memory_info().rss / 2**20
+  found['load'] = [load(port, c, 24 // c * 2) for c in (1, 4, 8)]
+  for row in found['load']:
+    print(json.dumps(row), flush=True)
+  done = 10 + sum(r['requests'] for r in found['load'])
+  rest = max(args.requests - done, 0)
+  if rest:
+    load(port, 4, -(-rest // 4))
+  found['requests_total'] = done + 4 * -(-rest // 4)
+  found['rss_after_total_mb'] = process.memory_info().rss / 2**20
+  print(
+    json.dumps({k: v for k, v in found.items() if 'rss' in k or 'total' in k})
+  )
+  http_server.should_exit = True
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(found, f, indent=2)
+
+
+if __name__ == '__main__':
+  main()
