@@ -235,7 +235,7 @@ class Slot:
     """
     earlier, (_, last) = job.messages[:-1], job.messages[-1]
     _, last_ids = self.context.user_ids(last)
-    room = self.decoder.max_len - job.settings.max_new_tokens - 4
+    room = self.context.room(job.settings.max_new_tokens)
     if not last_ids:
       raise ApiError(400, 'the last message is empty', 'messages')
     if len(last_ids) > room:
@@ -250,13 +250,10 @@ class Slot:
       reused, trimmed = self.context.used(), 0  # Only the last is new.
     else:
       reused = 0
-      turns = [self._turn(r, c) for r, c in earlier]
-      budget = self.context.budget() - len(last_ids) - 2
-      budget -= job.settings.max_new_tokens
-      while turns and len(self.context.ids(turns)) > budget:
-        turns.pop(0)
-      while turns and turns[0].role != chatformat.USER:
-        turns.pop(0)
+      turns = self.context.keep_last(
+        [self._turn(r, c) for r, c in earlier],
+        len(last_ids) + 2 + job.settings.max_new_tokens,
+      )
       trimmed = len(earlier) - len(turns)
       self.context.reread(turns)
     before = len(self.context.turns)

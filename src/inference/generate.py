@@ -100,17 +100,29 @@ class Context:
     """Tokens the turns may take in a context (besides pad and START)."""
     return self.decoder.max_len - 1 - len(START)
 
+  def room(self, max_new_tokens: int) -> int:
+    """The most tokens a user message may have in an empty context, with
+    a reply of `max_new_tokens` (besides the message: pad, START, start
+    marker, reply, end marker)."""
+    return self.decoder.max_len - max_new_tokens - 3 - len(START)
+
+  def keep_last(self, turns: list[Turn], needed: int) -> list[Turn]:
+    """The last of `turns` that leave room for `needed` more tokens in a
+    context, starting on a user turn where there are several."""
+    kept = list(turns)
+    while kept and len(self.ids(kept)) + needed > self.budget():
+      kept.pop(0)
+    while kept and kept[0].role != chatformat.USER and len(kept) > 1:
+      kept.pop(0)  # Start the kept context on a user turn.
+    return kept
+
   def make_room(self, needed: int):
     """Drops the oldest turns until `needed` more tokens fit; re-reads."""
     lead = 1 + len(START)  # The decoder's pad and the context's start.
     start = lead if self.used() == 0 else 0
     if self.used() + start + needed <= self.decoder.max_len:
       return
-    kept = list(self.turns)
-    while kept and len(self.ids(kept)) + needed > self.budget():
-      kept.pop(0)
-    while kept and kept[0].role != chatformat.USER and len(kept) > 1:
-      kept.pop(0)  # Start the kept context on a user turn.
+    kept = self.keep_last(self.turns, needed)
     dropped = len(self.turns) - len(kept)
     self.say(
       f'(context full: dropped the {dropped} oldest turn(s); re-reading '
@@ -138,8 +150,7 @@ class Context:
     text, ids = self.user_ids(text)
     if not ids:
       return None
-    # Besides the message: pad, START, start marker, reply, end marker.
-    room = self.decoder.max_len - max_new_tokens - 3 - len(START)
+    room = self.room(max_new_tokens)
     if len(ids) > room:
       self.say(
         f'(your message is {len(ids)} tokens; the context holds '

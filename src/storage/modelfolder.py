@@ -20,7 +20,7 @@ import numpy as np
 
 from src.core import rundir
 from src.core.errors import UserError
-from src.data import tokenizer
+from src.data import chatformat, tokenizer
 from src.model import ginconf, preflight
 from src.storage import checkpoints
 
@@ -103,8 +103,8 @@ def load(
     raise UserError(f'{gin_path}: missing; {what} is not a complete model')
   gin_text = ginconf.model_bindings(ginconf.read_saved(gin_path), gin_path)
   setup = ginconf.parse_text(gin_text, gin_path, tuple(bindings))
-  tok = tokenizer.load(path)
   info = tokenizer.read_info(path)
+  tok = tokenizer.load(path, chatformat.Markers(*info['markers']))
   if check_memory:
     preflight.check_model(setup, tok.vocab_size, what)
   limit = preflight.weight_file_bytes(setup, tok.vocab_size)
