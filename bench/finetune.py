@@ -1,20 +1,33 @@
-"""Does fine-tuning a pretrained model pay? Fine-tune vs from scratch.
+"""Does fine-tuning work? Facts learned, forgetting and held-out loss.
 
-  python bench/finetune.py [WORK_DIR] [--pretrain-steps 1500] [--steps 300]
+  python bench/finetune.py [WORK_DIR] [--pretrained RUN_DIR]
+      [--data data/persona] [--steps 0] [--bind GIN ...] [--no-scratch]
 
-1. Pretrain the tiny model (gin/tiny.gin) on ChatterBot English without
-   three of its categories (greetings, conversations, emotion), then
-   export it (`python -m src.apps.export`).
-2. The three categories are the "personal" data: every 10th conversation
-   of each is held out (the same conversations for every run).
-3. Train on the personal data for `--steps` steps two ways: from scratch
-   (gin/tiny.gin, random weights) and with `--init-from` the export
-   (gin/finetune.gin). Both use the pretrained tokenizer, so their
-   nats/token compare directly; bits/char are reported too.
-4. Train from scratch for `--pretrain-steps` steps, evaluating every 50,
-   to find how many steps from scratch need to reach the fine-tuned loss.
-
-Prints a markdown table for BENCHMARKS.md.
+1. The pretrained model: `--pretrained RUN_DIR` (e.g. the quick start's
+   runs/demo), or else the README's pretraining command is run into
+   WORK/pretrained. It is exported (`python -m src.apps.export`).
+2. The user's chats: `--data` (default data/persona: a dozen facts about
+   one person, Robin, each asked three ways, 40 conversations). The
+   `PARAPHRASES` below ask each fact a fourth way that is never trained on;
+   as conversations they are the held-out data.
+3. Fine-tuned: `train.py --init-from` the export with gin/finetune.gin and
+   the fine-tuning defaults (`--steps 0`: derived from the data). From
+   scratch: the same data, steps and tokenizer with gin/tiny.gin and the
+   quick start's learning flags.
+4. Each model, and the pretrained one, answers greedily from a fresh
+   context:
+   - facts: the first way each fact is asked (the walkthrough's 12
+     questions), all trained ways, and the paraphrases; a hit names the
+     fact (`chat_quality.knows`);
+   - everyday openers ("Hello", "Good morning!", "How are you?", "Thank
+     you!"): sensible when the reply ends, has no loop and >= 90% of its
+     words are dictionary words (the words of the whole ChatterBot English
+     corpus and of the user's data);
+   - forgetting: the pretrained model's own training prompts
+     (`bench/chat_quality.py` on its data): how many still get their
+     trained answer;
+   - held-out loss on the paraphrase conversations.
+Prints markdown tables for BENCHMARKS.md and every reply.
 """
 
 from __future__ import annotations
@@ -22,155 +35,303 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PERSONAL = ('greetings', 'conversations', 'emotion')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# (keywords naming the fact, the prompts data/persona trains on, a
+# paraphrase it never sees, the paraphrase's answer for the held-out loss).
+FACTS = (
+  (
+    ('robin',),
+    ('What is your name?', "What's your name?", 'Who are you?'),
+    'What should I call you?',
+    'Call me Robin.',
+  ),
+  (
+    ('lisbon',),
+    ('Where do you live?', 'Which city do you live in?', 'Where is your home?'),
+    'What city are you from?',
+    'I am from Lisbon.',
+  ),
+  (
+    ('nurse', 'hospital'),
+    ('What do you do for a living?', 'What is your job?', 'Where do you work?'),
+    'What is your work?',
+    'I am a nurse.',
+  ),
+  (
+    ('pixel',),
+    (
+      'Do you have a pet?',
+      "What is your cat's name?",
+      'Do you have any animals?',
+    ),
+    'Tell me about your pet.',
+    'My cat Pixel is grey and lazy.',
+  ),
+  (
+    ('pancakes',),
+    (
+      'What is your favourite food?',
+      'What do you like to eat?',
+      'What is your favorite meal?',
+    ),
+    'Which food do you like best?',
+    'Pancakes.',
+  ),
+  (
+    ('climbing',),
+    (
+      'What is your hobby?',
+      'What do you do for fun?',
+      'What do you do on weekends?',
+    ),
+    'Do you have any hobbies?',
+    'Yes, rock climbing.',
+  ),
+  (
+    ('cello',),
+    (
+      'Do you play an instrument?',
+      'Do you play music?',
+      'What instrument do you play?',
+    ),
+    'Can you play any music?',
+    'I play the cello.',
+  ),
+  (
+    ('maya',),
+    (
+      'Do you have any siblings?',
+      "What is your sister's name?",
+      'Do you have a brother or a sister?',
+    ),
+    'Do you have a sister?',
+    'Yes, Maya.',
+  ),
+  (
+    ('march',),
+    ('When is your birthday?', 'When were you born?', 'What is your birthday?'),
+    'What day is your birthday?',
+    'The twelfth of March.',
+  ),
+  (
+    ('orange',),
+    (
+      'What is your favourite colour?',
+      'What is your favorite color?',
+      'Which colour do you like best?',
+    ),
+    'Do you have a favourite colour?',
+    'Orange.',
+  ),
+  (
+    ('bicycle', 'bike'),
+    (
+      'How do you get to work?',
+      'Do you have a car?',
+      'How do you travel around the city?',
+    ),
+    'Do you drive to work?',
+    'No, I ride my bicycle.',
+  ),
+  (
+    ('hobbit',),
+    (
+      'What is your favourite book?',
+      'What book do you like?',
+      'What are you reading?',
+    ),
+    'What is the best book you have read?',
+    'The Hobbit.',
+  ),
+)
 
-def make_data(work: str):
-  """pretrain/, personal/ and held-out/ line-format folders."""
-  from src.apps import convert
-  from src.data import chatformat
+OWN_PROMPTS = 200  # Of the pretrained model's training prompts.
 
-  folders = {
-    n: os.path.join(work, n) for n in ('all', 'pretrain', 'personal', 'held')
-  }
-  if not os.path.isdir(folders['all']):
-    convert.main(['chatterbot', 'english', folders['all'], '--trim'])
-  for n in ('pretrain', 'personal', 'held'):
-    shutil.rmtree(folders[n], ignore_errors=True)
-    os.makedirs(folders[n])
-  for name in sorted(os.listdir(folders['all'])):
-    src = os.path.join(folders['all'], name)
-    if os.path.splitext(name)[0] not in PERSONAL:
-      shutil.copy(src, folders['pretrain'])
-      continue
-    convs = chatformat.read_file(src)
-    train = [c for i, c in enumerate(convs) if i % 10 != 9]
-    held = [c for i, c in enumerate(convs) if i % 10 == 9]
-    for folder, part in (('personal', train), ('held', held)):
-      with open(os.path.join(folders[folder], name), 'w') as f:
-        f.write('\n\n'.join(chatformat.format_conversation(c) for c in part))
-        f.write('\n')
-  return folders
+QUICK_START = [
+  '--gin',
+  'gin/tiny.gin',
+  '--vocab-size',
+  '1000',
+  '--batch-size',
+  '4',
+  '--bind',
+  'ReformerLM.dropout = 0.0',
+  '--bind',
+  'lr_schedule.peak = 0.004',
+  '--bind',
+  'lr_schedule.warmup_steps = 100',
+]
 
 
-def run(out, data, gin, steps, held, eval_every, **extra):
-  from src.config import jsonconfig
-  from src.training import trainer
-
-  values = {
-    'out-dir': out,
-    'data': data,
-    'gin': os.path.join(ROOT, 'gin', gin),
-    'steps': steps,
-    'eval-every': eval_every,
-    'eval-batches': 16,
-    'checkpoint-every': steps,
-    'eval-data': held,
-    'vocab-size': 1000,
-    **extra,
-  }
+def train(args: list[str], log: str) -> float:
+  """Runs train.py (as a user would) with `args`; returns the wall time."""
   start = time.time()
-  trainer.train(jsonconfig.from_values('train', values), log=lambda line: None)
+  with open(log, 'w') as f:
+    subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'train.py'), *args],
+      check=True,
+      stdout=f,
+      stderr=subprocess.STDOUT,
+      cwd=ROOT,
+    )
   return time.time() - start
 
 
-def eval_curve(out):
-  from tensorboard.backend.event_processing import event_accumulator
+def write_paraphrases(folder: str) -> str:
+  """The paraphrase conversations (held-out data); returns the file."""
+  os.makedirs(folder, exist_ok=True)
+  path = os.path.join(folder, 'paraphrases.txt')
+  with open(path, 'w') as f:
+    for _, _, question, answer in FACTS:
+      f.write(f'{question}\n|aigenerationstart| {answer} |endofgeneration|\n\n')
+  return path
 
-  acc = event_accumulator.EventAccumulator(os.path.join(out, 'eval'))
-  acc.Reload()
-  return [(e.step, e.value) for e in acc.Scalars('metrics/loss')]
+
+def measure(model_dir: str, words: set[str], own):
+  """The facts, everyday and forgetting figures of one model (`own`: the
+  pretrained model's prompts, as `chat_quality.training_prompts` gives
+  them)."""
+  from src.analysis import chat_quality as cq
+  from src.inference import decoding
+
+  decoder = decoding.Decoder.load(model_dir)
+  out = {'step': decoder.step}
+  for name, prompts in (
+    ('first', [f[1][0] for f in FACTS]),
+    ('trained', [p for f in FACTS for p in f[1]]),
+    ('paraphrased', [f[2] for f in FACTS]),
+  ):
+    keys = [f[0] for f in FACTS for _ in (f[1] if name == 'trained' else [0])]
+    replies = cq.greedy_replies(decoder, prompts)
+    out[name] = [
+      (p, r, cq.knows(r, k)) for p, (r, _), k in zip(prompts, replies, keys)
+    ]
+  out['everyday'] = cq.everyday(decoder, words)
+  out['own'] = cq.trained_answers(decoder, *own)
+  return out
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser()
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('work', nargs='?', default='runs/bench-finetune')
-  parser.add_argument('--pretrain-steps', type=int, default=1500)
-  parser.add_argument('--steps', type=int, default=300)
+  parser.add_argument('--pretrained', default=None)
+  parser.add_argument('--data', default=os.path.join(ROOT, 'data', 'persona'))
+  parser.add_argument('--steps', type=int, default=0)
+  parser.add_argument('--bind', action='append', default=[])
+  parser.add_argument(
+    '--flag', action='append', default=[], help='Passed to train.py.'
+  )
+  parser.add_argument('--no-scratch', action='store_true')
+  parser.add_argument('--name', default='fine-tuned')
   args = parser.parse_args(argv)
-  from src.data import tokenizer
+  from src.analysis import chat_quality as cq
   from src.inference import scoring
   from src.storage import export
 
-  work = args.work
+  work = os.path.abspath(args.work)
   os.makedirs(work, exist_ok=True)
-  d = make_data(work)
-  pre, exp = os.path.join(work, 'pretrained'), os.path.join(work, 'export')
+  held = write_paraphrases(os.path.join(work, 'held'))
   times = {}
-  if not os.path.isdir(pre):
-    times['pretrain'] = run(
-      pre,
-      d['pretrain'],
-      'tiny.gin',
-      args.pretrain_steps,
-      None,
-      500,
-      **{'eval-fraction': 0.05},
+  pre = args.pretrained or os.path.join(work, 'pretrained')
+  pre_data = os.path.join(work, 'smalltalk')
+  if args.pretrained is None and not os.path.isdir(pre):
+    from src.apps import convert
+
+    convert.main(
+      [
+        'chatterbot',
+        'english',
+        pre_data,
+        '--trim',
+        '--skip',
+        'coding,computers,tech_support,trivia',
+      ]
     )
+    times['pretrain'] = train(
+      ['--data', pre_data, '--out-dir', pre, '--steps', '3500', *QUICK_START],
+      os.path.join(work, 'pretrain.log'),
+    )
+  exp = os.path.join(work, 'export')
   if not os.path.isdir(exp):
     export.export(pre, exp)
-  results = {}
-  for name, gin, steps in (
-    ('fine-tuned', 'finetune.gin', args.steps),
-    ('scratch', 'tiny.gin', args.steps),
-    ('scratch-long', 'tiny.gin', args.pretrain_steps),
-  ):
+  all_english = os.path.join(work, 'chatterbot-english')
+  if not os.path.isdir(all_english):
+    from src.apps import convert
+
+    convert.main(['chatterbot', 'english', all_english, '--trim'])
+  words = cq.dictionary(all_english, args.data)
+  from src.analysis import memorization
+
+  own = cq.training_prompts(memorization.split(pre)[0], OWN_PROMPTS)
+  results = {'pretrained': measure(pre, words, own)}
+  steps = args.steps
+  runs = [(args.name, ['--init-from', exp, '--gin', 'gin/finetune.gin'])]
+  if not args.no_scratch:
+    runs.append(('scratch', QUICK_START[:2] + QUICK_START[4:]))
+  for name, how in runs:
     out = os.path.join(work, name)
     shutil.rmtree(out, ignore_errors=True)
-    extra = {}
-    if name == 'fine-tuned':
-      extra['init-from'] = exp
-    else:  # The pretrained tokenizer, so that losses compare per token.
+    if name == 'scratch':  # The pretrained tokenizer: losses compare.
+      from src.data import tokenizer
+
       os.makedirs(out)
-      tok = tokenizer.load(exp)
-      info = tokenizer.read_info(exp)
-      tokenizer.save(out, tokenizer.adopt(tok, info, os.path.abspath(exp)))
-    times[name] = run(out, d['personal'], gin, steps, d['held'], 50, **extra)
-    r = scoring.evaluate(out, d['held'], show_progress=False)
-    results[name] = (r, eval_curve(out))
-  tuned = results['fine-tuned'][0]['loss']
-  reached = next(
-    (
-      step
-      for step, loss in results['scratch-long'][1]
-      if loss <= results['fine-tuned'][1][-1][1]
-    ),
-    None,
-  )
-  print(
-    '| run | steps | held-out loss (nats/token) | perplexity | bits/char '
-    '| wall |\n|-|-|-|-|-|-|'
-  )
-  for name, steps in (
-    ('fine-tuned', args.steps),
-    ('scratch', args.steps),
-    ('scratch-long', args.pretrain_steps),
-  ):
-    r = results[name][0]
-    print(
-      f'| {name} | {steps} | {r["loss"]:.3f} | {r["perplexity"]:.2f} | '
-      f'{r["bits_per_char"]:.3f} | {times[name]:.0f} s |'
+      tok, info = tokenizer.load(exp), tokenizer.read_info(exp)
+      tokenizer.save(out, tokenizer.adopt(tok, info, exp))
+      how = how + ['--steps', str(results[args.name]['step'])]
+    elif steps:
+      how = how + ['--steps', str(steps)]
+    binds = [x for b in args.bind for x in ('--bind', b)]
+    binds += [x for f in args.flag for x in f.split(' ', 1)]
+    times[name] = train(
+      ['--data', args.data, '--out-dir', out, '--eval-data', held]
+      + how
+      + binds,
+      os.path.join(work, f'{name}.log'),
     )
-  r0 = results['scratch'][0]['loss']
-  print(
-    f'\nfine-tuned vs scratch at {args.steps} steps: {tuned:.3f} vs {r0:.3f} '
-    f'nats/token ({100 * (tuned - r0) / r0:+.1f}%). From scratch, the '
-    f"eval-line loss first reached the fine-tuned run's final eval-line "
-    f'loss ({results["fine-tuned"][1][-1][1]:.3f}) at step '
-    + (str(reached) if reached else f'> {args.pretrain_steps} (never)')
-    + '.'
-  )
-  print('scratch-long eval curve:', results['scratch-long'][1])
-  print('fine-tuned eval curve:', results['fine-tuned'][1])
-  if 'pretrain' in times:
-    print(f'pretraining: {times["pretrain"]:.0f} s')
+    results[name] = measure(out, words, own)
+    results[name]['loss'] = scoring.evaluate(out, held, show_progress=False)[
+      'loss'
+    ]
+  report(results, times)
   return 0
+
+
+def report(results: dict, times: dict) -> None:
+  def count(r, key):
+    return f'{sum(hit for *_, hit in r[key])}/{len(r[key])}'
+
+  print(
+    '| model | steps | facts: the 12 questions | all 36 trained ways '
+    '| 12 paraphrases | everyday openers sensible | pretrained prompts '
+    'still answered | held-out loss | wall |\n|-|-|-|-|-|-|-|-|-|'
+  )
+  for name, r in results.items():
+    loss = f'{r["loss"]:.3f}' if 'loss' in r else '-'
+    wall = f'{times[name]:.0f} s' if name in times else '-'
+    print(
+      f'| {name} | {r["step"]} | {count(r, "first")} | {count(r, "trained")} '
+      f'| {count(r, "paraphrased")} | {count(r, "everyday")} | '
+      f'{count(r, "own")} | {loss} | {wall} |'
+    )
+  for name, r in results.items():
+    print(f'\n{name}:')
+    for key in ('first', 'paraphrased'):
+      for p, reply, hit in r[key]:
+        print(f'  you> {p}\n  jade> {reply}    [{"ok" if hit else "MISS"}]')
+    for p, reply, share, ok in r['everyday']:
+      print(
+        f'  you> {p}\n  jade> {reply}    [{100 * share:.0f}% English, '
+        f'{"sensible" if ok else "NOT sensible"}]'
+      )
+  if 'pretrain' in times:
+    print(f'\npretraining: {times["pretrain"]:.0f} s')
 
 
 if __name__ == '__main__':

@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end in smoke mode (slow: -m slow)."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -77,6 +78,44 @@ def test_chat_quality_metrics():
   assert answers == {'Hi': {'hello there', 'hey'}} and shown['Hi'] == (
     'Hello there.'
   )
+
+
+def test_english_share_knows_and_sensible():
+  from src.analysis import chat_quality as q
+
+  words = {'i', 'am', 'doing', 'well', "don't", 'know'}
+  assert q.words_of("I don't KNOW, 42 well-") == ['i', "don't", 'know', 'well']
+  assert q.english_share('I am doing well.', words) == 1.0
+  assert q.english_share('I amn trainking well', words) == 0.5
+  assert q.english_share('?!', words) == 0.0
+  assert q.sensible('I am doing well.', True, words)
+  assert not q.sensible('I am doing well.', False, words)  # Never ended.
+  assert not q.sensible('i am doing well i am doing well', True, words)
+  assert not q.sensible('I am doing wel.', True, words)  # 3 of 4 words.
+  assert q.knows('I live in Lisbon.', ('lisbon',))
+  assert q.knows('By bike!', ('bicycle', 'bike'))
+  assert q.knows('I read The Hobbit', ('the hobbit',))
+  assert not q.knows('Lisbonia', ('lisbon',))  # Whole words only.
+
+
+def test_persona_facts_match_the_shipped_chats():
+  """bench/finetune.py's facts are what data/persona trains: every trained
+  way of asking opens a conversation whose answer names the fact, and no
+  paraphrase is in the data."""
+  from src.analysis import chat_quality as q
+  from src.data import chatformat
+
+  facts = load_bench('finetune').FACTS
+  assert len(facts) == 12
+  convs = chatformat.read_data(os.path.join(ROOT, 'data', 'persona'))
+  assert 36 <= len(convs) <= 45
+  answers, _ = q.first_exchanges(convs)
+  users = {t.text for c in convs for t in c.turns if t.role == 'user'}
+  for keywords, trained, paraphrase, reply in facts:
+    assert len(trained) == 3
+    for prompt in trained:
+      assert any(q.knows(a, keywords) for a in answers[prompt]), prompt
+    assert paraphrase not in users and q.knows(reply, keywords)
 
 
 def test_chat_quality_scores_a_trained_model(tiny_run):

@@ -296,6 +296,32 @@ def test_ai_only_loss_reaches_the_batches(tmp_path):
   assert eval_weights.sum() < (eval_ids != 0).sum()
 
 
+def test_replay_and_epochs_reach_the_plan(tmp_path):
+  """A replay folder is tokenized with the run's tokenizer and mixed into
+  the training epochs (not the held-out ones); `epochs` sets the steps."""
+  replay = os.path.join(ROOT, 'data', 'persona')
+  lines = []
+  settings = train_settings(
+    tmp_path / 'r', replay=replay, **{'replay-share': 0.4, 'epochs': 3}
+  )
+  run = plan.prepare(settings, MICRO, log=lines.append)
+  b = run.train_batches
+  assert run.replay_corpus is not None and b.replay is not None
+  assert b.replay_tokens == round(run.n_train_tokens * 0.4 / 0.6)
+  assert run.settings['steps'] == b.epoch_end(3) > 0
+  assert run.eval_batches.replay is None
+  # The replay conversations are read with the run's own tokenizer.
+  tok = run.tokenizer
+  epoch_view = b.epoch_view(0)
+  assert len(epoch_view) >= run.n_train_tokens + b.replay_tokens
+  text = tok.decode(epoch_view.take(run.n_train_tokens, len(epoch_view))[0])
+  assert any(w in text for w in ('Robin', 'Lisbon', 'Pixel', 'cello', 'Maya'))
+  with pytest.raises(UserError, match='replay-share 0.0 must be above 0'):
+    train_settings(tmp_path / 's', replay=replay, **{'replay-share': 0})
+  with pytest.raises(UserError, match='epochs -1 must be 0'):
+    train_settings(tmp_path / 's', epochs=-1)
+
+
 def test_held_out_conversations_are_reported(tmp_path):
   lines = []
   run = plan.prepare(

@@ -241,3 +241,82 @@ def test_loss_weights_are_exact(trained_tokenizer):
     want = np.zeros(n + 5, np.float32)
     want[left : left + n] = expected
     np.testing.assert_array_equal(weights[0], want)
+
+
+def _replayed(data_lengths, replay_lengths, share=0.5, **kw):
+  """Data tokens 3.., replay tokens 10000.. (distinct), and their batches."""
+  stream, _, view = _convs(data_lengths)
+  r_stream, r_ends, r_view = _convs(replay_lengths, first=10000)
+  b = windows.WindowBatches(
+    view, 64, 4, 3, replay=r_view, replay_share=share, **kw
+  )
+  return stream, r_stream, r_ends, b
+
+
+def test_token_view_joined_reads_each_span_from_its_own_stream():
+  a = windows.TokenView(np.arange(100, 110), None, [[0, 3], [5, 10]])
+  roles = np.full(10, 2, np.uint8)
+  b = windows.TokenView(np.arange(200, 210), roles, [[2, 6]])
+  j = a.joined(b).reordered(np.array([2, 0, 1]))
+  assert len(j) == 12
+  ids, r = j.take(0, 12)
+  assert ids.tolist() == [
+    202,
+    203,
+    204,
+    205,
+    100,
+    101,
+    102,
+    105,
+    106,
+    107,
+    108,
+    109,
+  ]
+  assert r.tolist() == [2] * 4 + [0] * 8
+  assert j.take(3, 6)[0].tolist() == [205, 100, 101]
+  assert j.take(1, 3)[0].tolist() == [203, 204]  # Within one span.
+
+
+def test_replay_mixes_a_new_draw_of_whole_conversations_every_epoch():
+  stream, r_stream, r_ends, b = _replayed([40] * 20, [30] * 200, share=0.25)
+  assert b.replay_tokens == round(800 * 0.25 / 0.75)
+  r_starts = np.concatenate([[0], r_ends[:-1]]) + 10000
+  drawn = []
+  for epoch in range(3):
+    packed = np.concatenate(_epoch_windows(b, epoch))
+    data = packed[packed < 10000]
+    assert sorted(data.tolist()) == stream.tolist()  # All data, once.
+    replay = packed[packed >= 10000]
+    # Whole replay conversations, about the share, none twice.
+    assert len(set(replay.tolist())) == len(replay)
+    assert b.replay_tokens <= len(replay) < b.replay_tokens + 30
+    assert len(replay) % 30 == 0
+    drawn.append(sorted(set(replay.tolist()) & set(r_starts.tolist())))
+  assert drawn[0] != drawn[1] != drawn[2]  # A new draw every epoch.
+  # Batches stay a pure function of the step (resume).
+  again = _replayed([40] * 20, [30] * 200, share=0.25)[3]
+  for step in (0, 5, 11):
+    np.testing.assert_array_equal(again.batch(step)[0], b.batch(step)[0])
+
+
+def test_epochs_end_where_the_windows_say():
+  b = _replayed([40] * 20, [30] * 50)[3]
+  ends = [b.epoch_end(e) for e in range(5)]
+  assert ends[0] == 0 and all(x < y for x, y in zip(ends, ends[1:]))
+  for e in range(4):
+    assert b.locate(ends[e]) == (e, 0)
+    assert b.locate(ends[e + 1] - 1)[0] == e
+  stream = np.arange(3, 3 + 23, dtype=np.int32)
+  fixed = windows.WindowBatches(stream, 7, 2, seed=0, windows='fixed')
+  assert fixed.epoch_end(3) == 3 * fixed.steps_per_epoch
+
+
+def test_bad_replay_settings_are_errors():
+  _, _, view = _convs([10, 10])
+  empty = windows.TokenView(np.zeros([0], np.int32))
+  with pytest.raises(UserError, match='replay-share 1.0 must be above 0'):
+    windows.WindowBatches(view, 8, 2, 0, replay=view, replay_share=1.0)
+  with pytest.raises(UserError, match='no tokens in the replay data'):
+    windows.WindowBatches(view, 8, 2, 0, replay=empty)

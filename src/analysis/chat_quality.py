@@ -20,6 +20,10 @@ import time
 
 import numpy as np
 
+MAX_NEW_TOKENS = 64
+SENSIBLE_SHARE = 0.9
+EVERYDAY = ('Hello', 'Good morning!', 'How are you?', 'Thank you!')
+
 
 def normalize(text: str) -> str:
   text = re.sub(r'\s+', ' ', text.lower()).strip()
@@ -30,6 +34,89 @@ def has_loop(text: str, n: int = 4) -> bool:
   words = text.split()
   grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
   return len(grams) != len(set(grams))
+
+
+def greedy_replies(decoder, prompts, max_new_tokens: int = MAX_NEW_TOKENS):
+  """Greedy replies to `prompts`, each from a fresh context.
+
+  Args:
+    decoder: A `decoding.Decoder`.
+    prompts: User messages.
+
+  Returns:
+    `[(reply, ended)]`: the displayed reply and whether it ended with the
+    end marker within `max_new_tokens` tokens.
+  """
+  from src.inference import generate, sampling
+
+  settings = sampling.SamplingSettings(
+    temperature=0.0, max_new_tokens=max_new_tokens
+  )
+  context = generate.Context(decoder)
+  out = []
+  for prompt in prompts:
+    context.reset()
+    ids = (
+      generate.reply(context, prompt, settings, np.random.default_rng(0)) or []
+    )
+    out.append(
+      (generate.display(decoder.tokenizer, ids), len(ids) < max_new_tokens)
+    )
+  return out
+
+
+def words_of(text: str) -> list[str]:
+  """The lowercase words of `text` (letters, inner apostrophes)."""
+  return re.findall(r"[a-z]+(?:'[a-z]+)*", text.lower())
+
+
+def dictionary(*folders: str) -> set[str]:
+  """Every word of the conversations in `folders` (folders or files of the
+  line format, e.g. a whole ChatterBot import): the words a reply may use
+  to count as English."""
+  from src.data import chatformat
+
+  found = set()
+  for folder in folders:
+    for conv in chatformat.read_data(folder):
+      for turn in conv.turns:
+        found.update(words_of(turn.text))
+  return found
+
+
+def english_share(text: str, words: set[str]) -> float:
+  """Share of the words of `text` found in `words` (0 for no words)."""
+  said = words_of(text)
+  return sum(w in words for w in said) / len(said) if said else 0.0
+
+
+def sensible(reply: str, ended: bool, words: set[str]) -> bool:
+  """A reply in sensible English: it ends, it has no 4-gram loop, and at
+  least `SENSIBLE_SHARE` of its words are dictionary words."""
+  return (
+    ended
+    and not has_loop(reply)
+    and english_share(reply, words) >= SENSIBLE_SHARE
+  )
+
+
+def everyday(decoder, words: set[str], prompts=EVERYDAY):
+  """Greedy replies to everyday openers, judged by `sensible`.
+
+  Returns:
+    `[(prompt, reply, english share, sensible)]`.
+  """
+  return [
+    (p, r, english_share(r, words), sensible(r, ended, words))
+    for p, (r, ended) in zip(prompts, greedy_replies(decoder, prompts))
+  ]
+
+
+def knows(reply: str, keywords) -> bool:
+  """Whether `reply` names the fact: one of `keywords` (lowercase) is one
+  of its words or word sequences."""
+  said = ' ' + ' '.join(words_of(reply)) + ' '
+  return any(f' {k.lower()} ' in said for k in keywords)
 
 
 def first_exchanges(convs):
@@ -45,6 +132,29 @@ def first_exchanges(convs):
   return answers, shown
 
 
+def training_prompts(convs, n_prompts: int):
+  """Up to `n_prompts` opening prompts of `convs` (drawn by a fixed seed).
+
+  Returns:
+    `(prompts, answers, shown)`: see `first_exchanges`.
+  """
+  answers, shown = first_exchanges(convs)
+  prompts = sorted(answers)
+  if len(prompts) > n_prompts:
+    rng = np.random.default_rng(0)
+    prompts = [prompts[i] for i in rng.choice(len(prompts), n_prompts, False)]
+  return prompts, answers, shown
+
+
+def trained_answers(decoder, prompts, answers, shown):
+  """`[(prompt, reply, trained answer, hit)]`: greedy replies to
+  `prompts`; a hit equals one of the prompt's `answers` (`normalize`d)."""
+  return [
+    (p, reply, shown[p], normalize(reply) in answers[p])
+    for p, (reply, _) in zip(prompts, greedy_replies(decoder, prompts))
+  ]
+
+
 def measure(run_dir: str, data: str | None = None, n_prompts: int = 200):
   """Greedy replies to training and held-out prompts, scored.
 
@@ -56,37 +166,19 @@ def measure(run_dir: str, data: str | None = None, n_prompts: int = 200):
     reply)]`, `seconds`, `step`.
   """
   from src.analysis import memorization
-  from src.inference import decoding, generate, sampling
+  from src.inference import decoding
 
   train, held = memorization.split(run_dir, data)
-  answers, shown = first_exchanges(train)
-  rng = np.random.default_rng(0)
-  prompts = sorted(answers)
-  if len(prompts) > n_prompts:
-    prompts = [prompts[i] for i in rng.choice(len(prompts), n_prompts, False)]
+  prompts, answers, shown = training_prompts(train, n_prompts)
   held_prompts = [
     c.turns[0].text for c in held if c.turns and c.turns[0].role == 'user'
   ][:n_prompts]
   decoder = decoding.Decoder.load(run_dir)
-  settings = sampling.SamplingSettings(temperature=0.0, max_new_tokens=64)
-  context = generate.Context(decoder)
-
-  def answer(prompt):
-    context.reset()
-    ids = (
-      generate.reply(context, prompt, settings, np.random.default_rng(0)) or []
-    )
-    reply = generate.display(decoder.tokenizer, ids)
-    return reply, len(ids) < settings.max_new_tokens
-
   t0 = time.time()
-  samples = []
-  for p in prompts:
-    reply, _ = answer(p)
-    samples.append((p, reply, shown[p], normalize(reply) in answers[p]))
+  samples = trained_answers(decoder, prompts, answers, shown)
   held_samples, ends = [], []
-  for p in held_prompts:
-    reply, end = answer(p)
+  held_replies = greedy_replies(decoder, held_prompts)
+  for p, (reply, end) in zip(held_prompts, held_replies):
     held_samples.append((p, reply))
     ends.append(end)
   return {

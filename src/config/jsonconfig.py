@@ -152,6 +152,24 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     '(the gin file then sets only optimizer, schedule and dropout: use '
     'gin/finetune.gin); the step count and optimizer start fresh.',
   ),
+  'replay': (
+    None,
+    'Fine-tune: a folder (or file) of general conversations, e.g. the '
+    'pretraining data, mixed into every epoch so the model keeps what it '
+    'knew while it learns your chats (each epoch draws new ones at random). '
+    'null: none.',
+  ),
+  'replay-share': (
+    0.5,
+    'Share of each epoch\'s training tokens drawn from "replay" (above 0, '
+    'below 1); used only when replay is set.',
+  ),
+  'epochs': (
+    0,
+    'Train this many epochs (passes over the data, replay included) '
+    'instead of a number of steps: "steps" is then derived from the data '
+    'and the batch (the log says how many). 0: use "steps".',
+  ),
   'ai-only-loss': (
     False,
     'Put loss only on AI turns (their text and end marker); user text and '
@@ -215,6 +233,15 @@ def check_train(s: Section) -> None:
     raise UserError(
       f'{where}: train.pad-fraction {s["pad-fraction"]} must be at least 0 '
       f'and below 1 (the default is {TRAIN_KEYS["pad-fraction"][0]})'
+    )
+  if not 0 < s['replay-share'] < 1:
+    raise UserError(
+      f'{where}: train.replay-share {s["replay-share"]} must be above 0 and '
+      f'below 1 (the default is {TRAIN_KEYS["replay-share"][0]})'
+    )
+  if s['epochs'] < 0:
+    raise UserError(
+      f'{where}: train.epochs {s["epochs"]} must be 0 (use steps) or more'
     )
   if s['eval-data'] is None and not 0 <= s['eval-fraction'] < 1:
     raise UserError(

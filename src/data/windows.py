@@ -15,6 +15,11 @@ Training windows move (the default, `windows = 'moving'`): every epoch
    device trains on a different window; the few windows left over after
    the last full batch differ from epoch to epoch.
 
+A fine-tune run may name replay data (e.g. the pretraining corpus): each
+epoch then packs the data with a new random draw of whole replay
+conversations, `replay_share` of the epoch's tokens, so the model keeps
+practising what it knew while it learns the new chats.
+
 So a piece of text is seen at a different position of the context every
 epoch, and the model cannot key on absolute position (the axial position
 embeddings would let it). `windows = 'fixed'` keeps the grid of earlier
@@ -39,15 +44,18 @@ from src.data.tokenizer import PAD_ID, ROLE_AI, ROLE_AI_CONTEXT
 
 # Measured on the quick start (BENCHMARKS.md, "Training windows").
 PAD_FRACTION = jsonconfig.TRAIN_KEYS['pad-fraction'][0]
+REPLAY_SHARE = jsonconfig.TRAIN_KEYS['replay-share'][0]
 WINDOWS = jsonconfig.WINDOWS
 
 
 class TokenView:
-  """Spans of a token stream (and its roles), read as one stream.
+  """Spans of one or more token streams (and their roles), read as one
+  stream.
 
   The training and held-out parts of a corpus are each a list of whole
-  conversations; the stream is usually memory-mapped, so only the windows
-  a batch needs are ever read.
+  conversations; the streams are usually memory-mapped, so only the
+  windows a batch needs are ever read. A view `joined` with another (the
+  replay data of a fine-tune run) reads each span from its own stream.
   """
 
   def __init__(self, tokens, roles=None, spans=None):
@@ -57,19 +65,45 @@ class TokenView:
     spans: `[k, 2]` int64 `[start, end)` ranges, one per conversation;
       None means all of it as one span.
     """
-    self.tokens, self.roles = tokens, roles
     if spans is None:
       spans = np.asarray([[0, len(tokens)]], np.int64)
-    self.spans = np.asarray(spans, np.int64).reshape(-1, 2)
+    spans = np.asarray(spans, np.int64).reshape(-1, 2)
+    self._set([(tokens, roles)], spans, np.zeros([len(spans)], np.int64))
+
+  def _set(self, streams, spans, source):
+    self.streams = streams  # [(tokens, roles)], one per stream.
+    self.spans = spans  # [k, 2] int64 [start, end) in its stream.
+    self.source = source  # [k] int64: the stream of each span.
     lengths = self.spans[:, 1] - self.spans[:, 0]
     self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+  def _view(self, streams, spans, source) -> TokenView:
+    view = TokenView.__new__(TokenView)
+    view._set(streams, spans, source)
+    return view
 
   def __len__(self) -> int:
     return int(self.offsets[-1])
 
   def reordered(self, order: np.ndarray) -> TokenView:
-    """The same spans in `order` (`[k]` permutation); no token is copied."""
-    return TokenView(self.tokens, self.roles, self.spans[order])
+    """The same spans in `order` (`[k]` permutation or any `[m]` index);
+    no token is copied."""
+    return self._view(self.streams, self.spans[order], self.source[order])
+
+  def joined(self, other: TokenView) -> TokenView:
+    """This view's spans, then `other`'s (from their own streams)."""
+    return self._view(
+      self.streams + other.streams,
+      np.concatenate([self.spans, other.spans]),
+      np.concatenate([self.source, other.source + len(self.streams)]),
+    )
+
+  def _read(self, source: int, index):
+    tokens, roles = self.streams[source]
+    ids = np.asarray(tokens[index], np.int32)
+    if roles is None:
+      return ids, np.zeros(ids.shape, np.uint8)
+    return ids, np.asarray(roles[index], np.uint8)
 
   def take(self, a: int, b: int):
     """Positions `[a, b)` of the view.
@@ -82,18 +116,22 @@ class TokenView:
       return np.zeros([0], np.int32), np.zeros([0], np.uint8)
     first = int(np.searchsorted(self.offsets, a, 'right')) - 1
     last = int(np.searchsorted(self.offsets, b - 1, 'right')) - 1
-    if first == last:  # One span: a plain slice of the stream.
+    if first == last:  # One span: a plain slice of its stream.
       x = int(self.spans[first, 0] + a - self.offsets[first])
-      index = slice(x, x + b - a)
-    else:  # Gather across spans, vectorized.
-      pos = np.arange(a, b, dtype=np.int64)
-      span = np.searchsorted(self.offsets[first : last + 2], pos, 'right')
-      span += first - 1
-      index = self.spans[span, 0] + pos - self.offsets[span]
-    ids = np.asarray(self.tokens[index], np.int32)
-    if self.roles is None:
-      return ids, np.zeros(ids.shape, np.uint8)
-    return ids, np.asarray(self.roles[index], np.uint8)
+      return self._read(int(self.source[first]), slice(x, x + b - a))
+    # Gather across spans, vectorized (per stream).
+    pos = np.arange(a, b, dtype=np.int64)
+    span = np.searchsorted(self.offsets[first : last + 2], pos, 'right')
+    span += first - 1
+    index = self.spans[span, 0] + pos - self.offsets[span]
+    source = self.source[span]
+    if (source == source[0]).all():
+      return self._read(int(source[0]), index)
+    ids, roles = np.zeros([b - a], np.int32), np.zeros([b - a], np.uint8)
+    for k in np.unique(source):
+      here = source == k
+      ids[here], roles[here] = self._read(int(k), index[here])
+    return ids, roles
 
 
 def conversation_spans(conversation_ends: np.ndarray) -> np.ndarray:
@@ -213,6 +251,8 @@ class WindowBatches:
     pad_fraction: float = PAD_FRACTION,
     windows: str = 'moving',
     part: tuple[int, int] | None = None,
+    replay: TokenView | None = None,
+    replay_share: float = REPLAY_SHARE,
   ):
     """Args:
     tokens: A `TokenView` (one span per conversation: the units that are
@@ -228,6 +268,10 @@ class WindowBatches:
     part: `(i, n)`: batches hold only part i of n of each step's windows
       (process i of a multi-process run; `batch_size` is the whole step's
       and must split into n). None: all of them.
+    replay: Conversations mixed into every epoch (a fine-tune run's
+      replay data): each epoch packs the data with a new random draw of
+      whole replay conversations, about `replay_share` of its tokens.
+    replay_share: Share of each epoch's tokens drawn from `replay`.
     """
     view = tokens if isinstance(tokens, TokenView) else TokenView(tokens)
     if len(view) == 0:
@@ -250,8 +294,22 @@ class WindowBatches:
         'equal parts (one per process); use a batch-size that is a '
         f'multiple of the number of devices'
       )
+    if replay is not None and not 0 < replay_share < 1:
+      raise UserError(
+        f'replay-share {replay_share} must be above 0 and below 1 (e.g. '
+        f'{REPLAY_SHARE})'
+      )
+    if replay is not None and len(replay) == 0:
+      raise UserError('no tokens in the replay data; add conversations to it')
     self.part = part
     self.view = view
+    self.replay = replay
+    self.replay_tokens = (
+      0
+      if replay is None
+      else max(1, round(len(view) * replay_share / (1 - replay_share)))
+    )
+    self._drawn = None  # (epoch, view with its replay draw), cached.
     self.ai_only = ai_only
     self.max_len = max_len
     self.batch_size = batch_size
@@ -265,6 +323,24 @@ class WindowBatches:
 
   # ---- one epoch's windows
 
+  def epoch_view(self, epoch: int) -> TokenView:
+    """The conversations of `epoch`, before packing: the data, then (with
+    replay) whole replay conversations drawn at random for this epoch
+    until they hold `replay_tokens` tokens."""
+    if self.replay is None:
+      return self.view
+    if self._drawn is not None and self._drawn[0] == epoch:
+      return self._drawn[1]
+    spans = self.replay.spans
+    order = np.random.default_rng([self.seed, epoch, 14]).permutation(
+      len(spans)
+    )
+    lengths = np.cumsum((spans[:, 1] - spans[:, 0])[order])
+    k = int(np.searchsorted(lengths, self.replay_tokens)) + 1
+    view = self.view.joined(self.replay.reordered(order[:k]))
+    self._drawn = (epoch, view)
+    return view
+
   def grid(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """Where the windows of `epoch` lie in its packed stream.
 
@@ -272,7 +348,7 @@ class WindowBatches:
       `([w] int64 starts, [w] int64 lengths)`, in stream order; together
       they cover every position of the stream exactly once.
     """
-    n = len(self.view)
+    n = len(self.epoch_view(epoch))
     if not self.moving:
       starts = np.arange(0, n, self.max_len, dtype=np.int64)
       return starts, np.minimum(self.max_len, n - starts)
@@ -291,7 +367,7 @@ class WindowBatches:
 
   def locate(self, step: int) -> tuple[int, int]:
     """`(epoch, batch index in that epoch)` of `step` (0-based)."""
-    if not self.moving:  # Every epoch has the same windows.
+    if not self.moving and self.replay is None:  # The same every epoch.
       return divmod(step, self.steps_per_epoch)
     firsts = self._first_steps
     while firsts[-1] <= step:
@@ -304,7 +380,7 @@ class WindowBatches:
     grid and the window order that batches are dealt from."""
     if self._layout is not None and self._layout[0] == epoch:
       return self._layout[1:]
-    view = self.view
+    view = self.epoch_view(epoch)
     if self.moving and len(view.spans) > 1:
       rng = np.random.default_rng([self.seed, epoch, 12])
       view = view.reordered(rng.permutation(len(view.spans)))
@@ -316,6 +392,15 @@ class WindowBatches:
       order = np.resize(order, self.batch_size)
     self._layout = (epoch, view, starts, lengths, order)
     return self._layout[1:]
+
+  def epoch_end(self, epochs: int) -> int:
+    """The number of steps in the first `epochs` epochs."""
+    if not self.moving and self.replay is None:
+      return epochs * self.steps_per_epoch
+    firsts = self._first_steps
+    while len(firsts) <= epochs:
+      firsts.append(firsts[-1] + self._steps_in(len(firsts) - 1))
+    return firsts[epochs]
 
   # ---- batches
 

@@ -71,6 +71,7 @@ class RunPlan:
   gin: ginconf.GinSetup  # The model's gin setup (file, bindings, text).
   corpus: corpus.Corpus  # The training token cache.
   eval_corpus: corpus.Corpus | None  # `eval-data`'s token cache, if set.
+  replay_corpus: corpus.Corpus | None  # `replay`'s token cache, if set.
   batch_size: int  # Windows per step over all devices.
   start_step: int  # The checkpoint's step (0: a fresh run).
   checkpoint_folder: str | None  # An intact snapshot to restore from.
@@ -124,13 +125,22 @@ def prepare(
   )
   step_seconds = preflight.step_seconds(setup, s['vocab-size'], micro)
   adopted, data_settings = _given_tokenizer(s, fine, leader, markers)
-  tok, train_corpus, eval_corpus = _prepare_data(
+  tok, train_corpus, eval_corpus, replay_corpus = _prepare_data(
     data_settings, markers, log, adopted
   )
   train_view, eval_view, held = _views(s, train_corpus, eval_corpus)
+  replay_view = None if replay_corpus is None else _view(replay_corpus)
   train_batches, eval_batches = _batches(
-    s, setup.max_len, batch_size, cluster, train_view, eval_view, log
+    s,
+    setup.max_len,
+    batch_size,
+    cluster,
+    (train_view, replay_view),
+    eval_view,
+    log,
   )
+  if s['epochs']:
+    s = _with_values(s, {'steps': max(1, train_batches.epoch_end(s['epochs']))})
   return RunPlan(
     settings=s,
     finetune=fine,
@@ -138,6 +148,7 @@ def prepare(
     gin=setup,
     corpus=train_corpus,
     eval_corpus=eval_corpus,
+    replay_corpus=replay_corpus,
     batch_size=batch_size,
     start_step=start_step,
     checkpoint_folder=checkpoint_folder,
@@ -264,8 +275,10 @@ def _views(s: Section, train_corpus, eval_corpus):
   )
 
 
-def _batches(s, max_len, batch_size, cluster, train_view, eval_view, log):
-  """The training and held-out batch iterators."""
+def _batches(s, max_len, batch_size, cluster, train_views, eval_view, log):
+  """The training and held-out batch iterators (`train_views`: the data's
+  view and the replay view or None)."""
+  train_view, replay_view = train_views
   options = {
     'ai_only': s['ai-only-loss'],
     'pad_fraction': s['pad-fraction'],
@@ -273,7 +286,13 @@ def _batches(s, max_len, batch_size, cluster, train_view, eval_view, log):
     'part': cluster.part,
   }
   train_batches = windows.WindowBatches(
-    train_view, max_len, batch_size, s['seed'], **options
+    train_view,
+    max_len,
+    batch_size,
+    s['seed'],
+    replay=replay_view,
+    replay_share=s['replay-share'],
+    **options,
   )
   eval_batches = windows.WindowBatches(
     eval_view, max_len, batch_size, s['seed'] + 1, **options
@@ -305,12 +324,17 @@ def _prepare_data(s: Section, markers, log, tok=None):
     }
     tok, train_corpus = corpus.prepare(s['data'], out_dir, tok=tok, **options)
     made.append(train_corpus)
-    eval_corpus = None
+    eval_corpus = replay_corpus = None
     if s['eval-data'] is not None:
       _, eval_corpus = corpus.prepare(
         s['eval-data'], out_dir, name='eval', tok=tok, **options
       )
       made.append(eval_corpus)
+    if s['replay'] is not None:
+      _, replay_corpus = corpus.prepare(
+        s['replay'], out_dir, name='replay', tok=tok, **options
+      )
+      made.append(replay_corpus)
     tokenizer.save(out_dir, tok)
   except BaseException:
     if not existed:
@@ -322,7 +346,7 @@ def _prepare_data(s: Section, markers, log, tok=None):
       if not cache_existed:
         shutil.rmtree(cache_root, ignore_errors=True)
     raise
-  return tok, train_corpus, eval_corpus
+  return tok, train_corpus, eval_corpus, replay_corpus
 
 
 def _leader_message(run) -> dict:
@@ -347,8 +371,9 @@ def _fingerprints(settings: Section, run) -> dict[str, str]:
     if k not in distributed.PER_PROCESS_KEYS
   }
   caches = [os.path.basename(run.corpus.folder)]
-  if run.eval_corpus is not None:
-    caches.append(os.path.basename(run.eval_corpus.folder))
+  for c in (run.eval_corpus, run.replay_corpus):
+    if c is not None:
+      caches.append(os.path.basename(c.folder))
   return {
     'settings': distributed.digest(given),
     'gin': distributed.digest(run.gin.text),

@@ -119,6 +119,16 @@ def _report(plan: run_plan.RunPlan, cluster: distributed.Cluster, log):
     f'{os.path.relpath(data.folder)}); vocabulary {plan.tokenizer.vocab_size}'
   )
   log(plan.held)
+  if plan.replay_corpus is not None:
+    r = plan.replay_corpus
+    log(
+      f'replay: {s["replay"]} ({r.n_conversations} conversations, '
+      f'{len(r.tokens)} tokens); every epoch draws '
+      f'{plan.train_batches.replay_tokens} tokens of it at random '
+      f'({100 * s["replay-share"]:.0f}% of the epoch)'
+    )
+  if s['epochs']:
+    log(f'{s["epochs"]} epochs = {s["steps"]} steps at batch {plan.batch_size}')
   if plan.finetune is not None:
     unknown = finetune.unknown_share(data.tokens)
     log(
