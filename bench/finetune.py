@@ -1,19 +1,23 @@
 """Does fine-tuning work? Facts learned, forgetting and held-out loss.
 
   python bench/finetune.py [WORK_DIR] [--pretrained RUN_DIR]
-      [--data data/persona] [--steps 0] [--bind GIN ...] [--no-scratch]
+      [--data data/persona] [--runs fine-tuned,no-replay,scratch]
+      [--bind GIN ...] [--flag 'TRAIN_FLAG VALUE' ...]
+      [--measure MODEL_DIR]
 
 1. The pretrained model: `--pretrained RUN_DIR` (e.g. the quick start's
-   runs/demo), or else the README's pretraining command is run into
-   WORK/pretrained. It is exported (`python -m src.apps.export`).
+   runs/demo), or else the README's pretraining command (the quick
+   start's, with dropout 0.1) is run into WORK/pretrained. It is
+   exported (`python -m src.apps.export`).
 2. The user's chats: `--data` (default data/persona: a dozen facts about
    one person, Robin, each asked three ways, 40 conversations). The
    `PARAPHRASES` below ask each fact a fourth way that is never trained on;
    as conversations they are the held-out data.
-3. Fine-tuned: `train.py --init-from` the export with gin/finetune.gin and
-   the fine-tuning defaults (`--steps 0`: derived from the data). From
-   scratch: the same data, steps and tokenizer with gin/tiny.gin and the
-   quick start's learning flags.
+3. Fine-tuned: the README's recipe, `train.py --init-from` the export
+   with gin/finetune.gin, `--epochs 80` and `--replay` the pretraining
+   data; no-replay: the same without replay; scratch: the same data,
+   steps and tokenizer from random weights (gin/tiny.gin and the quick
+   start's learning flags). `--bind`/`--flag` are added to every run.
 4. Each model, and the pretrained one, answers greedily from a fresh
    context:
    - facts: the first way each fact is asked (the walkthrough's 12
@@ -154,6 +158,9 @@ FACTS = (
 
 OWN_PROMPTS = 200  # Of the pretrained model's training prompts.
 
+# The README's fine-tuning recipe (with --replay the pretraining data).
+RECIPE = ['--epochs', '80']
+
 QUICK_START = [
   '--gin',
   'gin/tiny.gin',
@@ -168,6 +175,10 @@ QUICK_START = [
   '--bind',
   'lr_schedule.warmup_steps = 100',
 ]
+
+
+# The README's pretraining recipe: the quick start's, with dropout.
+PRETRAIN = [*QUICK_START[:7], 'ReformerLM.dropout = 0.1', *QUICK_START[8:]]
 
 
 def train(args: list[str], log: str) -> float:
@@ -223,13 +234,20 @@ def main(argv=None):
   parser.add_argument('work', nargs='?', default='runs/bench-finetune')
   parser.add_argument('--pretrained', default=None)
   parser.add_argument('--data', default=os.path.join(ROOT, 'data', 'persona'))
-  parser.add_argument('--steps', type=int, default=0)
   parser.add_argument('--bind', action='append', default=[])
   parser.add_argument(
     '--flag', action='append', default=[], help='Passed to train.py.'
   )
-  parser.add_argument('--no-scratch', action='store_true')
-  parser.add_argument('--name', default='fine-tuned')
+  parser.add_argument(
+    '--runs',
+    default='fine-tuned,no-replay,scratch',
+    help='Which of fine-tuned, no-replay and scratch to train.',
+  )
+  parser.add_argument(
+    '--measure',
+    metavar='MODEL_DIR',
+    help='Only measure this fine-tuned model (against --pretrained).',
+  )
   args = parser.parse_args(argv)
   from src.analysis import chat_quality as cq
   from src.inference import scoring
@@ -255,7 +273,7 @@ def main(argv=None):
       ]
     )
     times['pretrain'] = train(
-      ['--data', pre_data, '--out-dir', pre, '--steps', '3500', *QUICK_START],
+      ['--data', pre_data, '--out-dir', pre, '--steps', '3500', *PRETRAIN],
       os.path.join(work, 'pretrain.log'),
     )
   exp = os.path.join(work, 'export')
@@ -271,28 +289,37 @@ def main(argv=None):
 
   own = cq.training_prompts(memorization.split(pre)[0], OWN_PROMPTS)
   results = {'pretrained': measure(pre, words, own)}
-  steps = args.steps
-  runs = [(args.name, ['--init-from', exp, '--gin', 'gin/finetune.gin'])]
-  if not args.no_scratch:
-    runs.append(('scratch', QUICK_START[:2] + QUICK_START[4:]))
-  for name, how in runs:
+  if args.measure:
+    results[args.measure] = measure(args.measure, words, own)
+    report(results, times)
+    return 0
+  from src.analysis import memorization as mem
+
+  replay = os.path.join(ROOT, mem.run_settings(pre)['data'])
+  recipe = ['--init-from', exp, '--gin', 'gin/finetune.gin', *RECIPE]
+  runs = {
+    'fine-tuned': recipe + ['--replay', replay],
+    'no-replay': recipe,
+    'scratch': QUICK_START[:2] + QUICK_START[4:],  # Batch 4, no dropout.
+  }
+  extra = [x for b in args.bind for x in ('--bind', b)]
+  extra += [x for f in args.flag for x in f.split(' ', 1)]
+  for name in args.runs.split(','):
     out = os.path.join(work, name)
     shutil.rmtree(out, ignore_errors=True)
+    how = runs[name]
     if name == 'scratch':  # The pretrained tokenizer: losses compare.
       from src.data import tokenizer
 
       os.makedirs(out)
       tok, info = tokenizer.load(exp), tokenizer.read_info(exp)
       tokenizer.save(out, tokenizer.adopt(tok, info, exp))
-      how = how + ['--steps', str(results[args.name]['step'])]
-    elif steps:
+      steps = results.get('fine-tuned', {}).get('step', 500)
       how = how + ['--steps', str(steps)]
-    binds = [x for b in args.bind for x in ('--bind', b)]
-    binds += [x for f in args.flag for x in f.split(' ', 1)]
     times[name] = train(
       ['--data', args.data, '--out-dir', out, '--eval-data', held]
       + how
-      + binds,
+      + extra,
       os.path.join(work, f'{name}.log'),
     )
     results[name] = measure(out, words, own)
