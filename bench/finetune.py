@@ -300,7 +300,7 @@ def main(argv=None):
   runs = {
     'fine-tuned': recipe + ['--replay', replay],
     'no-replay': recipe,
-    'scratch': QUICK_START[:2] + QUICK_START[4:],  # Batch 4, no dropout.
+    'scratch': QUICK_START,  # Batch 4, no dropout.
   }
   extra = [x for b in args.bind for x in ('--bind', b)]
   extra += [x for f in args.flag for x in f.split(' ', 1)]
