@@ -20,6 +20,7 @@ from src.training import finetune, trainer
 
 from .conftest import (
   DATA,
+  ROOT,
   finetune_settings,
 )
 
@@ -30,8 +31,8 @@ def flat_weights(layer):
 
 @pytest.fixture(scope='module')
 def finetuned(exported, tmp_path_factory):
-  """A fine-tune run from the export with learning rate 0: after its one
-  step the weights must still be the export's."""
+  """A fine-tune run from the export with learning rate 0 and replay:
+  after its one step the weights must still be the export's."""
   out = str(tmp_path_factory.mktemp('ft') / 'out')
   lines = []
   settings = finetune_settings(
@@ -41,7 +42,9 @@ def finetuned(exported, tmp_path_factory):
   with pytest.raises(UserError, match=r'train.vocab-size is 500 but the'):
     trainer.train(settings, log=lines.append)
   assert not os.path.exists(out)
-  settings = finetune_settings(out, exported['dir'], steps=1)
+  settings = finetune_settings(
+    out, exported['dir'], steps=1, replay=os.path.join(ROOT, 'data', 'persona')
+  )
   settings = settings.__class__(
     {**settings.values}, settings.source, settings.given - {'vocab-size'}
   )
@@ -141,6 +144,8 @@ def test_finetune_takes_tokenizer_settings_and_weights(
   log = '\n'.join(finetuned['log'])
   assert f'fine-tuned from {exported["dir"]} (export, step 4' in log
   assert 'unknown pieces: 0.00% of the tokens' in log
+  assert 'replay: ' in log and '(40 conversations,' in log
+  assert 'of it at random (50% of the epoch)' in log
   # The step count and the optimizer start fresh; with learning rate 0
   # the one step left the pretrained weights as they were.
   loop = finetuned['loop']
