@@ -17,6 +17,20 @@ each, greedy), plus compile times and the time from a new 20-token user
 message to the first reply token after compilation.
 
   python bench/decode_speed.py [--tokens 64] [--json out.json]
+
+`--contexts 4096,32768` times the incremental decoder alone at each amount
+of context instead: a model whose context is that many tokens (+ 128 for
+the message and the reply), filled with that many tokens (the last 20 a
+new user message), then 64 greedy tokens. `--shape 32k` times the shipped
+`gin/reformer_32k.gin` model (6 layers, d_model 512, 8 heads, local and
+directed-LSH blocks, 2 hashes; its own 32,768-token memory, filled to each
+context) with `--vocab 500` or `32000`. `--json FILE` then writes
+`{"4096": ms_per_token, ...}` (the keys are the contexts), and the log
+gives the first reply token's time and the process's peak memory.
+
+  python bench/decode_speed.py --contexts 4096,32768 --json decode.json
+  python bench/decode_speed.py --shape 32k --vocab 32000 \
+      --contexts 4096,16384,32640
 """
 
 from __future__ import annotations
@@ -110,6 +124,79 @@ def naive(prefixes, n_tokens, prompt):
   return out
 
 
+def context_bindings(context: int) -> tuple[str, ...]:
+  """The bench shape with a memory of `context` + 128 tokens."""
+  n = context + 128
+  rows = -(-n // 64)
+  n = rows * 64
+  changed = {
+    'ReformerLM.max_len': n,
+    'ReformerLM.pos_axial_shape': (rows, 64),
+    'LSHSelfAttention.n_buckets': max(2, 2 * (rows // 2)),
+    'LSHSelfAttention.predict_mem_len': n,
+    'SelfAttention.predict_mem_len': n,
+  }
+  kept = [b for b in BINDINGS if b.split(' =')[0] not in changed]
+  return tuple(kept) + tuple(f'{k} = {v}' for k, v in changed.items())
+
+
+def peak_rss_mb() -> float:
+  import resource
+
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def by_context(contexts, n_tokens, shape: str, vocab: int):
+  """ms/token of the incremental decoder at each context (see the module)."""
+  rng = np.random.default_rng(0)
+  out = {}
+  decoder = None
+  for c in contexts:
+    if decoder is None or shape == 'bench':
+      t0 = time.time()
+      if shape == 'bench':
+        gin_file, bindings, max_len = GIN, context_bindings(c), None
+      else:
+        gin_file = os.path.join(common.ROOT, 'gin', 'reformer_32k.gin')
+        bindings, max_len = ('ReformerLM.dropout = 0.0',), 32768
+      setup = ginconf.parse(gin_file, bindings)
+      heads = setup.model['n_heads']
+      ginconf.parse(
+        gin_file, bindings + tuple(decoding.predict_bindings(heads))
+      )
+      layer = reformer.reformer_lm(vocab, 'predict', directed=ginconf.lsh())
+      layer.rng = jax.random.PRNGKey(0)
+      layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
+      decoder = Decoder(layer, max_len or setup.model['max_len'])
+      decoder.feed([5])
+      compile_s = time.time() - t0
+    if c + n_tokens + 2 > decoder.max_len:
+      raise SystemExit(
+        f'error: --contexts {c}: {c} + {n_tokens} tokens do not fit the '
+        f"model's {decoder.max_len}-token memory"
+      )
+    prompt = rng.integers(3, vocab, c)
+    decoder.reset()
+    t0 = time.time()
+    decoder.feed(list(prompt[:-20]))
+    fill_s = time.time() - t0
+    t0 = time.time()
+    logits = decoder.feed(list(prompt[-20:]))
+    int(np.argmax(logits))
+    first = time.time() - t0
+    t0 = time.time()
+    for _ in range(n_tokens):
+      logits = decoder.feed([int(np.argmax(logits))])
+    ms = (time.time() - t0) / n_tokens * 1000
+    out[str(c)] = ms
+    print(
+      f'| {c} | {ms:.1f} | {first:.2f} s | {fill_s:.1f} s | '
+      f'{compile_s:.1f} s | {peak_rss_mb():.0f} MB |',
+      flush=True,
+    )
+  return out
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--tokens', type=int, default=64)
@@ -128,8 +215,32 @@ def main():
     "directed LSH in every block; lsh-shared: Trax's LSH (the design "
     'before)',
   )
+  parser.add_argument(
+    '--contexts',
+    default=None,
+    help='comma-separated contexts: time the incremental decoder at each',
+  )
+  parser.add_argument('--shape', choices=('bench', '32k'), default='bench')
+  parser.add_argument('--vocab', type=int, default=VOCAB)
   args = parser.parse_args()
   CHOSEN[0] = args.attention
+  if args.contexts:
+    contexts = [int(c) for c in args.contexts.split(',')]
+    print(
+      f'machine: {platform.machine()}, {os.cpu_count()} cores; trax '
+      f'{metadata.version("trax")}, jax {jax.__version__}; shape '
+      f'{args.shape}, vocabulary {args.vocab}, {args.attention}'
+    )
+    print(
+      '| context | ms/token | first reply token after a 20-token message '
+      '| fill (block re-read) | compile | peak memory |\n|---:|---:|---:|'
+      '---:|---:|---:|'
+    )
+    results = by_context(contexts, args.tokens, args.shape, args.vocab)
+    if args.json:
+      with open(args.json, 'w') as f:
+        json.dump(results, f, indent=2)
+    return
   prefixes = [int(p) for p in args.prefixes.split(',')]
   prompt = np.random.default_rng(0).integers(3, VOCAB, CONTEXT)
   results = {
