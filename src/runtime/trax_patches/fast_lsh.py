@@ -43,10 +43,27 @@ def _use_predict_mem(self, inputs, state):
   whole turns and re-reads them first) appends in place instead.
   """
   seqlen = inputs[0].shape[-2]
-  if seqlen != 1 or not getattr(self, NO_ROLL, False):
-    if isinstance(self, ea.LSHSelfAttention):
-      return _ORIGINAL_MEM(self, inputs, state)
-    return _ORIGINAL_LOCAL_MEM(self, inputs, state)
+  original = (
+    _ORIGINAL_MEM
+    if isinstance(self, ea.LSHSelfAttention)
+    else _ORIGINAL_LOCAL_MEM
+  )
+  if not getattr(self, NO_ROLL, False):
+    return original(self, inputs, state)
+  if seqlen > 1:
+    # The chat decoder feeds blocks only at the start of a context. Trax
+    # takes a block longer than `predict_drop_len` for one (start 0, a
+    # Python int) but a shorter one for a few appended tokens (a traced
+    # start), which its chunked local attention cannot read (it asserts
+    # the start is 0): a 1k-4k-token re-read of a gin/reformer_32k.gin
+    # model (drop length 4096) failed. So every block takes Trax's
+    # start-of-context branch (which turns the output to NaN if the
+    # memory was not empty, so a misuse cannot pass silently).
+    drop, self._predict_drop_len = self._predict_drop_len, 0
+    try:
+      return original(self, inputs, state)
+    finally:
+      self._predict_drop_len = drop
   mem_end, mem, state = state
 
   def append(buf, new):
