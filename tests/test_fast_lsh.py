@@ -1,9 +1,13 @@
-"""The top_k one-token LSH step is bit-identical to Trax's sorting step."""
+"""The one-token LSH step (bucket index, or prefix sums) is bit-identical to
+Trax's sorting step."""
+
+import re
 
 import jax
 import numpy as np
 import pytest
 import trax
+from jax import numpy as jnp
 
 from src.inference.decoding import Decoder
 from src.model import ginconf, reformer
@@ -47,14 +51,68 @@ def test_same_logits_as_trax_sort(parallel_heads):
   np.testing.assert_array_equal(fast, slow)
 
 
-def test_compiled_step_has_no_sort():
-  ginconf.parse(TINY_GIN, MICRO)
+def test_compiled_step_reads_no_memory_sized_sort():
+  """A token's step sorts only its few candidates (from the bucket index),
+  never an array as long as the memory (Trax's step sorts the whole
+  memory per head; `select_kv` ranked it in one pass)."""
+  mem = 1024
+  ginconf.parse(
+    TINY_GIN,
+    MICRO
+    + (
+      f'LSHSelfAttention.predict_mem_len = {mem}',
+      f'SelfAttention.predict_mem_len = {mem}',
+    ),
+  )
   layer = reformer.reformer_lm(60, 'predict', directed=ginconf.lsh())
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   d = Decoder(layer, 128)
   hlo = (
     jax.jit(d._pure_step)
     .lower(d.weights, d.state, np.zeros((1, 1), np.int32), d._rng)
-    .as_text()
+    .as_text(dialect='hlo')
   )
-  assert 'stablehlo.sort' not in hlo
+  sorts = re.findall(r'\[([\d,]*)\]\S* sort\(', hlo)
+  assert sorts  # The candidates are sorted...
+  for dims in sorts:  # ...and nothing as long as the memory.
+    assert all(int(n) < mem for n in dims.split(',') if n), dims
+
+
+def test_bucket_index_selects_what_the_sort_keeps():
+  """`select_indexed` (the index's O(n_keep) candidates) gives exactly
+  `select_kv`'s positions, for 1 and 2 hash rounds, at every fill level
+  from empty to full, with an index rebuilt after a block and then
+  extended token by token."""
+  rng = np.random.default_rng(0)
+  for rounds, mem, n_buckets, n_keep in (
+    (1, 256, 8, 32),
+    (2, 300, 4, 64),
+    (2, 96, 16, 128),  # n_keep above the memory: all of it.
+  ):
+    buckets = np.zeros((rounds, mem), np.int32)
+    block = int(rng.integers(1, mem // 2))
+    buckets[:, :block] = rng.integers(0, n_buckets, (rounds, block))
+    ring, counts = (
+      np.array(a)
+      for a in fast_lsh.rebuilt_index(
+        jnp.asarray(buckets), block, n_buckets, n_keep
+      )
+    )
+    for q in range(block, mem):
+      qb = rng.integers(0, n_buckets, rounds).astype(np.int32)
+      buckets[:, q] = qb
+      for h in range(rounds):
+        ring[h, qb[h], counts[h, qb[h]] % n_keep] = q
+        counts[h, qb[h]] += 1
+      keep = min(n_keep, mem)
+      want = fast_lsh.select_kv(
+        jnp.asarray((buckets == qb[:, None]).any(0)), q, keep
+      )
+      got = fast_lsh.select_indexed(
+        jnp.asarray(buckets),
+        jnp.asarray(qb),
+        jnp.asarray(ring[np.arange(rounds), qb]),
+        q,
+        keep,
+      )
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -138,11 +138,125 @@ def select_kv(is_valid_target, q_start, n_keep: int):
   return jnp.zeros([n_keep], jnp.int32).at[slot].set(positions, mode='drop')
 
 
-def one_token_step(self, x, *, q_start, weights, state, rng):
-  """LSH attention of the newest token over the memory `x` (`[mem, d]`).
+_ORIGINAL_STATE = ea.LSHSelfAttention.create_state_unbatched
+
+
+def _n_keep(self) -> int:
+  """Candidates Trax keeps for a new token (before `min` with the memory)."""
+  return self._n_hashes * self._chunk_len * (1 + self._n_chunks_before)
+
+
+def _indexed(self) -> bool:
+  """Whether this predict-mode layer keeps a bucket index (see
+  `select_indexed`): one-token steps of a causal layer with plain bucket
+  counts."""
+  return (
+    self._incremental
+    and isinstance(self._n_buckets, int)
+    and self._n_chunks_after == 0
+  )
+
+
+def _create_state_unbatched(self, input_signature, rng):
+  """Trax's state, plus (predict mode) the bucket index: for each hash
+  round and bucket, a ring of its last `_n_keep` positions
+  (`[n_hashes, n_buckets, n_keep] int32`, -1 where empty) and how many
+  positions it holds (`[n_hashes, n_buckets] int32`)."""
+  state = _ORIGINAL_STATE(self, input_signature, rng)
+  if not _indexed(self):
+    return state
+  shape = (self._n_hashes, self._n_buckets)
+  ring = jnp.full(shape + (_n_keep(self),), -1, jnp.int32)
+  return (*state, ring, jnp.zeros(shape, jnp.int32))
+
+
+def rebuilt_index(buckets, filled, n_buckets: int, n_keep: int):
+  """The bucket index of the first `filled` positions of `buckets`
+  (`[n_hashes, mem]`), as a run of one-token steps would have built it
+  (after a block is read at the start of a context)."""
+  n_hashes, mem = buckets.shape
+  positions = jnp.arange(mem, dtype=jnp.int32)
+  key = jnp.where(positions < filled, buckets, n_buckets)  # Dead: extra.
+  order = jnp.argsort(key * mem + positions, axis=1)  # By bucket, position.
+  bucket = jnp.take_along_axis(key, order, axis=1)
+  rows = jnp.arange(n_hashes)[:, None]
+  counts = jnp.zeros((n_hashes, n_buckets + 1), jnp.int32)
+  counts = counts.at[rows, key].add(1)
+  starts = jnp.cumsum(counts, axis=1) - counts
+  index = positions[None, :] - jnp.take_along_axis(starts, bucket, axis=1)
+  total = jnp.take_along_axis(counts, bucket, axis=1)
+  keep = (bucket < n_buckets) & (index >= total - n_keep)
+  ring = jnp.full((n_hashes, n_buckets, n_keep), -1, jnp.int32)
+  ring = ring.at[rows, jnp.where(keep, bucket, n_buckets), index % n_keep].set(
+    order.astype(jnp.int32), mode='drop'
+  )
+  return ring, counts[:, :n_buckets]
+
+
+def select_indexed(all_buckets, q_buckets, lists, q_start, n_keep: int):
+  """`select_kv`'s positions, from O(n_keep) candidates instead of the
+  whole memory.
+
+  The candidates are the last `n_keep` positions of the new token's bucket
+  in each hash round (`lists`, from the index) and a window of positions
+  `[q_start + 2 - 2 n_keep, q_start + 2 + n_keep)`. They hold everything
+  the sort keeps: the highest-ranked are the latest positions sharing a
+  bucket (in the lists or the window); if there are fewer than `n_keep`,
+  the latest others (at most as many shared ones as there are among the
+  last `2 n_keep` positions, so the window holds enough), then, early in
+  a context, the positions after it (in the window). Each candidate gets
+  Trax's priority; the `n_keep` highest, lowest first, are the answer.
+
+  Args:
+    all_buckets: `[n_hashes, mem]` bucket of each memory position.
+    q_buckets: `[n_hashes]` the new token's buckets.
+    lists: `[n_hashes, r]` positions of those buckets from the index (-1:
+      empty).
+    q_start: Position of the new token.
+    n_keep: How many positions to keep (at most `mem`).
 
   Returns:
-    `(out [1, d_v], new_state)` exactly as Trax's one-token path.
+    `[n_keep] int32` positions, lowest priority first (as `select_kv`).
+  """
+  mem = all_buckets.shape[1]
+  low = q_start + 2 - 2 * n_keep
+  window = low + jnp.arange(3 * n_keep, dtype=jnp.int32)
+  listed = jnp.reshape(lists, (-1,))
+  cand = jnp.concatenate([window, listed])
+  ok = jnp.concatenate(
+    [(window >= 0) & (window < mem), (listed >= 0) & (listed < low)]
+  )
+  safe = jnp.clip(cand, 0, mem - 1)
+  valid = jnp.any(all_buckets[:, safe] == q_buckets[:, None], axis=0)
+  priority = jnp.where(cand <= q_start + 1, cand, -(mem + cand))
+  none = -4 * mem
+  priority = jnp.where(ok, priority + mem * valid, none)
+  priority = jnp.sort(priority)
+  if lists.shape[0] > 1:  # A position may be listed by several rounds.
+    same = jnp.concatenate(
+      [jnp.zeros([1], bool), priority[1:] == priority[:-1]]
+    )
+    priority = jnp.sort(jnp.where(same, none, priority))
+  top = priority[-n_keep:]
+  # Back from priority to position (see `select_kv` for the classes).
+  return jnp.where(
+    top >= mem,
+    top - mem,
+    jnp.where(top >= 0, top, jnp.where(top > -mem, -top, -top - mem)),
+  ).astype(jnp.int32)
+
+
+def one_token_step(self, x, *, q_start, weights, state, rng, index=None):
+  """LSH attention of the newest token over the memory `x` (`[mem, d]`).
+
+  With `index` (`(ring, counts)`, see `_create_state_unbatched`; only for
+  a memory that never rolls) the candidates come from the bucket index in
+  O(n_keep); without it, from `select_kv` over the whole memory. Both give
+  the positions Trax's sort keeps.
+
+  Returns:
+    `(out [1, d_v], new_state)` exactly as Trax's one-token path (the
+    state with the updated index, if any).
   """
   buckets, buckets_idx, hash_rng = state
   buckets = _roll_buckets(self, buckets, buckets_idx, q_start)
@@ -156,10 +270,22 @@ def one_token_step(self, x, *, q_start, weights, state, rng):
   all_buckets = fastmath.dynamic_update_slice_in_dim(
     jnp.reshape(buckets, (self._n_hashes, -1)), q_buckets, q_start, axis=1
   )
-  is_valid_target = jnp.any(all_buckets == q_buckets, axis=0)
   seqlen = x.shape[0]
-  n_keep = self._n_hashes * self._chunk_len * (1 + self._n_chunks_before)
-  kv_indices = select_kv(is_valid_target, q_start, min(n_keep, seqlen))
+  n_keep = min(_n_keep(self), seqlen)
+  if index is not None:
+    ring, counts = index
+    rounds = jnp.arange(self._n_hashes)
+    qb = q_buckets[:, 0]
+    slot = counts[rounds, qb] % ring.shape[-1]
+    ring = ring.at[rounds, qb, slot].set(q_start)
+    counts = counts.at[rounds, qb].add(1)
+    index = (ring, counts)
+    kv_indices = select_indexed(
+      all_buckets, qb, ring[rounds, qb], q_start, n_keep
+    )
+  else:
+    is_valid_target = jnp.any(all_buckets == q_buckets, axis=0)
+    kv_indices = select_kv(is_valid_target, q_start, n_keep)
   x_attend_to = x[kv_indices]
   k = ea.length_normalized(jnp.matmul(x_attend_to, w_q))
   if len(weights) == 5:  # Directed (see `_forward_unbatched`).
@@ -183,14 +309,18 @@ def one_token_step(self, x, *, q_start, weights, state, rng):
   out = jnp.matmul(o, w_o)[:1]
   out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
   new_idx = jnp.array(q_start + 1, dtype=buckets_idx.dtype)
-  return out, (jnp.reshape(all_buckets, (-1,)), new_idx, hash_rng)
+  new_state = (jnp.reshape(all_buckets, (-1,)), new_idx, hash_rng)
+  return out, new_state + (() if index is None else index)
 
 
 def _incremental_forward_unbatched(
   self, x, *, q_start, q_len, weights, state, rng, update_state
 ):
+  index = None
+  if len(state) == 5:  # With the bucket index (`_create_state_unbatched`).
+    state, index = tuple(state[:3]), tuple(state[3:])
   if q_len != 1 or self._n_chunks_after != 0 or not update_state:
-    return _ORIGINAL(
+    out, new = _ORIGINAL(
       self,
       x,
       q_start=q_start,
@@ -200,8 +330,19 @@ def _incremental_forward_unbatched(
       rng=rng,
       update_state=update_state,
     )
+    if index is not None:  # A block at the start: index what it read.
+      buckets = jnp.reshape(new[0], (self._n_hashes, -1))
+      ring = index[0]
+      new = (*new, *rebuilt_index(buckets, new[1], *ring.shape[1:]))
+    return out, new
+  if index is not None and not getattr(self, NO_ROLL, False):
+    # A memory that may roll: positions move, so the index is not used.
+    out, new = one_token_step(
+      self, x, q_start=q_start, weights=weights, state=state, rng=rng
+    )
+    return out, (*new, *index)
   return one_token_step(
-    self, x, q_start=q_start, weights=weights, state=state, rng=rng
+    self, x, q_start=q_start, weights=weights, state=state, rng=rng, index=index
   )
 
 
@@ -411,6 +552,7 @@ def install():
   ea.SelfAttention._use_predict_mem = _use_predict_mem
   ea.LSHSelfAttention._use_predict_mem = _use_predict_mem
   ea.LSHSelfAttention.create_weights_unbatched = _create_weights_unbatched
+  ea.LSHSelfAttention.create_state_unbatched = _create_state_unbatched
   ea.LSHSelfAttention.forward_unbatched = _forward_unbatched
   pe.AxialPositionalEncoding.forward = _axial_forward
 
@@ -422,5 +564,6 @@ def uninstall():
   ea.SelfAttention._use_predict_mem = _ORIGINAL_LOCAL_MEM
   ea.LSHSelfAttention._use_predict_mem = _ORIGINAL_MEM
   ea.LSHSelfAttention.create_weights_unbatched = _ORIGINAL_WEIGHTS
+  ea.LSHSelfAttention.create_state_unbatched = _ORIGINAL_STATE
   ea.LSHSelfAttention.forward_unbatched = _ORIGINAL_FORWARD
   pe.AxialPositionalEncoding.forward = _ORIGINAL_AXIAL
