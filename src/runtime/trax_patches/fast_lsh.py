@@ -8,12 +8,16 @@ n_chunks_before)` of them. The sort was ~80% of a token's time (34.6 ms of
 a step at an 8192-token memory; 7.7 ms without it) and made decoding slow
 down as the conversation grew.
 
-`install()` replaces the one-token path with the same computation that
-finds those positions with prefix sums in one linear pass (`select_kv`;
-`lax.top_k` is no help here: XLA on CPU lowers it to a sort). The
-priorities are distinct integers, so the selection is exactly the set and
-order the sort kept: outputs are bit-identical (pinned by
-tests/test_fast_lsh.py). Multi-token chunks and training are untouched.
+`install()` replaces the one-token path with the same computation. The
+chat decoder's layers (whose memory never rolls) keep a bucket index in
+their predict state and pick the positions from O(n_keep) candidates
+(`select_indexed`). Other predict-mode layers find them with prefix sums
+in one linear pass over the memory (`select_kv`; `lax.top_k` is no help
+here: XLA on CPU lowers it to a sort). The priorities are distinct
+integers, so either way the selection is exactly the set and order the
+sort kept: outputs are bit-identical (pinned by tests/test_fast_lsh.py).
+Training is untouched; a block read in predict mode goes through Trax
+and then rebuilds the index.
 """
 
 from __future__ import annotations
