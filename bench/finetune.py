@@ -10,9 +10,9 @@
    start's, with dropout 0.1) is run into WORK/pretrained. It is
    exported (`python -m src.apps.export`).
 2. The user's chats: `--data` (default data/persona: a dozen facts about
-   one person, Robin, each asked three ways, 40 conversations). The
-   `PARAPHRASES` below ask each fact a fourth way that is never trained on;
-   as conversations they are the held-out data.
+   one person, Robin, each asked three ways, 40 conversations). `FACTS`
+   below also asks each fact a fourth way that is never trained on; as
+   conversations, those paraphrases are the held-out data.
 3. Fine-tuned: the README's recipe, `train.py --init-from` the export
    with gin/finetune.gin, `--epochs 80` and `--replay` the pretraining
    data; no-replay: the same without replay; scratch: the same data,
@@ -250,6 +250,9 @@ def main(argv=None):
   )
   args = parser.parse_args(argv)
   from src.analysis import chat_quality as cq
+  from src.analysis import memorization
+  from src.apps import convert
+  from src.data import tokenizer
   from src.inference import scoring
   from src.storage import export
 
@@ -260,8 +263,6 @@ def main(argv=None):
   pre = args.pretrained or os.path.join(work, 'pretrained')
   pre_data = os.path.join(work, 'smalltalk')
   if args.pretrained is None and not os.path.isdir(pre):
-    from src.apps import convert
-
     convert.main(
       [
         'chatterbot',
@@ -281,21 +282,15 @@ def main(argv=None):
     export.export(pre, exp)
   all_english = os.path.join(work, 'chatterbot-english')
   if not os.path.isdir(all_english):
-    from src.apps import convert
-
     convert.main(['chatterbot', 'english', all_english, '--trim'])
   words = cq.dictionary(all_english, args.data)
-  from src.analysis import memorization
-
   own = cq.training_prompts(memorization.split(pre)[0], OWN_PROMPTS)
   results = {'pretrained': measure(pre, words, own)}
   if args.measure:
     results[args.measure] = measure(args.measure, words, own)
     report(results, times)
     return 0
-  from src.analysis import memorization as mem
-
-  replay = os.path.join(ROOT, mem.run_settings(pre)['data'])
+  replay = os.path.join(ROOT, memorization.run_settings(pre)['data'])
   recipe = ['--init-from', exp, '--gin', 'gin/finetune.gin', *RECIPE]
   runs = {
     'fine-tuned': recipe + ['--replay', replay],
@@ -309,8 +304,6 @@ def main(argv=None):
     shutil.rmtree(out, ignore_errors=True)
     how = runs[name]
     if name == 'scratch':  # The pretrained tokenizer: losses compare.
-      from src.data import tokenizer
-
       os.makedirs(out)
       tok, info = tokenizer.load(exp), tokenizer.read_info(exp)
       tokenizer.save(out, tokenizer.adopt(tok, info, exp))

@@ -37,32 +37,14 @@ def has_loop(text: str, n: int = 4) -> bool:
 
 
 def greedy_replies(decoder, prompts, max_new_tokens: int = MAX_NEW_TOKENS):
-  """Greedy replies to `prompts`, each from a fresh context.
-
-  Args:
-    decoder: A `decoding.Decoder`.
-    prompts: User messages.
-
-  Returns:
-    `[(reply, ended)]`: the displayed reply and whether it ended with the
-    end marker within `max_new_tokens` tokens.
-  """
+  """Greedy replies to `prompts`, each from a fresh context
+  (`generate.fresh_replies`): `[(reply, ended)]`."""
   from src.inference import generate, sampling
 
   settings = sampling.SamplingSettings(
     temperature=0.0, max_new_tokens=max_new_tokens
   )
-  context = generate.Context(decoder)
-  out = []
-  for prompt in prompts:
-    context.reset()
-    ids = (
-      generate.reply(context, prompt, settings, np.random.default_rng(0)) or []
-    )
-    out.append(
-      (generate.display(decoder.tokenizer, ids), len(ids) < max_new_tokens)
-    )
-  return out
+  return generate.fresh_replies(generate.Context(decoder), prompts, settings)
 
 
 def words_of(text: str) -> list[str]:

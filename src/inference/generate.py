@@ -225,6 +225,34 @@ def reply(
   return ids
 
 
+def fresh_replies(
+  context: Context,
+  prompts,
+  settings: sampling.SamplingSettings,
+  one_line: bool = False,
+) -> list[tuple[str, bool]]:
+  """Replies to `prompts`, each in a fresh conversation (the context is
+  reset before each and after the last), as `evaluate.py --prompt` gives
+  them; greedy at temperature 0.
+
+  Returns:
+    `[(reply text, ended)]`: the displayed reply and whether it ended
+    (end marker) within `settings.max_new_tokens` tokens.
+  """
+  out = []
+  for prompt in prompts:
+    context.reset()
+    ids = reply(context, prompt, settings, np.random.default_rng(0)) or []
+    out.append(
+      (
+        display(context.tok, ids, one_line),
+        len(ids) < settings.max_new_tokens,
+      )
+    )
+  context.reset()
+  return out
+
+
 def display(tok: tokenizer.Tokenizer, ids, one_line: bool = False) -> str:
   """Reply tokens as text: line-break markers become line breaks, or with
   `one_line` the marker between spaces (one message per line)."""

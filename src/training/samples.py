@@ -39,15 +39,10 @@ class SampleReplies:
   def __call__(self, weights) -> list[tuple[str, str]]:
     """`(prompt, reply)` per prompt, with these (training) weights."""
     self.decoder.weights = weights
-    rng = np.random.default_rng(0)  # Unused: the replies are greedy.
-    replies = []
-    for prompt in self.prompts:
-      self.context.reset()
-      ids = generate.reply(self.context, prompt, self.settings, rng)
-      text = generate.display(self.decoder.tokenizer, ids or [], one_line=True)
-      replies.append((prompt, text))
-    self.context.reset()
-    return replies
+    replies = generate.fresh_replies(
+      self.context, self.prompts, self.settings, one_line=True
+    )
+    return [(p, text) for p, (text, _) in zip(self.prompts, replies)]
 
 
 def markdown(step: int, replies) -> str:

@@ -321,7 +321,7 @@ def _incremental_forward_unbatched(
   self, x, *, q_start, q_len, weights, state, rng, update_state
 ):
   index = None
-  if len(state) == 5:  # With the bucket index (`_create_state_unbatched`).
+  if _indexed(self):  # The state holds the index (`_create_state_unbatched`).
     state, index = tuple(state[:3]), tuple(state[3:])
   if q_len != 1 or self._n_chunks_after != 0 or not update_state:
     out, new = _ORIGINAL(
