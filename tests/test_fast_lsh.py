@@ -16,10 +16,11 @@ from src.runtime.trax_patches import fast_lsh
 from .conftest import MICRO, TINY_GIN
 
 
-def decode(parallel_heads, n_tokens=40):
+def decode(parallel_heads, n_tokens=40, extra=()):
   ginconf.parse(
     TINY_GIN,
     MICRO
+    + tuple(extra)
     + (
       # Trax's step is plain LSH in every block: no local blocks (whose
       # window fast_lsh keeps) and no directed term.
@@ -46,6 +47,23 @@ def test_same_logits_as_trax_sort(parallel_heads):
   fast_lsh.uninstall()
   try:
     slow = decode(parallel_heads)
+  finally:
+    fast_lsh.install()
+  np.testing.assert_array_equal(fast, slow)
+
+
+def test_same_logits_as_trax_sort_past_the_window():
+  """A memory much longer than the window of recent positions the index
+  step also reads (3 x 8 candidates here), with 2 hash rounds: the older
+  positions of the token's buckets come from the bucket index alone."""
+  small = (
+    'LSHSelfAttention.chunk_len = 4',
+    'LSHSelfAttention.n_chunks_before = 0',
+  )
+  fast = decode(1, n_tokens=120, extra=small)
+  fast_lsh.uninstall()
+  try:
+    slow = decode(1, n_tokens=120, extra=small)
   finally:
     fast_lsh.install()
   np.testing.assert_array_equal(fast, slow)
@@ -89,9 +107,12 @@ def test_bucket_index_selects_what_the_sort_keeps():
     (2, 300, 4, 64),
     (2, 96, 16, 128),  # n_keep above the memory: all of it.
   ):
+    # Numbered as Trax's hash_vectors does: round r's start at r * n.
+    offsets = (np.arange(rounds) * n_buckets).astype(np.int32)
     buckets = np.zeros((rounds, mem), np.int32)
     block = int(rng.integers(1, mem // 2))
     buckets[:, :block] = rng.integers(0, n_buckets, (rounds, block))
+    buckets[:, :block] += offsets[:, None]
     ring, counts = (
       np.array(a)
       for a in fast_lsh.rebuilt_index(
@@ -99,11 +120,12 @@ def test_bucket_index_selects_what_the_sort_keeps():
       )
     )
     for q in range(block, mem):
-      qb = rng.integers(0, n_buckets, rounds).astype(np.int32)
+      own = rng.integers(0, n_buckets, rounds).astype(np.int32)
+      qb = own + offsets
       buckets[:, q] = qb
       for h in range(rounds):
-        ring[h, qb[h], counts[h, qb[h]] % n_keep] = q
-        counts[h, qb[h]] += 1
+        ring[h, own[h], counts[h, own[h]] % n_keep] = q
+        counts[h, own[h]] += 1
       keep = min(n_keep, mem)
       want = fast_lsh.select_kv(
         jnp.asarray((buckets == qb[:, None]).any(0)), q, keep
@@ -111,7 +133,7 @@ def test_bucket_index_selects_what_the_sort_keeps():
       got = fast_lsh.select_indexed(
         jnp.asarray(buckets),
         jnp.asarray(qb),
-        jnp.asarray(ring[np.arange(rounds), qb]),
+        jnp.asarray(ring[np.arange(rounds), own]),
         q,
         keep,
       )

@@ -176,14 +176,16 @@ def _create_state_unbatched(self, input_signature, rng):
 
 def rebuilt_index(buckets, filled, n_buckets: int, n_keep: int):
   """The bucket index of the first `filled` positions of `buckets`
-  (`[n_hashes, mem]`), as a run of one-token steps would have built it
-  (after a block is read at the start of a context)."""
+  (`[n_hashes, mem]`, as Trax's `hash_vectors` numbers them: round r's
+  buckets are `r * n_buckets + b`), as a run of one-token steps would
+  have built it (after a block is read at the start of a context)."""
   n_hashes, mem = buckets.shape
   positions = jnp.arange(mem, dtype=jnp.int32)
-  key = jnp.where(positions < filled, buckets, n_buckets)  # Dead: extra.
+  rows = jnp.arange(n_hashes)[:, None]
+  local = buckets - rows * n_buckets  # Each round's own 0..n_buckets-1.
+  key = jnp.where(positions < filled, local, n_buckets)  # Dead: extra.
   order = jnp.argsort(key * mem + positions, axis=1)  # By bucket, position.
   bucket = jnp.take_along_axis(key, order, axis=1)
-  rows = jnp.arange(n_hashes)[:, None]
   counts = jnp.zeros((n_hashes, n_buckets + 1), jnp.int32)
   counts = counts.at[rows, key].add(1)
   starts = jnp.cumsum(counts, axis=1) - counts
@@ -280,12 +282,13 @@ def one_token_step(self, x, *, q_start, weights, state, rng, index=None):
     ring, counts = index
     rounds = jnp.arange(self._n_hashes)
     qb = q_buckets[:, 0]
-    slot = counts[rounds, qb] % ring.shape[-1]
-    ring = ring.at[rounds, qb, slot].set(q_start)
-    counts = counts.at[rounds, qb].add(1)
+    own = qb - rounds * self._n_buckets  # Round r's ids start at r * n.
+    slot = counts[rounds, own] % ring.shape[-1]
+    ring = ring.at[rounds, own, slot].set(q_start)
+    counts = counts.at[rounds, own].add(1)
     index = (ring, counts)
     kv_indices = select_indexed(
-      all_buckets, qb, ring[rounds, qb], q_start, n_keep
+      all_buckets, qb, ring[rounds, own], q_start, n_keep
     )
   else:
     is_valid_target = jnp.any(all_buckets == q_buckets, axis=0)
