@@ -52,7 +52,8 @@ def test_same_logits_as_trax_sort(parallel_heads):
   np.testing.assert_array_equal(fast, slow)
 
 
-def test_same_logits_as_trax_sort_past_the_window():
+@pytest.mark.parametrize('parallel_heads', [1, 2])
+def test_same_logits_as_trax_sort_past_the_window(parallel_heads):
   """A memory much longer than the window of recent positions the index
   step also reads (3 x 8 candidates here), with 2 hash rounds: the older
   positions of the token's buckets come from the bucket index alone."""
@@ -60,10 +61,10 @@ def test_same_logits_as_trax_sort_past_the_window():
     'LSHSelfAttention.chunk_len = 4',
     'LSHSelfAttention.n_chunks_before = 0',
   )
-  fast = decode(1, n_tokens=120, extra=small)
+  fast = decode(parallel_heads, n_tokens=120, extra=small)
   fast_lsh.uninstall()
   try:
-    slow = decode(1, n_tokens=120, extra=small)
+    slow = decode(parallel_heads, n_tokens=120, extra=small)
   finally:
     fast_lsh.install()
   np.testing.assert_array_equal(fast, slow)

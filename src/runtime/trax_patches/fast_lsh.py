@@ -165,13 +165,35 @@ def _create_state_unbatched(self, input_signature, rng):
   """Trax's state, plus (predict mode) the bucket index: for each hash
   round and bucket, a ring of its last `_n_keep` positions
   (`[n_hashes, n_buckets, n_keep] int32`, -1 where empty) and how many
-  positions it holds (`[n_hashes, n_buckets] int32`)."""
+  positions it holds (`[n_hashes, n_buckets] int32`); and the head's
+  random rotations (`rotations`)."""
   state = _ORIGINAL_STATE(self, input_signature, rng)
   if not _indexed(self):
     return state
   shape = (self._n_hashes, self._n_buckets)
   ring = jnp.full(shape + (_n_keep(self),), -1, jnp.int32)
-  return (*state, ring, jnp.zeros(shape, jnp.int32))
+  return (*state, ring, jnp.zeros(shape, jnp.int32), rotations(self, rng))
+
+
+def rotations(self, hash_rng):
+  """The random rotations Trax's `hash_vecs` draws from `hash_rng` for
+  every hashing (`[d_qk, n_hashes, n_buckets // 2] float32`), drawn the
+  same way. Trax draws them again at every token: at 512 buckets, 2
+  hashes and 8 heads that is 262,144 normal numbers per layer and token,
+  more time than the token's attention itself. A predict-mode state
+  keeps them instead."""
+  shape = (self._d_qk, self._n_hashes, self._n_buckets // 2)
+  return fastmath.random.normal(hash_rng, shape).astype(jnp.float32)
+
+
+def _hash(self, vecs, rotations):
+  """Trax's `hash_vectors` (int `n_buckets`, no mask) with its rotations
+  given: `[n_hashes * len(vecs)]`, round r's buckets from `r * n_buckets`."""
+  rotated = jnp.einsum('tf,fhb->htb', vecs, rotations)
+  rotated = jnp.concatenate([rotated, -rotated], axis=-1)
+  buckets = jnp.argmax(rotated, axis=-1).astype(jnp.int32)
+  offsets = jnp.arange(self._n_hashes, dtype=jnp.int32) * self._n_buckets
+  return jnp.reshape(buckets + offsets[:, None], (-1,))
 
 
 def rebuilt_index(buckets, filled, n_buckets: int, n_keep: int):
@@ -214,7 +236,8 @@ def select_indexed(all_buckets, q_buckets, lists, q_start, n_keep: int):
   Trax's priority; the `n_keep` highest, lowest first, are the answer.
 
   Args:
-    all_buckets: `[n_hashes, mem]` bucket of each memory position.
+    all_buckets: `[n_hashes, mem]` bucket of each memory position (the
+      new token's own entry is not read: it shares its buckets).
     q_buckets: `[n_hashes]` the new token's buckets.
     lists: `[n_hashes, r]` positions of those buckets from the index (-1:
       empty).
@@ -234,6 +257,7 @@ def select_indexed(all_buckets, q_buckets, lists, q_start, n_keep: int):
   )
   safe = jnp.clip(cand, 0, mem - 1)
   valid = jnp.any(all_buckets[:, safe] == q_buckets[:, None], axis=0)
+  valid = valid | (cand == q_start)
   priority = jnp.where(cand <= q_start + 1, cand, -(mem + cand))
   none = -4 * mem
   priority = jnp.where(ok, priority + mem * valid, none)
@@ -252,47 +276,27 @@ def select_indexed(all_buckets, q_buckets, lists, q_start, n_keep: int):
   ).astype(jnp.int32)
 
 
-def one_token_step(self, x, *, q_start, weights, state, rng, index=None):
-  """LSH attention of the newest token over the memory `x` (`[mem, d]`).
+def _query_buckets(self, x, q_start, w_q, hash_rng, rotations=None):
+  """The new token's query (`[2, d_qk]`, the row twice: Trax duplicates
+  it so matmul rounding matches its tests) and its bucket in each hash
+  round (`[n_hashes]`, numbered as Trax's `hash_vectors`), hashed with
+  `rotations` if given (the same as Trax draws from `hash_rng`)."""
+  q_range = q_start + jnp.arange(1, dtype=jnp.int32)
+  q = jnp.matmul(jnp.concatenate([x[q_range]] * 2, 0), w_q)
+  if rotations is None:
+    hashed = self.hash_vectors(q, hash_rng)
+  else:
+    hashed = _hash(self, q, rotations)
+  q_buckets = jnp.reshape(hashed, (self._n_hashes, 2))
+  return q, q_buckets[:, 0]
 
-  With `index` (`(ring, counts)`, see `_create_state_unbatched`; only for
-  a memory that never rolls) the candidates come from the bucket index in
-  O(n_keep); without it, from `select_kv` over the whole memory. Both give
-  the positions Trax's sort keeps.
 
-  Returns:
-    `(out [1, d_v], new_state)` exactly as Trax's one-token path (the
-    state with the updated index, if any).
-  """
-  buckets, buckets_idx, hash_rng = state
-  buckets = _roll_buckets(self, buckets, buckets_idx, q_start)
+def _attend_selected(self, x, q, q_start, kv_indices, weights, rng):
+  """Attention of the new token (query `q`) over the memory positions
+  `kv_indices` of `x` (`[mem, d]`), as Trax's one-token step: `[1, d]`."""
   attend_rng, output_rng = fastmath.random.split(rng)
   w_q, w_v, w_o = weights[:3]
   q_range = q_start + jnp.arange(1, dtype=jnp.int32)
-  # Trax duplicates the query row so matmul rounding matches its tests.
-  q = jnp.matmul(jnp.concatenate([x[q_range]] * 2, 0), w_q)
-  q_buckets = jnp.reshape(self.hash_vectors(q, hash_rng), (self._n_hashes, 2))
-  q_buckets = q_buckets[:, :1]
-  all_buckets = fastmath.dynamic_update_slice_in_dim(
-    jnp.reshape(buckets, (self._n_hashes, -1)), q_buckets, q_start, axis=1
-  )
-  seqlen = x.shape[0]
-  n_keep = min(_n_keep(self), seqlen)
-  if index is not None:
-    ring, counts = index
-    rounds = jnp.arange(self._n_hashes)
-    qb = q_buckets[:, 0]
-    own = qb - rounds * self._n_buckets  # Round r's ids start at r * n.
-    slot = counts[rounds, own] % ring.shape[-1]
-    ring = ring.at[rounds, own, slot].set(q_start)
-    counts = counts.at[rounds, own].add(1)
-    index = (ring, counts)
-    kv_indices = select_indexed(
-      all_buckets, qb, ring[rounds, own], q_start, n_keep
-    )
-  else:
-    is_valid_target = jnp.any(all_buckets == q_buckets, axis=0)
-    kv_indices = select_kv(is_valid_target, q_start, n_keep)
   x_attend_to = x[kv_indices]
   k = ea.length_normalized(jnp.matmul(x_attend_to, w_q))
   if len(weights) == 5:  # Directed (see `_forward_unbatched`).
@@ -314,18 +318,146 @@ def one_token_step(self, x, *, q_start, weights, state, rng, index=None):
     rng=attend_rng,
   )
   out = jnp.matmul(o, w_o)[:1]
-  out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+  return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+
+
+def indexed_token(self, x, *, q_start, weights, q, qb, buckets, lists, rng):
+  """One head's attention of the newest token through the bucket index
+  (the token already written into it, `_write_index`).
+
+  Args:
+    x: `[mem, d]` the memory, the new token at `q_start`.
+    q, qb: the token's query and buckets (`_query_buckets`).
+    buckets: `[n_hashes * mem]` each position's buckets (the new
+      token's own entry is not read).
+    lists: `[n_hashes, n_keep]` the rings of the token's buckets.
+
+  Returns:
+    `[1, d_v]`, exactly as Trax's one-token step.
+  """
+  mem = x.shape[0]
+  all_buckets = jnp.reshape(buckets, (self._n_hashes, mem))
+  n_keep = min(_n_keep(self), mem)
+  kv_indices = select_indexed(all_buckets, qb, lists, q_start, n_keep)
+  return _attend_selected(self, x, q, q_start, kv_indices, weights, rng)
+
+
+def one_token_step(
+  self, x, *, q_start, weights, state, rng, index=None, rotations=None
+):
+  """LSH attention of the newest token over the memory `x` (`[mem, d]`),
+  one head, in Trax's per-head loop.
+
+  With `index` (`(ring, counts)`, see `_create_state_unbatched`; only for
+  a memory that never rolls) the candidates come from the bucket index in
+  O(n_keep) (`indexed_token`); without it, from `select_kv` over the whole
+  memory. Both give the positions Trax's sort keeps.
+
+  Returns:
+    `(out [1, d_v], new_state)` exactly as Trax's one-token path (the
+    state with the updated index, if any).
+  """
+  buckets, buckets_idx, hash_rng = state
   new_idx = jnp.array(q_start + 1, dtype=buckets_idx.dtype)
-  new_state = (jnp.reshape(all_buckets, (-1,)), new_idx, hash_rng)
-  return out, new_state + (() if index is None else index)
+  if index is not None:
+    q, qb = _query_buckets(self, x, q_start, weights[0], hash_rng, rotations)
+    own = qb - jnp.arange(self._n_hashes) * self._n_buckets
+    ring, counts = _write_index(*(i[None] for i in index), own[None], q_start)
+    out = indexed_token(
+      self,
+      x,
+      q_start=q_start,
+      weights=weights,
+      q=q,
+      qb=qb,
+      buckets=buckets,
+      lists=_lists(ring, own[None])[0],
+      rng=rng,
+    )
+    buckets = _write_buckets(buckets[None], qb[None], q_start)[0]
+    return out, (buckets, new_idx, hash_rng, ring[0], counts[0])
+  buckets = _roll_buckets(self, buckets, buckets_idx, q_start)
+  q, qb = _query_buckets(self, x, q_start, weights[0], hash_rng)
+  all_buckets = fastmath.dynamic_update_slice_in_dim(
+    jnp.reshape(buckets, (self._n_hashes, -1)), qb[:, None], q_start, axis=1
+  )
+  n_keep = min(_n_keep(self), x.shape[0])
+  is_valid_target = jnp.any(all_buckets == qb[:, None], axis=0)
+  kv_indices = select_kv(is_valid_target, q_start, n_keep)
+  out = _attend_selected(self, x, q, q_start, kv_indices, weights, rng)
+  return out, (jnp.reshape(all_buckets, (-1,)), new_idx, hash_rng)
+
+
+def _write_buckets(buckets, qb, q_start):
+  """`buckets` (`[heads, n_hashes * mem]`) with the new token's buckets
+  `qb` (`[heads, n_hashes]`) at `q_start`: one `dynamic_update_slice`,
+  in place in a donated buffer when nothing reads `buckets` after it
+  (the attention reads the old array; the new token's own entry is not
+  needed there, see `select_indexed`). A read of the new array made XLA
+  copy the whole of it every token."""
+  heads, n_hashes = qb.shape
+  new = jax.lax.dynamic_update_slice(
+    jnp.reshape(buckets, (heads, n_hashes, -1)),
+    qb[:, :, None].astype(buckets.dtype),
+    (0, 0, q_start),
+  )
+  return jnp.reshape(new, buckets.shape)
+
+
+def _write_index(ring, counts, own, q_start):
+  """Writes a new token's position into the bucket index of `heads`
+  heads: into the ring of its bucket in each round (`own`, `[heads,
+  n_hashes]`, each round's own numbering).
+
+  Every entry is a `dynamic_update_slice` of one element (unrolled over
+  heads and rounds: a few dozen), and the index is only read after it is
+  written: XLA then updates the donated buffers in place (a scatter, or a
+  read of an old value, made it copy them every token).
+
+  Args:
+    ring: `[heads, n_hashes, n_buckets, n_keep]`. counts: `[heads,
+      n_hashes, n_buckets]`.
+
+  Returns:
+    `(ring, counts)`, updated.
+  """
+  heads, n_hashes = own.shape
+  one = (1, 1, 1)
+  entries = [
+    (jnp.int32(h), jnp.int32(r), own[h, r])
+    for h in range(heads)
+    for r in range(n_hashes)
+  ]  # Distinct: each head and round has its own rows.
+  for at in entries:
+    count = jax.lax.dynamic_slice(counts, at, one) + 1
+    counts = jax.lax.dynamic_update_slice(counts, count, at)
+  # Keeps XLA from reading the old counts below (then it must keep them:
+  # a copy).
+  counts = jax.lax.optimization_barrier(counts)
+  for at in entries:
+    slot = (jax.lax.dynamic_slice(counts, at, one) - 1) % ring.shape[-1]
+    ring = jax.lax.dynamic_update_slice(
+      ring,
+      jnp.full((1, 1, 1, 1), q_start, ring.dtype),
+      at + (jnp.reshape(slot, ()),),
+    )
+  return ring, counts
+
+
+def _lists(ring, own):
+  """`[heads, n_hashes, n_keep]`: the rings of the buckets `own`
+  (`[heads, n_hashes]`)."""
+  heads, n_hashes = own.shape
+  h = jnp.arange(heads)[:, None]
+  return ring[h, jnp.arange(n_hashes)[None, :], own]
 
 
 def _incremental_forward_unbatched(
   self, x, *, q_start, q_len, weights, state, rng, update_state
 ):
-  index = None
+  index = rotations = None
   if _indexed(self):  # The state holds the index (`_create_state_unbatched`).
-    state, index = tuple(state[:3]), tuple(state[3:])
+    state, index, rotations = tuple(state[:3]), tuple(state[3:5]), state[5]
   if q_len != 1 or self._n_chunks_after != 0 or not update_state:
     out, new = _ORIGINAL(
       self,
@@ -340,17 +472,138 @@ def _incremental_forward_unbatched(
     if index is not None:  # A block at the start: index what it read.
       buckets = jnp.reshape(new[0], (self._n_hashes, -1))
       ring = index[0]
-      new = (*new, *rebuilt_index(buckets, new[1], *ring.shape[1:]))
+      new = (*new, *rebuilt_index(buckets, new[1], *ring.shape[1:]), rotations)
     return out, new
   if index is not None and not getattr(self, NO_ROLL, False):
     # A memory that may roll: positions move, so the index is not used.
     out, new = one_token_step(
       self, x, q_start=q_start, weights=weights, state=state, rng=rng
     )
-    return out, (*new, *index)
-  return one_token_step(
-    self, x, q_start=q_start, weights=weights, state=state, rng=rng, index=index
+    return out, (*new, *index, rotations)
+  out, new = one_token_step(
+    self,
+    x,
+    q_start=q_start,
+    weights=weights,
+    state=state,
+    rng=rng,
+    index=index,
+    rotations=rotations,
   )
+  return out, (*new, rotations)
+
+
+_ORIGINAL_FAB = ea.LSHSelfAttention.forward_and_or_backward
+
+
+def _forward_and_or_backward(
+  self,
+  inputs,
+  weights,
+  state,
+  rng,
+  output_grad=None,
+  compute_output=True,
+  update_state=True,
+):
+  """Trax's LSH step, except for one token of the chat decoder
+  (`indexed_layer_step`)."""
+  one = not isinstance(inputs, (tuple, list)) and inputs.shape[-2] == 1
+  batch = inputs.shape[0] if one else 0
+  if (
+    one
+    and _indexed(self)
+    and getattr(self, NO_ROLL, False)
+    and update_state
+    and compute_output
+    and output_grad is None
+    and (
+      not self._n_parallel_heads
+      or self._n_parallel_heads >= batch * self._n_heads
+    )
+  ):
+    out, new_state = indexed_layer_step(self, inputs, weights, state, rng)
+    return out, new_state, None, None
+  return _ORIGINAL_FAB(
+    self,
+    inputs,
+    weights,
+    state,
+    rng,
+    output_grad=output_grad,
+    compute_output=compute_output,
+    update_state=update_state,
+  )
+
+
+def indexed_layer_step(self, x, weights, state, rng):
+  """One new token through a whole LSH layer (all examples and heads),
+  for a memory that never rolls and keeps a bucket index.
+
+  Trax's per-head loop gathers each head's state, returns a whole new one
+  (the `[n_hashes * mem]` buckets, the index) and scatters it back: every
+  token copied those arrays, a cost that grew with the memory. Here each
+  head only reads (`indexed_token`) and the few entries it changes are
+  written into the (donated) state in place (`_write_token`). The output
+  is Trax's: all heads at once, summed over heads.
+
+  Args:
+    x: `[batch, 1, d_model]` the new token's input.
+    state: `(mem_end, mem, (buckets, buckets_idx, hash_rng, ring, counts))`
+      with the per-head entries stacked `[batch * n_heads, ...]`.
+
+  Returns:
+    `(out [batch, 1, d_model], new_state)`.
+  """
+  (mem,), per_head, q_start, new_mem, new_mem_end = _use_predict_mem(
+    self, (x,), state
+  )
+  buckets, buckets_idx, hash_rng, ring, counts, turns = per_head
+  batch, heads = x.shape[0], self._n_heads
+
+  def by_example(a):
+    return jnp.reshape(a, (batch, heads) + a.shape[1:])
+
+  def flat(a):
+    return jnp.reshape(a, (batch * heads,) + a.shape[2:])
+
+  def each_head(fn, *args):  # args: per example, per head, per both.
+    per_example = jax.vmap(fn, in_axes=(None, 0, 0))
+    return jax.vmap(per_example, in_axes=(0, None, 0))(*args)
+
+  def query(x_b, w_h, turns_h):
+    return _query_buckets(self, x_b, q_start, w_h[0], None, turns_h)
+
+  q, qb = each_head(query, mem, weights, by_example(turns))
+  own = qb - jnp.arange(self._n_hashes) * self._n_buckets
+  ring, counts = _write_index(ring, counts, flat(own), q_start)
+
+  def attend(x_b, w_h, per):
+    q_h, qb_h, buckets_h, lists_h = per
+    return indexed_token(
+      self,
+      x_b,
+      q_start=q_start,
+      weights=w_h,
+      q=q_h,
+      qb=qb_h,
+      buckets=buckets_h,
+      lists=lists_h,
+      rng=rng,
+    )
+
+  lists = _lists(ring, flat(own))
+  out = each_head(
+    attend, mem, weights, (q, qb, by_example(buckets), by_example(lists))
+  )
+  out = jnp.sum(out, axis=1).astype(x.dtype)  # Over heads: [batch, 1, d].
+  # The write after the reads (the barrier ties it to `out`), so XLA can
+  # update the donated buffer in place.
+  qb, out = jax.lax.optimization_barrier((qb, out))
+  buckets = _write_buckets(buckets, flat(qb), q_start)
+  buckets_idx = jnp.full_like(buckets_idx, q_start + 1)
+  per_head = (buckets, buckets_idx, hash_rng, ring, counts, turns)
+  return out, (new_mem_end, new_mem, per_head)
 
 
 _ORIGINAL_AXIAL = pe.AxialPositionalEncoding.forward
@@ -558,6 +811,7 @@ def install():
   )
   ea.SelfAttention._use_predict_mem = _use_predict_mem
   ea.LSHSelfAttention._use_predict_mem = _use_predict_mem
+  ea.LSHSelfAttention.forward_and_or_backward = _forward_and_or_backward
   ea.LSHSelfAttention.create_weights_unbatched = _create_weights_unbatched
   ea.LSHSelfAttention.create_state_unbatched = _create_state_unbatched
   ea.LSHSelfAttention.forward_unbatched = _forward_unbatched
@@ -570,6 +824,7 @@ def uninstall():
   ea.SelfAttention._incremental_forward_unbatched = _ORIGINAL_LOCAL
   ea.SelfAttention._use_predict_mem = _ORIGINAL_LOCAL_MEM
   ea.LSHSelfAttention._use_predict_mem = _ORIGINAL_MEM
+  ea.LSHSelfAttention.forward_and_or_backward = _ORIGINAL_FAB
   ea.LSHSelfAttention.create_weights_unbatched = _ORIGINAL_WEIGHTS
   ea.LSHSelfAttention.create_state_unbatched = _ORIGINAL_STATE
   ea.LSHSelfAttention.forward_unbatched = _ORIGINAL_FORWARD
