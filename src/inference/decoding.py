@@ -34,8 +34,13 @@ def predict_bindings(n_heads: int) -> list[str]:
   Training computes one head at a time to save memory
   (`n_parallel_heads = 1`). A one-token step is tiny, and running all heads
   together is ~1.5x faster (bench/decode_speed.py: 11.5 -> 7.8 ms/token).
+  Local (`SelfAttention`) layers too: one head at a time, their step was
+  a loop of 8 small products per layer for gin/reformer_32k.gin.
   """
-  return [f'LSHSelfAttention.n_parallel_heads = {int(n_heads)}']
+  return [
+    f'{name}.n_parallel_heads = {int(n_heads)}'
+    for name in ('LSHSelfAttention', 'SelfAttention')
+  ]
 
 
 def attention_bindings(setup: ginconf.GinSetup) -> list[str]:
@@ -82,6 +87,30 @@ def load_run(model_dir: str, mode: str, bindings=()):
   return setup, model.tok, layer, model.step
 
 
+def _turned_weights(model, lsh, local) -> list[bool]:
+  """Which of `model`'s weights (flattened) the decoder keeps turned,
+  `[d_model, n_heads, d]` instead of Trax's `[n_heads, d_model, d]`.
+
+  A one-token step multiplies one row (or a local window) shared by all
+  heads with every head's projection; XLA does that as one product with a
+  `[d_model, n_heads * d]` matrix and, given Trax's layout, transposed
+  each such weight at every token: 15 copies of 1 MB per token of a
+  gin/reformer_32k.gin model, ~7 of its 25 ms. These are the local layers'
+  projections and the directed LSH query projection `w_a`; an LSH layer's
+  other projections multiply each head's own candidates, for which Trax's
+  layout is the right one.
+  """
+  turned = set()
+  for layer in local:
+    for w in jax.tree_util.tree_leaves(layer.weights):
+      if w.ndim == 3 and w.shape[1] > w.shape[2]:  # Not the output's.
+        turned.add(id(w))
+  for layer in lsh:
+    if len(layer.weights) == 5:  # Directed: (w_q, w_v, w_o, w_a, w_b).
+      turned.add(id(layer.weights[3]))
+  return [id(w) in turned for w in jax.tree_util.tree_leaves(model.weights)]
+
+
 MIN_BLOCK = 1024  # Tokens fed at position 0 from which a block is read.
 
 
@@ -119,6 +148,7 @@ class Decoder:
         )
     self.tokenizer = tok
     self.step = step
+    self._turned = _turned_weights(predict_model, lsh, local)
     self.weights = predict_model.weights
     self._fresh_state = jax.tree_util.tree_map(np.asarray, predict_model.state)
     self._rng = jax.random.PRNGKey(0)
@@ -148,13 +178,41 @@ class Decoder:
     setup, tok, layer, step = load_run(model_dir, 'predict', bindings)
     return cls(layer, setup.max_len, tok, step)
 
+  @property
+  def weights(self):
+    """The model's weights, as the step takes them (see `_turned_weights`);
+    set them as the model has them."""
+    return self._weights
+
+  @weights.setter
+  def weights(self, weights):
+    leaves, tree = jax.tree_util.tree_flatten(weights)
+    self._tree = tree
+    self._weights = tuple(
+      jax.device_put(np.transpose(np.asarray(w), (1, 0, 2))) if turned else w
+      for w, turned in zip(leaves, self._turned)
+    )
+
+  def _model_weights(self, weights):
+    """The weights as the model has them (inside the jitted step, where
+    undoing the turn costs nothing: XLA reads the turned array as is)."""
+    return jax.tree_util.tree_unflatten(
+      self._tree,
+      [
+        jax.numpy.transpose(w, (1, 0, 2)) if turned else w
+        for w, turned in zip(weights, self._turned)
+      ],
+    )
+
   def _pure_step(self, weights, state, tokens, rng):
     self.traces += 1  # Runs only while tracing: counts compilations.
+    weights = self._model_weights(weights)
     logits, state = self.model.pure_fn(tokens, weights, state, rng)
     return logits[0, -1], state
 
   def _pure_block(self, weights, state, tokens, rng):
     self.traces += 1
+    weights = self._model_weights(weights)
     x, body_state = self._body.pure_fn(
       tokens, tuple(weights[:-1]), tuple(state[:-1]), rng, use_cache=True
     )

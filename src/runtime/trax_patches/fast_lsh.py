@@ -177,19 +177,22 @@ def _create_state_unbatched(self, input_signature, rng):
 
 def rotations(self, hash_rng):
   """The random rotations Trax's `hash_vecs` draws from `hash_rng` for
-  every hashing (`[d_qk, n_hashes, n_buckets // 2] float32`), drawn the
-  same way. Trax draws them again at every token: at 512 buckets, 2
+  every hashing, drawn the same way (`[n_hashes, n_buckets // 2, d_qk]
+  float32`: Trax's `[d_qk, n_hashes, n_buckets // 2]`, transposed). Trax draws them again at every token: at 512 buckets, 2
   hashes and 8 heads that is 262,144 normal numbers per layer and token,
   more time than the token's attention itself. A predict-mode state
   keeps them instead."""
   shape = (self._d_qk, self._n_hashes, self._n_buckets // 2)
-  return fastmath.random.normal(hash_rng, shape).astype(jnp.float32)
+  drawn = fastmath.random.normal(hash_rng, shape).astype(jnp.float32)
+  # Kept as `[n_hashes, n_buckets // 2, d_qk]`, the layout XLA's product
+  # wants (it transposed them every token).
+  return jnp.transpose(drawn, (1, 2, 0))
 
 
 def _hash(self, vecs, rotations):
   """Trax's `hash_vectors` (int `n_buckets`, no mask) with its rotations
   given: `[n_hashes * len(vecs)]`, round r's buckets from `r * n_buckets`."""
-  rotated = jnp.einsum('tf,fhb->htb', vecs, rotations)
+  rotated = jnp.einsum('tf,hbf->htb', vecs, rotations)
   rotated = jnp.concatenate([rotated, -rotated], axis=-1)
   buckets = jnp.argmax(rotated, axis=-1).astype(jnp.int32)
   offsets = jnp.arange(self._n_hashes, dtype=jnp.int32) * self._n_buckets
