@@ -71,6 +71,9 @@ def peak_rss():
 
 
 def run_jade(length, steps, vocab, with_eval=False, binds=()):
+  from src import runtime
+
+  runtime.bootstrap()  # XLA flags, quiet logs, the Trax patches: first.
   from prepare_corpus import generate
 
   from src.config import jsonconfig
@@ -399,7 +402,7 @@ def print_table(results, peak):
 
 
 if __name__ == '__main__':
-  from src import runtime
-
-  runtime.bootstrap()
+  # No bootstrap here: the peer's children run in the peer's venv, which
+  # has neither Trax nor TensorFlow; the Jade and Trax contenders
+  # bootstrap in their own functions.
   main()
