@@ -9,11 +9,15 @@ a step at an 8192-token memory; 7.7 ms without it) and made decoding slow
 down as the conversation grew.
 
 `install()` replaces the one-token path with the same computation. The
-chat decoder's layers (whose memory never rolls) keep a bucket index in
-their predict state and pick the positions from O(n_keep) candidates
-(`select_indexed`). Other predict-mode layers find them with prefix sums
-in one linear pass over the memory (`select_kv`; `lax.top_k` is no help
-here: XLA on CPU lowers it to a sort). The priorities are distinct
+chat decoder's layers (whose memory never rolls) keep a bucket index and
+their hashing rotations in their predict state, pick the positions from
+O(n_keep) candidates (`select_indexed`), and take a token through all
+heads at once, writing its few new state entries in place
+(`indexed_layer_step`; Trax's per-head loop copied the whole state, and
+drew the rotations again, at every token). Other predict-mode layers
+find them with prefix sums in one linear pass over the memory
+(`select_kv`; `lax.top_k` is no help here: XLA on CPU lowers it to a
+sort). The priorities are distinct
 integers, so either way the selection is exactly the set and order the
 sort kept: outputs are bit-identical (pinned by tests/test_fast_lsh.py).
 Training is untouched; a block read in predict mode goes through Trax
@@ -178,10 +182,11 @@ def _create_state_unbatched(self, input_signature, rng):
 def rotations(self, hash_rng):
   """The random rotations Trax's `hash_vecs` draws from `hash_rng` for
   every hashing, drawn the same way (`[n_hashes, n_buckets // 2, d_qk]
-  float32`: Trax's `[d_qk, n_hashes, n_buckets // 2]`, transposed). Trax draws them again at every token: at 512 buckets, 2
-  hashes and 8 heads that is 262,144 normal numbers per layer and token,
-  more time than the token's attention itself. A predict-mode state
-  keeps them instead."""
+  float32`: Trax's `[d_qk, n_hashes, n_buckets // 2]`, transposed).
+  Trax draws them again at every token: at 512 buckets, 2 hashes and 8
+  heads that is 262,144 normal numbers per layer and token, more time
+  than the token's attention itself. A predict-mode state keeps them
+  instead."""
   shape = (self._d_qk, self._n_hashes, self._n_buckets // 2)
   drawn = fastmath.random.normal(hash_rng, shape).astype(jnp.float32)
   # Kept as `[n_hashes, n_buckets // 2, d_qk]`, the layout XLA's product
@@ -545,15 +550,17 @@ def indexed_layer_step(self, x, weights, state, rng):
 
   Trax's per-head loop gathers each head's state, returns a whole new one
   (the `[n_hashes * mem]` buckets, the index) and scatters it back: every
-  token copied those arrays, a cost that grew with the memory. Here each
-  head only reads (`indexed_token`) and the few entries it changes are
-  written into the (donated) state in place (`_write_token`). The output
-  is Trax's: all heads at once, summed over heads.
+  token copied those arrays, a cost that grew with the memory. Here the
+  few entries a token changes are written into the (donated) state in
+  place (`_write_index`, `_write_buckets`) and each head only reads
+  (`indexed_token`). The output is Trax's: all heads at once, summed over
+  heads.
 
   Args:
     x: `[batch, 1, d_model]` the new token's input.
-    state: `(mem_end, mem, (buckets, buckets_idx, hash_rng, ring, counts))`
-      with the per-head entries stacked `[batch * n_heads, ...]`.
+    state: `(mem_end, mem, (buckets, buckets_idx, hash_rng, ring, counts,
+      rotations))` with the per-head entries stacked `[batch * n_heads,
+      ...]`.
 
   Returns:
     `(out [batch, 1, d_model], new_state)`.
