@@ -187,6 +187,11 @@ class Decoder:
   @weights.setter
   def weights(self, weights):
     leaves, tree = jax.tree_util.tree_flatten(weights)
+    if len(leaves) != len(self._turned):
+      raise ValueError(
+        f'{len(leaves)} weight arrays given; this model has '
+        f'{len(self._turned)}'
+      )
     self._tree = tree
     self._weights = tuple(
       jax.device_put(np.transpose(np.asarray(w), (1, 0, 2))) if turned else w
