@@ -189,8 +189,7 @@ class Decoder:
     leaves, tree = jax.tree_util.tree_flatten(weights)
     if len(leaves) != len(self._turned):
       raise ValueError(
-        f'{len(leaves)} weight arrays given; this model has '
-        f'{len(self._turned)}'
+        f'{len(leaves)} weight arrays given; this model has {len(self._turned)}'
       )
     self._tree = tree
     self._weights = tuple(

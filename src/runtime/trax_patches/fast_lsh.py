@@ -482,12 +482,8 @@ def _incremental_forward_unbatched(
       ring = index[0]
       new = (*new, *rebuilt_index(buckets, new[1], *ring.shape[1:]), rotations)
     return out, new
-  if index is not None and not getattr(self, NO_ROLL, False):
-    # A memory that may roll: positions move, so the index is not used.
-    out, new = one_token_step(
-      self, x, q_start=q_start, weights=weights, state=state, rng=rng
-    )
-    return out, (*new, *index, rotations)
+  # A memory that may roll moves its positions: its index is not used.
+  used = index is not None and getattr(self, NO_ROLL, False)
   out, new = one_token_step(
     self,
     x,
@@ -495,10 +491,12 @@ def _incremental_forward_unbatched(
     weights=weights,
     state=state,
     rng=rng,
-    index=index,
-    rotations=rotations,
+    index=index if used else None,
+    rotations=rotations if used else None,
   )
-  return out, (*new, rotations)
+  if index is not None and not used:
+    new = (*new, *index)
+  return out, new if index is None else (*new, rotations)
 
 
 _ORIGINAL_FAB = ea.LSHSelfAttention.forward_and_or_backward
