@@ -369,7 +369,7 @@ def one_token_step(
   new_idx = jnp.array(q_start + 1, dtype=buckets_idx.dtype)
   if index is not None:
     q, qb = _query_buckets(self, x, q_start, weights[0], hash_rng, rotations)
-    own = qb - jnp.arange(self._n_hashes) * self._n_buckets
+    own = _own(self, qb)
     ring, counts = _write_index(*(i[None] for i in index), own[None], q_start)
     out = indexed_token(
       self,
@@ -399,10 +399,11 @@ def one_token_step(
 def _write_buckets(buckets, qb, q_start):
   """`buckets` (`[heads, n_hashes * mem]`) with the new token's buckets
   `qb` (`[heads, n_hashes]`) at `q_start`: one `dynamic_update_slice`,
-  in place in a donated buffer when nothing reads `buckets` after it
-  (the attention reads the old array; the new token's own entry is not
-  needed there, see `select_indexed`). A read of the new array made XLA
-  copy the whole of it every token."""
+  after the attention has read the old array (the new token's own entry
+  is not needed there, see `select_indexed`). XLA still copies the array
+  twice per token (it does not order that read before the in-place
+  write; `optimization_barrier` did not change that), but no longer
+  several times as Trax's per-head scatter did."""
   heads, n_hashes = qb.shape
   new = jax.lax.dynamic_update_slice(
     jnp.reshape(buckets, (heads, n_hashes, -1)),
@@ -418,9 +419,10 @@ def _write_index(ring, counts, own, q_start):
   n_hashes]`, each round's own numbering).
 
   Every entry is a `dynamic_update_slice` of one element (unrolled over
-  heads and rounds: a few dozen), and the index is only read after it is
-  written: XLA then updates the donated buffers in place (a scatter, or a
-  read of an old value, made it copy them every token).
+  heads and rounds: a few dozen), all counts first and then the ring
+  slots (each read from the new counts), and the index is read only after
+  it is written: XLA then updates the donated buffers in place (a
+  scatter, or a read of an old value, made it copy them every token).
 
   Args:
     ring: `[heads, n_hashes, n_buckets, n_keep]`. counts: `[heads,
@@ -439,9 +441,6 @@ def _write_index(ring, counts, own, q_start):
   for at in entries:
     count = jax.lax.dynamic_slice(counts, at, one) + 1
     counts = jax.lax.dynamic_update_slice(counts, count, at)
-  # Keeps XLA from reading the old counts below (then it must keep them:
-  # a copy).
-  counts = jax.lax.optimization_barrier(counts)
   for at in entries:
     slot = (jax.lax.dynamic_slice(counts, at, one) - 1) % ring.shape[-1]
     ring = jax.lax.dynamic_update_slice(
@@ -450,6 +449,13 @@ def _write_index(ring, counts, own, q_start):
       at + (jnp.reshape(slot, ()),),
     )
   return ring, counts
+
+
+def _own(self, qb):
+  """The token's buckets `qb` (`[..., n_hashes]`, Trax's numbering: round
+  r's from `r * n_buckets`) in each round's own numbering, as the index
+  keeps them."""
+  return qb - jnp.arange(self._n_hashes) * self._n_buckets
 
 
 def _lists(ring, own):
@@ -583,7 +589,7 @@ def indexed_layer_step(self, x, weights, state, rng):
     return _query_buckets(self, x_b, q_start, w_h[0], None, turns_h)
 
   q, qb = each_head(query, mem, weights, by_example(turns))
-  own = qb - jnp.arange(self._n_hashes) * self._n_buckets
+  own = _own(self, qb)
   ring, counts = _write_index(ring, counts, flat(own), q_start)
 
   def attend(x_b, w_h, per):
@@ -605,9 +611,6 @@ def indexed_layer_step(self, x, weights, state, rng):
     attend, mem, weights, (q, qb, by_example(buckets), by_example(lists))
   )
   out = jnp.sum(out, axis=1).astype(x.dtype)  # Over heads: [batch, 1, d].
-  # The write after the reads (the barrier ties it to `out`), so XLA can
-  # update the donated buffer in place.
-  qb, out = jax.lax.optimization_barrier((qb, out))
   buckets = _write_buckets(buckets, flat(qb), q_start)
   buckets_idx = jnp.full_like(buckets_idx, q_start + 1)
   per_head = (buckets, buckets_idx, hash_rng, ring, counts, turns)
