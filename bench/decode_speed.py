@@ -63,7 +63,7 @@ CONTEXT = common.DECODE_CONTEXT
 VOCAB = 500
 BINDINGS = common.DECODE_BINDINGS
 ATTENTION = {
-  'lsh': (),  # gin/tiny.gin's: a local block and a directed LSH block.
+  'lsh': (),  # common.DECODE_BINDINGS: LSH and local blocks in turns.
   'lsh-only': ('ReformerLM.attention_type = @LSHSelfAttention',),
   'lsh-shared': (  # Trax's LSH in every block.
     'ReformerLM.attention_type = @LSHSelfAttention',
@@ -223,7 +223,7 @@ def main():
     '--attention',
     choices=sorted(ATTENTION),
     default='lsh',
-    help='lsh: a local and a directed LSH block (as shipped); lsh-only: '
+    help='lsh: directed LSH and local blocks in turns; lsh-only: '
     "directed LSH in every block; lsh-shared: Trax's LSH (the design "
     'before)',
   )

@@ -1,7 +1,7 @@
 """The Reformer paper's duplication task, scaled to this machine.
 
   python bench/duplication.py WORK_DIR [--length 256] [--steps 2000]
-      [--variants full,lsh,mixed] [--layers 2] [--batch 8]
+      [--variants full,lsh,lsh-only,lsh-shared] [--layers 3] [--batch 8]
       [--train-hashes 2] [--eval-hashes 1,2,4,8] [--bind GIN]...
 
 Kitaev et al. 2020 (Section 5, Table 2): sequences `0 w 0 w`, `w` a random
@@ -11,15 +11,16 @@ by content and position over half the sequence. Accuracy is the share of
 the second half's symbols predicted exactly (teacher-forced, greedy).
 
 Each variant is our model (`src.model.reformer.reformer_lm` under
-gin/tiny.gin plus the variant's bindings; d_model 128, 2 heads), trained
-by Trax's own `Loop` with Trax's weighted cross-entropy on the second half only:
+gin/tiny.gin plus the variant's bindings; d_model 128, 2 heads, 3
+blocks), trained by Trax's own `Loop` with Trax's weighted cross-entropy
+on the second half only:
 
 - `full`: full attention (`SelfAttention`, separate queries and keys) in
   every block;
-- `lsh`: as shipped (gin/tiny.gin): a local block (`SelfAttention` within
-  32-token chunks and the chunk before) and a directed LSH block
-  (`lsh.directed`). The second `w` is `length / 2` tokens after the first,
-  beyond the local block's reach: only the LSH block can copy it;
+- `lsh`: as shipped (gin/tiny.gin): a directed LSH block (`lsh.directed`),
+  then two local blocks (`SelfAttention` within 32-token chunks and the
+  chunk before). The second `w` is `length / 2` tokens after the first,
+  beyond the local blocks' reach: only the LSH block can copy it;
 - `lsh-only`: directed LSH in every block, `--train-hashes` hashes;
 - `lsh-shared`: Trax's LSH as it is (shared queries and keys only) in
   every block.
@@ -73,7 +74,7 @@ VARIANTS = {
     'SelfAttention.chunk_len = None',
     'SelfAttention.n_chunks_before = 0',
   ],
-  # As shipped (gin/tiny.gin): a local block and a directed LSH block.
+  # As shipped (gin/tiny.gin): a directed LSH block, then two local ones.
   'lsh': [*LOCAL],
   # Directed LSH in every block.
   'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
@@ -99,12 +100,12 @@ def batches(rng, batch: int, length: int):
     yield seq, seq, weights
 
 
-def model_bindings(length: int, layers: int, hashes: int) -> list[str]:
+def model_bindings(length: int, layers, hashes: int) -> list[str]:
   side = 2 ** (int(np.log2(length)) // 2)
   return [
     f'ReformerLM.max_len = {length}',
     f'ReformerLM.pos_axial_shape = ({side}, {length // side})',
-    f'ReformerLM.n_layers = {layers}',
+    *([f'ReformerLM.n_layers = {layers}'] if layers else []),
     'ReformerLM.dropout = 0.0',
     f'LSHSelfAttention.n_buckets = {max(2, length // 32)}',
     f'LSHSelfAttention.n_hashes = {hashes}',
@@ -216,7 +217,7 @@ def run_peer(args) -> dict:
   lm = ReformerLM(
     num_tokens=VOCAB,
     dim=128,  # gin/tiny.gin's sizes.
-    depth=args.layers,
+    depth=args.layers or 3,  # gin/tiny.gin's blocks.
     max_seq_len=args.length,
     heads=2,
     dim_head=32,
@@ -274,7 +275,9 @@ def main(argv=None):
   parser.add_argument('--length', type=int, default=256)
   parser.add_argument('--steps', type=int, default=2000)
   parser.add_argument('--batch', type=int, default=8)
-  parser.add_argument('--layers', type=int, default=2)
+  parser.add_argument(
+    '--layers', type=int, default=None, help="blocks (gin/tiny.gin's)"
+  )
   parser.add_argument('--rate', type=float, default=0.001)
   parser.add_argument('--warmup', type=int, default=200)
   parser.add_argument('--variants', default='full,lsh,lsh-only,lsh-shared')

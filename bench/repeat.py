@@ -1,7 +1,7 @@
 """Repeat after me: does a model trained the README way copy what was said?
 
   python bench/repeat.py WORK_DIR [--steps 5000] [--attention lsh,full]
-      [--conversations 3000] [--words 400] [--held-out 30]
+      [--conversations 3000] [--words 400] [--held-out 30] [--bind GIN]...
 
 1. Writes training data in the line format: conversations of four turns
    "Repeat after me: <3-8 words>" -> the same words, the words drawn from
@@ -11,9 +11,10 @@
 2. Trains with `train.py` exactly as the README's quick start does
    (gin/tiny.gin, vocabulary 1000, batch 4, no dropout, peak rate 0.004,
    warmup 100), `--steps` steps: `lsh` is the shipped gin/tiny.gin (a
-   local block and a directed LSH block), `lsh-only` directed LSH in both
-   blocks, `lsh-shared` Trax's LSH in both (the design before),
-   `local-shared` a local block and Trax's LSH, `full` full attention.
+   directed LSH block, then two local blocks), `lsh-only` directed LSH in
+   every block, `lsh-shared` Trax's LSH in every block (the design
+   before), `local-shared` the shipped blocks with Trax's LSH, `full` full
+   attention. `--bind` adds gin bindings to every run.
 3. Asks each held-out list through `evaluate.py` (piped, greedy,
    `/reset` before each) and counts exact repeats.
 
@@ -36,7 +37,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ATTENTION = {
-  'lsh': [],  # As shipped: a local block and a directed LSH block.
+  'lsh': [],  # As shipped: a directed LSH block, then two local blocks.
   'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
   'lsh-shared': [
     'ReformerLM.attention_type = @LSHSelfAttention',
@@ -98,7 +99,7 @@ def make_data(work: str, args) -> list[str]:
   return sorted(held)
 
 
-def train(work: str, attention: str, steps: int) -> float:
+def train(work: str, attention: str, steps: int, extra=()) -> float:
   out = os.path.join(work, f'run-{attention}')
   cmd = [
     sys.executable, 'train.py', '--data', os.path.join(work, 'data'),
@@ -106,7 +107,7 @@ def train(work: str, attention: str, steps: int) -> float:
     '--eval-every', str(max(steps // 5, 1)),
     '--checkpoint-every', str(max(steps // 5, 1)), *QUICK_START,
   ]  # fmt: skip
-  for b in ATTENTION[attention]:
+  for b in [*ATTENTION[attention], *extra]:
     cmd += ['--bind', b]
   t0 = time.time()
   subprocess.run(cmd, cwd=ROOT, check=True)
@@ -142,6 +143,9 @@ def main(argv=None):
   parser.add_argument('--conversations', type=int, default=3000)
   parser.add_argument('--words', type=int, default=400)
   parser.add_argument('--held-out', type=int, default=30)
+  parser.add_argument(
+    '--bind', action='append', default=[], help='more gin, every run'
+  )
   args = parser.parse_args(argv)
   work = os.path.abspath(args.work)
   held = make_data(work, args)
@@ -151,7 +155,7 @@ def main(argv=None):
       raise SystemExit(
         f'error: --attention {attention!r}: one of {list(ATTENTION)}'
       )
-    seconds = train(work, attention, args.steps)
+    seconds = train(work, attention, args.steps, args.bind)
     replies = ask(os.path.join(work, f'run-{attention}'), held)
     exact = sum(r.strip() == s for r, s in zip(replies, held))
     report['runs'][attention] = {

@@ -46,6 +46,7 @@ MODELS = {
       'ReformerLM.d_model=256',
       'ReformerLM.d_ff=1024',
       'ReformerLM.n_layers=4',
+      'ReformerLM.attention_type=[@LSHSelfAttention, @SelfAttention]',
       'ReformerLM.n_heads=4',
       'ReformerLM.pos_d_axial_embs=(128,128)',
       'LSHSelfAttention.chunk_len=64',

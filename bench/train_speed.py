@@ -105,6 +105,7 @@ def run_jade(length, steps, vocab, with_eval=False, binds=()):
     f'ReformerLM.d_model = {D}',
     f'ReformerLM.d_ff = {D_FF}',
     f'ReformerLM.n_layers = {LAYERS}',
+    'ReformerLM.attention_type = @LSHSelfAttention',  # As the peer's.
     f'ReformerLM.n_heads = {HEADS}',
     f'ReformerLM.d_attention_key = {D_HEAD}',
     f'ReformerLM.d_attention_value = {D_HEAD}',
