@@ -187,7 +187,9 @@ def model_binds(context: int, attention: str) -> list[str]:
   return binds
 
 
-def train(work, data, context, attention, steps, batch=2, binds=()):
+def train(
+  work, data, context, attention, steps, batch=2, binds=(), eval_every=None
+):
   from src.config import jsonconfig
   from src.training import trainer
 
@@ -197,7 +199,7 @@ def train(work, data, context, attention, steps, batch=2, binds=()):
     'data': data,
     'gin': os.path.join(ROOT, 'gin', 'tiny.gin'),
     'steps': steps,
-    'eval-every': max(steps // 4, 1),
+    'eval-every': eval_every or max(steps // 4, 1),
     'eval-batches': 4,
     'checkpoint-every': max(steps // 4, 1),
     'vocab-size': 1000,

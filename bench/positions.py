@@ -1,6 +1,6 @@
 """Does the model learn from content? A copy task, by position encoding.
 
-  python bench/positions.py WORK_DIR [--steps 600]
+  python bench/positions.py WORK_DIR [--steps 600] [--eval-every N]
       [--variants trax,tokens,fixed] [--attention full,lsh]
 
 Each training conversation is six turns of "Repeat river." answered by
@@ -84,6 +84,9 @@ def main(argv=None):
   parser.add_argument('--steps', type=int, default=600)
   parser.add_argument('--variants', default='trax,tokens,fixed')
   parser.add_argument('--attention', default='full,lsh')
+  parser.add_argument(
+    '--eval-every', type=int, default=None, help='steps (default: steps/4)'
+  )
   args = parser.parse_args(argv)
   from src.data import chatformat
 
@@ -109,6 +112,7 @@ def main(argv=None):
         args.steps,
         batch=8,
         binds=VARIANTS[name],
+        eval_every=args.eval_every,
       )
       curve = eval_curve(run)
       report['runs'][f'{attention}, {name}'] = {
