@@ -461,15 +461,15 @@ MICRO_COPY = [
 def test_the_shipped_attention_learns_a_copy_from_content():
   """Repeat the symbol three places back (random symbols, so only the
   content there tells): the shipped attention (a directed LSH block, then
-  a local block) goes from chance (1/31) to near-perfect in a few hundred
-  steps. A regression in the attention path's training fails here."""
+  two local blocks) goes from chance (1/31) to near-perfect in a few
+  hundred steps. A regression in the attention path's training fails here."""
   assert _copy_accuracy(MICRO_COPY, 400, _offset_copy) > 0.8
 
 
 @pytest.mark.slow
 def test_the_lsh_block_learns_to_find_a_far_copy():
   """The paper's duplication task at length 64 with the shipped order (LSH
-  block first, then a local block) and a local reach of 8-16 tokens: the
+  block first, then two local blocks) and a local reach of 8-16 tokens: the
   copy is 32 tokens back, so only the LSH block can find it; the symbols
   are random, so chance is 1/31. It must learn the lookup: 87% here after
   600 steps, where the same blocks with the LSH block last score 4%
