@@ -79,11 +79,19 @@ class GinSetup:
   @property
   def attention_text(self) -> str:
     """The attention in words, for logs and model cards."""
+    lsh = self.attention_name == 'LSHSelfAttention'
+    name = self.attention_name + (
+      ' (directed)' if self.directed and lsh else ''
+    )
     if self.local is None:
-      return self.attention_name + (' (directed)' if self.directed else '')
+      return name
+    order = ', '.join(
+      'LSH' if k == 'LSHSelfAttention' else 'local'
+      for k in self.layer_attention
+    )
     return (
-      f'local SelfAttention (chunk {self.local["chunk_len"]}) and '
-      f'{self.attention_name} in turns'
+      f'blocks {order} (LSH: {name}; local: SelfAttention, chunk '
+      f'{self.local["chunk_len"]})'
     )
 
 
