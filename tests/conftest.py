@@ -36,6 +36,15 @@ MICRO = (
   'lr_schedule.warmup_steps = 2',
 )
 
+# LSH attention made exact for MICRO's 128-token window: two chunks of 64
+# and the chunk before, one hash round, so every earlier position is in
+# view whatever the hashing (with 2 rounds a chunk sees only a part).
+EXACT_LSH = (
+  'LSHSelfAttention.chunk_len = 64',
+  'LSHSelfAttention.n_buckets = 2',
+  'LSHSelfAttention.n_hashes = 1',
+)
+
 
 def micro_args(out, steps):
   """`train.py` arguments for the sample data and the MICRO model."""

@@ -19,7 +19,7 @@ from src.inference import decoding, sampling, scoring
 from src.model import ginconf, reformer
 from src.storage import checkpoints
 
-from .conftest import DATA
+from .conftest import DATA, EXACT_LSH
 
 
 @pytest.fixture(scope='module')
@@ -44,12 +44,7 @@ def exact_decoder(out, bindings=()):
   max_len / 2 and one chunk before (see the test below)."""
   ginconf.parse(
     os.path.join(out, 'model.gin'),
-    (
-      'LSHSelfAttention.chunk_len = 64',
-      'LSHSelfAttention.n_buckets = 2',
-      'LSHSelfAttention.n_hashes = 1',  # With 2 rounds a chunk sees a part.
-      *bindings,
-    ),
+    (*EXACT_LSH, *bindings),
   )
   tok = tokenizer.load(out)
   predict = reformer.reformer_lm(
@@ -461,9 +456,7 @@ def test_local_blocks_read_their_training_window_while_chatting():
     MICRO
     + (
       'SelfAttention.chunk_len = 32',
-      'LSHSelfAttention.chunk_len = 64',
-      'LSHSelfAttention.n_buckets = 2',
-      'LSHSelfAttention.n_hashes = 1',
+      *EXACT_LSH,
     ),
   )
   full_model = reformer.reformer_lm(300, 'eval', directed=True)

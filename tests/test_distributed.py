@@ -24,17 +24,12 @@ from src.config import jsonconfig
 from src.core.errors import UserError
 from src.storage import checkpoints
 from src.training import distributed
-from tests.conftest import MICRO, ROOT, micro_args
+from tests.conftest import EXACT_LSH, MICRO, ROOT, micro_args
 
 # Attention that sees the whole (128-token) window whatever the hashing,
 # and no dropout: nothing random differs between a multi-process and a
 # single-process run, so their weights can be compared.
-EXACT = MICRO + (
-  'LSHSelfAttention.chunk_len = 64',
-  'LSHSelfAttention.n_buckets = 2',
-  'LSHSelfAttention.n_hashes = 1',  # With 2 rounds a chunk sees a part.
-  'ReformerLM.dropout = 0.0',
-)
+EXACT = MICRO + EXACT_LSH + ('ReformerLM.dropout = 0.0',)
 DONE = re.compile(r'done: step (\d+); weights ([0-9a-f]{12}) \(SHA-256\)')
 
 

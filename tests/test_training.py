@@ -21,7 +21,7 @@ from src.storage import checkpoints
 from src.training import plan, trainer
 from src.training import progress as progress_line
 
-from .conftest import DATA, MICRO, ROOT, micro_args, train_settings
+from .conftest import DATA, EXACT_LSH, MICRO, ROOT, micro_args, train_settings
 
 
 def scalars(folder):
@@ -454,12 +454,7 @@ def test_one_run_per_out_dir(tiny_run, copy_of, tmp_path):
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
   """2 micro-batches of 1 window give the same step as 1 batch of 2. Exact
   attention and no dropout, so nothing random differs between the two."""
-  exact = MICRO + (
-    'LSHSelfAttention.chunk_len = 64',
-    'LSHSelfAttention.n_buckets = 2',
-    'LSHSelfAttention.n_hashes = 1',  # With 2 rounds a chunk sees a part.
-    'ReformerLM.dropout = 0.0',
-  )
+  exact = MICRO + EXACT_LSH + ('ReformerLM.dropout = 0.0',)
   loops = {}
   for k in (1, 2):
     loops[k] = trainer.train(
