@@ -127,7 +127,9 @@ def build(mode: str, bindings: list[str]):
   ginconf.parse(os.path.join(ROOT, 'gin', 'tiny.gin'), tuple(bindings))
   if TRAX_ALONE:
     return trax.models.ReformerLM(VOCAB, mode=mode)
-  return reformer.reformer_lm(VOCAB, mode, ginconf.positions(), ginconf.lsh())
+  if mode == 'train':
+    return ginconf.fresh_model(VOCAB)
+  return reformer.reformer_lm(VOCAB, mode, directed=ginconf.lsh())
 
 
 def accuracy(layer, weights, data, n_batches: int) -> float:

@@ -6,7 +6,9 @@
 
 One process per (contender, length), run one after another. The model:
 causal LM, vocab 500, d_model 256, d_ff 1024, 4 layers, 4 heads of 64,
-LSH attention in every layer (chunk 64, 1 hash), reversible layers, axial
+LSH attention in every layer (chunk 64, 1 hash; Trax's shared query/key
+score, as the peer's, without gin/tiny.gin's directed term and local
+blocks), reversible layers, axial
 positions, batch 1, float32, Adam, no dropout. Contenders:
 
 - jade: the project's real path: `training.train` with gin/tiny.gin plus
@@ -106,6 +108,7 @@ def run_jade(length, steps, vocab, with_eval=False, binds=()):
     f'ReformerLM.d_ff = {D_FF}',
     f'ReformerLM.n_layers = {LAYERS}',
     'ReformerLM.attention_type = @LSHSelfAttention',  # As the peer's.
+    'lsh.directed = False',  # The peer's LSH: shared queries/keys only.
     f'ReformerLM.n_heads = {HEADS}',
     f'ReformerLM.d_attention_key = {D_HEAD}',
     f'ReformerLM.d_attention_value = {D_HEAD}',

@@ -13,7 +13,7 @@ from src.core.errors import UserError
 from src.data import windows
 from src.model import ginconf, reformer
 
-from .conftest import ROOT, TINY_GIN
+from .conftest import MICRO, ROOT, TINY_GIN
 
 GIN_32K = os.path.join(ROOT, 'gin', 'reformer_32k.gin')
 # Tiny dimensions bound over the real 32k file (same structure, 1k context).
@@ -121,13 +121,13 @@ def test_axial_positions_start_at_the_token_scale():
   training model starts them at `positions.axial_init_scale` times the
   tokens' scale."""
   ginconf.parse(TINY_GIN)
-  lm = reformer.reformer_lm(500, 'train', ginconf.positions(), ginconf.lsh())
+  lm = ginconf.fresh_model(500)
   lm.init(tl.ShapeDtype((1, 512), np.int32))
   axial, token = _axial_and_token_std(lm)
   assert abs(token - 1 / math.sqrt(128)) < 0.01
   assert abs(axial / token - 1.0) < 0.1
   ginconf.parse(TINY_GIN, ('positions.axial_init_scale = 4.0',))
-  lm = reformer.reformer_lm(500, 'train', ginconf.positions(), ginconf.lsh())
+  lm = ginconf.fresh_model(500)
   lm.init(tl.ShapeDtype((1, 512), np.int32))
   axial, token = _axial_and_token_std(lm)
   assert abs(axial / token - 4.0) < 0.4
@@ -139,6 +139,41 @@ def test_axial_positions_start_at_the_token_scale():
   with pytest.raises(UserError, match='must be above 0'):
     ginconf.parse(TINY_GIN, ('positions.axial_init_scale = 0.0',))
     ginconf.positions()
+
+
+def _branch_output_sums(lm) -> tuple[list, list]:
+  """Per block: the sum of |weights| of the attention's output projection
+  (and of its query projection), and of the feed-forward's last kernel."""
+  attention, dense = reformer.branch_outputs(lm)
+  out = [
+    float(np.abs(a.weights[2 if a._share_qk else 3]).sum()) for a in attention
+  ]
+  query = [float(np.abs(a.weights[0]).sum()) for a in attention]
+  ff = [float(np.abs(d.weights[0]).sum()) for d in dense]
+  return out, query, ff
+
+
+def test_blocks_start_with_quiet_feed_forwards():
+  """gin/tiny.gin's `residual`: a model trained from scratch starts each
+  block's feed-forward output at zero, its attention (and everything else)
+  random; `zero_attention` zeroes the attention output projections too,
+  and both off is Trax's random start. All three blocks (LSH, then two
+  local) are found."""
+  shipped = tuple(b for b in MICRO if not b.startswith('residual.'))
+
+  def start(*bindings):
+    ginconf.parse(TINY_GIN, (*shipped, *bindings))
+    lm = ginconf.fresh_model(300)
+    lm.init(tl.ShapeDtype((1, 128), np.int32))
+    return _branch_output_sums(lm)
+
+  out, query, ff = start()
+  assert ff == [0.0, 0.0, 0.0] and min(out) > 1.0 and min(query) > 1.0
+  out, query, ff = start('residual.zero_attention = True')
+  assert ff == [0.0, 0.0, 0.0] and out == [0.0, 0.0, 0.0]
+  assert min(query) > 1.0
+  out, _, ff = start('residual.zero_feed_forward = False')
+  assert min(out) > 1.0 and min(ff) > 1.0
 
 
 def test_training_starts_positions_at_the_token_scale(tiny_run):
@@ -429,7 +464,7 @@ def _copy_accuracy(bindings, steps, task, length=64, vocab=32, seed=0):
   from trax.supervised import training
 
   ginconf.parse(TINY_GIN, tuple(bindings))
-  lm = reformer.reformer_lm(vocab, 'train', ginconf.positions(), ginconf.lsh())
+  lm = ginconf.fresh_model(vocab)
   train = training.TrainTask(
     labeled_data=task(np.random.default_rng(seed), length, vocab),
     loss_layer=tl.WeightedCategoryCrossEntropy(),

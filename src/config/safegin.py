@@ -44,7 +44,15 @@ ACTIVATIONS = frozenset(
 )
 # Configurables a binding may name (the part before the last dot).
 CONFIGURABLES = frozenset(
-  {'ReformerLM', 'lr_schedule', 'optimizer', 'output_loss', 'positions', 'lsh'}
+  {
+    'ReformerLM',
+    'lr_schedule',
+    'optimizer',
+    'output_loss',
+    'positions',
+    'lsh',
+    'residual',
+  }
   | _ATTENTION
   | _OPTIMIZERS
 )

@@ -11,6 +11,9 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
   start, relative to the token embeddings.
 - `lsh.directed`: LSH attention scores with a directed term as well
   (`src.model.reformer.lsh`, `src.runtime.trax_patches.fast_lsh`).
+- `residual.zero_feed_forward`, `residual.zero_attention`: each block's
+  feed-forward output (attention output) starts at zero
+  (`src.model.reformer.residual`).
 
 `mode` and `vocab_size` are never bound in gin: the scripts pass them.
 """
@@ -38,6 +41,7 @@ optimizer = gin.external_configurable(reformer.optimizer, module='jade')
 output_loss = gin.external_configurable(reformer.output_loss, module='jade')
 positions = gin.external_configurable(reformer.positions, module='jade')
 lsh = gin.external_configurable(reformer.lsh, module='jade')
+residual = gin.external_configurable(reformer.residual, module='jade')
 
 MODEL_GIN = rundir.MODEL_GIN  # The run's bindings, saved in out-dir.
 OPERATIVE_GIN = rundir.OPERATIVE_GIN  # What the run actually used.
@@ -280,6 +284,15 @@ def check_same_as_saved(setup: GinSetup, out_dir: str):
     f'{os.path.join(out_dir, MODEL_GIN)}: this run was trained with other '
     f'model settings than {setup.path} ({diff}); use the same gin file '
     'to resume, or a new out-dir to start over'
+  )
+
+
+def fresh_model(vocab_size: int):
+  """The model a run from scratch trains (`mode` 'train'), with every
+  gin-bound setting of how it starts: `positions.axial_init_scale`,
+  `lsh.directed`, `residual`. Initialized by its trainer."""
+  return reformer.reformer_lm(
+    vocab_size, 'train', positions(), lsh(), zero_outputs=residual()
   )
 
 

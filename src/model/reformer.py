@@ -127,11 +127,62 @@ def lsh(directed: bool = False) -> bool:
   return bool(directed)
 
 
+def residual(
+  zero_feed_forward: bool = True, zero_attention: bool = False
+) -> tuple[bool, bool]:
+  """How each reversible block's two branches start (gin: residual).
+
+  Args:
+    zero_feed_forward: Each block's feed-forward output layer starts at
+      zero, so at first a block adds only its attention and the next
+      block's attention reads the embedding plus that, not an untrained
+      feed-forward of it. Trax starts it random: the copy task's word
+      three tokens back was then learned at step ~1750 (LSH first) instead
+      of 500, and a held-out list was repeated exactly 29 times of 30
+      instead of 30 (BENCHMARKS.md, "Blocks that start quiet").
+    zero_attention: Each attention output projection starts at zero too,
+      so every block starts as the identity (SkipInit). Measured: the copy
+      task at step 250, but lists repeated 8 times of 30: not the default.
+
+  Only a run from scratch uses them: resumed and fine-tuned runs load
+  their weights.
+
+  Returns:
+    `(zero_attention, zero_feed_forward)`.
+  """
+  return bool(zero_attention), bool(zero_feed_forward)
+
+
+def _zeros(shape, rng):
+  """A Trax initializer: zeros."""
+  del rng
+  return jnp.zeros(shape, jnp.float32)
+
+
+def branch_outputs(lm) -> tuple[list, list]:
+  """The layers whose output ends each block's two branches: the attention
+  layers and the feed-forwards' last `Dense` (Trax's feed-forward is
+  `LayerNorm, Dense, Dropout, activation, Dense, Dropout`)."""
+  attention = [
+    node
+    for node in all_layers(lm)
+    if type(node).__name__ in ('LSHSelfAttention', 'SelfAttention')
+  ]
+  dense = []
+  for node in all_layers(lm):
+    subs = list(getattr(node, 'sublayers', ()) or ())
+    if subs and type(subs[0]).__name__ == 'LayerNorm':
+      found = [s for s in subs if type(s).__name__ == 'Dense']
+      dense += found[1:2] if len(found) == 2 else []
+  return attention, dense
+
+
 def reformer_lm(
   vocab_size: int,
   mode: str,
   axial_init_scale: float | None = None,
   directed: bool = False,
+  zero_outputs: tuple[bool, bool] = (False, False),
 ):
   """`trax.models.ReformerLM` with the gin-bound settings.
 
@@ -141,12 +192,28 @@ def reformer_lm(
   only matters for a model that is then initialized, not loaded.
   `directed` (see `lsh`): the LSH layers score with a directed term; every
   reader of a model must pass its setting (`ginconf.lsh()`), as the weights
-  differ.
+  differ. `zero_outputs` (see `residual`): whether each block's attention
+  output projections, and its feed-forward output layers, start at zero
+  when the model is initialized.
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
   if directed:
     for layer in lsh_layers(lm):
       setattr(layer, fast_lsh.DIRECTED, True)
+  if any(zero_outputs):
+    attention, dense = branch_outputs(lm)
+    if not attention or len(attention) != len(dense):
+      raise UserError(
+        f'residual: found {len(attention)} attention and {len(dense)} '
+        'feed-forward outputs, one of each per block wanted; it needs '
+        "LSHSelfAttention or SelfAttention blocks with Trax's feed-forward; "
+        'set residual.zero_feed_forward = False and '
+        'residual.zero_attention = False in the gin file'
+      )
+    for layer in attention if zero_outputs[0] else ():
+      setattr(layer, fast_lsh.ZERO_OUTPUT, True)
+    for layer in dense if zero_outputs[1] else ():
+      layer._kernel_initializer = _zeros
   if axial_init_scale is not None:
     for layer in all_layers(lm):
       if isinstance(layer, tl.AxialPositionalEncoding):

@@ -231,7 +231,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
   train_task, eval_task, tokens_per_step = _tasks(plan)
   vocab = plan.tokenizer.vocab_size
   loop = JadeLoop(
-    reformer.reformer_lm(vocab, 'train', ginconf.positions(), ginconf.lsh()),
+    ginconf.fresh_model(vocab),
     [train_task],
     eval_model=reformer.reformer_lm(vocab, 'eval', directed=ginconf.lsh()),
     eval_tasks=[eval_task],

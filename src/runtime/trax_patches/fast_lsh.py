@@ -22,6 +22,11 @@ integers, so either way the selection is exactly the set and order the
 sort kept: outputs are bit-identical (pinned by tests/test_fast_lsh.py).
 Training is untouched; a block read in predict mode goes through Trax
 and then rebuilds the index.
+
+The attention layers' weights are made here too: the directed LSH
+term's two projections (`lsh.directed`), and zero output projections
+where a model starts its attention branches at zero
+(`residual.zero_attention`, `zero_output`).
 """
 
 from __future__ import annotations
@@ -748,7 +753,10 @@ def _local_incremental_forward_unbatched(self, x, mask=None, **kwargs):
 
 
 DIRECTED = '_jade_directed'  # Set on LSH layers by model.reformer_lm.
+# Set on attention layers by model.reformer_lm (`residual.zero_attention`).
+ZERO_OUTPUT = '_jade_zero_output'
 _ORIGINAL_WEIGHTS = ea.LSHSelfAttention.create_weights_unbatched
+_ORIGINAL_LOCAL_WEIGHTS = ea.SelfAttention.create_weights_unbatched
 _ORIGINAL_FORWARD = ea.LSHSelfAttention.forward_unbatched
 _TRAX_ATTEND = ea.attend
 
@@ -766,9 +774,26 @@ def _directed(q, k_unit, a, b):
   return jnp.concatenate([q, a], -1), scale * jnp.concatenate([k_unit, b], -1)
 
 
+def zero_output(self, weights):
+  """One head's `weights` in Trax's order (`w_q, [w_k,] w_v, w_o, ...`)
+  with the output projection `w_o` zero where the layer is marked
+  `ZERO_OUTPUT`: the head then adds nothing until it has learned to."""
+  if not getattr(self, ZERO_OUTPUT, False):
+    return weights
+  at = 2 if self._share_qk else 3
+  return (*weights[:at], jnp.zeros_like(weights[at]), *weights[at + 1 :])
+
+
+def _local_create_weights_unbatched(self, input_signature, rng):
+  """Trax's weights of one local or full attention head (`zero_output`)."""
+  weights = _ORIGINAL_LOCAL_WEIGHTS(self, input_signature, rng)
+  return zero_output(self, weights)
+
+
 def _create_weights_unbatched(self, input_signature, rng):
-  """Trax's weights of one head, plus `w_a` and `w_b` when directed."""
-  weights = _ORIGINAL_WEIGHTS(self, input_signature, rng)
+  """Trax's weights of one head (`zero_output`), plus `w_a` and `w_b` when
+  directed."""
+  weights = zero_output(self, _ORIGINAL_WEIGHTS(self, input_signature, rng))
   if not getattr(self, DIRECTED, False):
     return weights
   if isinstance(input_signature, (tuple, list)):
@@ -824,6 +849,7 @@ def install():
   ea.LSHSelfAttention._use_predict_mem = _use_predict_mem
   ea.LSHSelfAttention.forward_and_or_backward = _forward_and_or_backward
   ea.LSHSelfAttention.create_weights_unbatched = _create_weights_unbatched
+  ea.SelfAttention.create_weights_unbatched = _local_create_weights_unbatched
   ea.LSHSelfAttention.create_state_unbatched = _create_state_unbatched
   ea.LSHSelfAttention.forward_unbatched = _forward_unbatched
   pe.AxialPositionalEncoding.forward = _axial_forward
@@ -837,6 +863,7 @@ def uninstall():
   ea.LSHSelfAttention._use_predict_mem = _ORIGINAL_MEM
   ea.LSHSelfAttention.forward_and_or_backward = _ORIGINAL_FAB
   ea.LSHSelfAttention.create_weights_unbatched = _ORIGINAL_WEIGHTS
+  ea.SelfAttention.create_weights_unbatched = _ORIGINAL_LOCAL_WEIGHTS
   ea.LSHSelfAttention.create_state_unbatched = _ORIGINAL_STATE
   ea.LSHSelfAttention.forward_unbatched = _ORIGINAL_FORWARD
   pe.AxialPositionalEncoding.forward = _ORIGINAL_AXIAL
