@@ -1,7 +1,7 @@
 """Does the model learn from content? A copy task, by position encoding.
 
   python bench/positions.py WORK_DIR [--steps 600] [--eval-every N]
-      [--variants trax,tokens,fixed] [--attention full,lsh]
+      [--variants trax,tokens,fixed] [--attention full,lsh] [--bind GIN]...
 
 Each training conversation is six turns of "Repeat river." answered by
 "river" (the word drawn at random from the 143 values of bench/recall.py),
@@ -87,6 +87,13 @@ def main(argv=None):
   parser.add_argument(
     '--eval-every', type=int, default=None, help='steps (default: steps/4)'
   )
+  parser.add_argument(
+    '--bind',
+    action='append',
+    default=[],
+    help='a gin binding added to every run, e.g. '
+    '"residual.zero_feed_forward = False"',
+  )
   args = parser.parse_args(argv)
   from src.data import chatformat
 
@@ -111,7 +118,7 @@ def main(argv=None):
         attention,
         args.steps,
         batch=8,
-        binds=VARIANTS[name],
+        binds=VARIANTS[name] + args.bind,
         eval_every=args.eval_every,
       )
       curve = eval_curve(run)
