@@ -14,7 +14,8 @@ fails without it.
   and never reads its data counters.
 - `loop_log`: Trax's `Loop` logs to absl, not to stdout.
 - `fast_lsh`: the LSH and local attention paths of Jade V8's model
-  (one-token decoding, the local training window, directed LSH).
+  (one-token decoding, the local training window, directed LSH, zero
+  attention outputs at the start).
 - `lsh_buckets`: a context manager that records LSH buckets (analysis).
 """
 
