@@ -141,12 +141,14 @@ def test_axial_positions_start_at_the_token_scale():
     ginconf.positions()
 
 
-def _branch_output_sums(lm) -> tuple[list, list]:
+def _branch_output_sums(lm) -> tuple[list, list, list]:
   """Per block: the sum of |weights| of the attention's output projection
   (and of its query projection), and of the feed-forward's last kernel."""
+  from src.runtime.trax_patches import fast_lsh
+
   attention, dense = reformer.branch_outputs(lm)
   out = [
-    float(np.abs(a.weights[2 if a._share_qk else 3]).sum()) for a in attention
+    float(np.abs(a.weights[fast_lsh.output_index(a)]).sum()) for a in attention
   ]
   query = [float(np.abs(a.weights[0]).sum()) for a in attention]
   ff = [float(np.abs(d.weights[0]).sum()) for d in dense]

@@ -774,13 +774,19 @@ def _directed(q, k_unit, a, b):
   return jnp.concatenate([q, a], -1), scale * jnp.concatenate([k_unit, b], -1)
 
 
+def output_index(layer) -> int:
+  """Where `w_o` is in an attention head's weights, Trax's order
+  `w_q, [w_k,] w_v, w_o, ...` (`w_k` only without shared queries/keys)."""
+  return 2 if layer._share_qk else 3
+
+
 def zero_output(self, weights):
-  """One head's `weights` in Trax's order (`w_q, [w_k,] w_v, w_o, ...`)
-  with the output projection `w_o` zero where the layer is marked
-  `ZERO_OUTPUT`: the head then adds nothing until it has learned to."""
+  """One head's `weights` with the output projection `w_o` zero where the
+  layer is marked `ZERO_OUTPUT`: the head then adds nothing until it has
+  learned to."""
   if not getattr(self, ZERO_OUTPUT, False):
     return weights
-  at = 2 if self._share_qk else 3
+  at = output_index(self)
   return (*weights[:at], jnp.zeros_like(weights[at]), *weights[at + 1 :])
 
 
