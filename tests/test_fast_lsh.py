@@ -139,3 +139,40 @@ def test_bucket_index_selects_what_the_sort_keeps():
         keep,
       )
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_scanned_buckets_are_trax_argmax_buckets():
+  """`bucket_ids`'s scan over the rotations (long inputs) picks exactly
+  Trax's `argmax(concatenate([r, -r]))`, ties (all-zero vectors, repeated
+  rows) included, for 1 and 2 hash rounds and bucket counts whose halves
+  are not a multiple of the scan's group; and the patched `hash_vecs`
+  gives Trax's buckets for the same rng."""
+  rng = np.random.default_rng(0)
+  for n_hashes, n_buckets, length in (
+    (1, 512, 300),
+    (2, 12, 257),
+    (2, 16, 600),
+  ):
+    vecs = rng.standard_normal((length, 8)).astype(np.float32)
+    vecs[:5] = 0.0  # Every rotated value ties.
+    vecs[5:9] = vecs[9]  # Equal vectors.
+    turns = fast_lsh.draw_rotations(
+      jax.random.PRNGKey(n_buckets), 8, n_hashes, n_buckets
+    )
+    rotated = np.einsum('tf,hbf->htb', vecs, np.asarray(turns))
+    want = np.argmax(np.concatenate([rotated, -rotated], -1), -1)
+    assert length >= fast_lsh.SCAN_FROM
+    got = np.asarray(fast_lsh.bucket_ids(jnp.asarray(vecs), turns))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    trax_buckets, n = fast_lsh._TRAX_HASH_VECS(
+      jnp.asarray(vecs), n_buckets, n_hashes, jax.random.PRNGKey(7)
+    )
+    ours, n2 = trax.layers.research.efficient_attention.hash_vecs(
+      jnp.asarray(vecs), n_buckets, n_hashes, jax.random.PRNGKey(7)
+    )
+    assert n == n2 == n_buckets
+    assert trax.layers.research.efficient_attention.hash_vecs is (
+      fast_lsh._hash_vecs
+    )
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(trax_buckets))

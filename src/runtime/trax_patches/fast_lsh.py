@@ -186,27 +186,106 @@ def _create_state_unbatched(self, input_signature, rng):
 
 def rotations(self, hash_rng):
   """The random rotations Trax's `hash_vecs` draws from `hash_rng` for
-  every hashing, drawn the same way (`[n_hashes, n_buckets // 2, d_qk]
-  float32`: Trax's `[d_qk, n_hashes, n_buckets // 2]`, transposed).
-  Trax draws them again at every token: at 512 buckets, 2 hashes and 8
-  heads that is 262,144 normal numbers per layer and token, more time
-  than the token's attention itself. A predict-mode state keeps them
-  instead."""
-  shape = (self._d_qk, self._n_hashes, self._n_buckets // 2)
+  every hashing (`draw_rotations`). Trax draws them again at every token:
+  at 512 buckets, 2 hashes and 8 heads that is 262,144 normal numbers per
+  layer and token, more time than the token's attention itself. A
+  predict-mode state keeps them instead."""
+  return draw_rotations(hash_rng, self._d_qk, self._n_hashes, self._n_buckets)
+
+
+def draw_rotations(hash_rng, d: int, n_hashes: int, n_buckets: int):
+  """Trax's random rotations, drawn as `hash_vecs` draws them (Trax's
+  `[d, n_hashes, n_buckets // 2]`), returned as `[n_hashes, n_buckets //
+  2, d] float32`, the layout XLA's products want."""
+  shape = (d, n_hashes, n_buckets // 2)
   drawn = fastmath.random.normal(hash_rng, shape).astype(jnp.float32)
-  # Kept as `[n_hashes, n_buckets // 2, d_qk]`, the layout XLA's product
-  # wants (it transposed them every token).
   return jnp.transpose(drawn, (1, 2, 0))
 
 
 def _hash(self, vecs, rotations):
   """Trax's `hash_vectors` (int `n_buckets`, no mask) with its rotations
   given: `[n_hashes * len(vecs)]`, round r's buckets from `r * n_buckets`."""
-  rotated = jnp.einsum('tf,hbf->htb', vecs, rotations)
-  rotated = jnp.concatenate([rotated, -rotated], axis=-1)
-  buckets = jnp.argmax(rotated, axis=-1).astype(jnp.int32)
+  buckets = bucket_ids(vecs, rotations)
   offsets = jnp.arange(self._n_hashes, dtype=jnp.int32) * self._n_buckets
   return jnp.reshape(buckets + offsets[:, None], (-1,))
+
+
+# From this many vectors on, `bucket_ids` scans the rotations instead of
+# taking an argmax (below it the scan's loop costs more than it saves).
+SCAN_FROM = 256
+
+
+def bucket_ids(vecs, rotations):
+  """Trax's LSH buckets: `argmax(concatenate([r, -r]))` over each rotated
+  vector `r` (the first maximum on ties, as argmax).
+
+  Args:
+    vecs: `[length, d] float32`, the vectors to hash.
+    rotations: `[n_hashes, n_buckets // 2, d] float32`.
+
+  Returns:
+    `[n_hashes, length] int32` buckets in `[0, n_buckets)`.
+
+  For a training sequence the argmax was most of a layer's hashing: at
+  32k positions and 512 buckets, XLA's CPU argmax over the last axis took
+  ~65 ms per head of an ~80 ms hash, longer than the head's attention. So
+  for long inputs the rotated vectors are made as `[n_buckets // 2,
+  length]` rows and scanned a few rows at a time, keeping each position's
+  running maximum and minimum (a minimum of `r` is a maximum of `-r`): the
+  same buckets (pinned by tests/test_fast_lsh.py) in ~10 ms.
+  """
+  if vecs.shape[0] < SCAN_FROM:
+    rotated = jnp.einsum('tf,hbf->htb', vecs, rotations)
+    rotated = jnp.concatenate([rotated, -rotated], axis=-1)
+    return jnp.argmax(rotated, axis=-1).astype(jnp.int32)
+  rows = jnp.einsum('tf,hbf->hbt', vecs, rotations)
+  return jnp.stack([_first_extremes(r) for r in rows])
+
+
+def _first_extremes(rows):
+  """`[n, length]` rows -> `[length] int32`: for each column, the index in
+  `concatenate([rows, -rows])` of its first maximum."""
+  n, length = rows.shape
+  group = next(g for g in (8, 4, 2, 1) if n % g == 0)  # Rows per step.
+
+  def step(carry, group_rows):
+    hi, at_hi, lo, at_lo = carry
+    first, block = group_rows
+    for j in range(group):
+      row = block[j]
+      up = row > hi  # Strict: an equal later row keeps the first.
+      hi, at_hi = jnp.where(up, row, hi), jnp.where(up, first + j, at_hi)
+      down = row < lo
+      lo, at_lo = jnp.where(down, row, lo), jnp.where(down, first + j, at_lo)
+    return (hi, at_hi, lo, at_lo), None
+
+  zeros = jnp.zeros(length, jnp.int32)
+  start = (
+    jnp.full(length, -jnp.inf, rows.dtype),
+    zeros,
+    jnp.full(length, jnp.inf, rows.dtype),
+    zeros,
+  )
+  firsts = jnp.arange(0, n, group, dtype=jnp.int32)
+  blocks = jnp.reshape(rows, (n // group, group, length))
+  (hi, at_hi, lo, at_lo), _ = jax.lax.scan(step, start, (firsts, blocks))
+  # `-rows` come second in the concatenation: a tie goes to `rows`.
+  return jnp.where(hi >= -lo, at_hi, at_lo + n)
+
+
+_TRAX_HASH_VECS = ea.hash_vecs
+
+
+def _hash_vecs(vecs, n_buckets_in, n_hashes, rng):
+  """Trax's `hash_vecs` with its rotations drawn as Trax draws them and the
+  buckets from `bucket_ids`; factorized bucket lists go to Trax's."""
+  if not isinstance(n_buckets_in, int):
+    return _TRAX_HASH_VECS(vecs, n_buckets_in, n_hashes, rng)
+  turns = draw_rotations(rng, vecs.shape[-1], n_hashes, n_buckets_in)
+  # Buckets are integers: no gradient flows through them (Trax stops it
+  # after), and none need be traced through the scan.
+  vecs = jax.lax.stop_gradient(vecs)
+  return bucket_ids(vecs, turns), n_buckets_in
 
 
 def rebuilt_index(buckets, filled, n_buckets: int, n_keep: int):
@@ -858,6 +937,7 @@ def install():
   ea.SelfAttention.create_weights_unbatched = _local_create_weights_unbatched
   ea.LSHSelfAttention.create_state_unbatched = _create_state_unbatched
   ea.LSHSelfAttention.forward_unbatched = _forward_unbatched
+  ea.hash_vecs = _hash_vecs
   pe.AxialPositionalEncoding.forward = _axial_forward
 
 
@@ -872,4 +952,5 @@ def uninstall():
   ea.SelfAttention.create_weights_unbatched = _ORIGINAL_LOCAL_WEIGHTS
   ea.LSHSelfAttention.create_state_unbatched = _ORIGINAL_STATE
   ea.LSHSelfAttention.forward_unbatched = _ORIGINAL_FORWARD
+  ea.hash_vecs = _TRAX_HASH_VECS
   pe.AxialPositionalEncoding.forward = _ORIGINAL_AXIAL
