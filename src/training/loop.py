@@ -13,6 +13,7 @@ from trax.supervised import training as trax_training
 
 from src.core.signals import StopSignals
 from src.model import reformer
+from src.runtime import heap
 from src.storage import checkpoints
 from src.training import callbacks, distributed
 from src.training.callbacks import Diverged
@@ -130,6 +131,9 @@ class JadeLoop(trax_training.Loop):
     )
     self._running.after_step(self.step, lr, tokens, counts)
     self._finite.after_step(self.step, loss, stats.get('gradients_l2', 0.0))
+    # The step has run (its loss was read): what it and the compiler freed
+    # goes back to the system before the next step maps its scratch anew.
+    heap.release()
     if self.signals.signum is not None:
       self._finite.check()
       raise StopRequested(self.signals.signum)

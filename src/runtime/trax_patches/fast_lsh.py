@@ -837,7 +837,6 @@ ZERO_OUTPUT = '_jade_zero_output'
 _ORIGINAL_WEIGHTS = ea.LSHSelfAttention.create_weights_unbatched
 _ORIGINAL_LOCAL_WEIGHTS = ea.SelfAttention.create_weights_unbatched
 _ORIGINAL_FORWARD = ea.LSHSelfAttention.forward_unbatched
-_TRAX_ATTEND = ea.attend
 
 
 def _directed(q, k_unit, a, b):
@@ -902,7 +901,7 @@ def _forward_unbatched(self, x, mask=None, *, weights, **kwargs):
   `a = x w_a`, `b = x w_b`: a query and a key projection of its own.
   """
   if not getattr(self, DIRECTED, False):
-    return _ORIGINAL_FORWARD(self, x, mask, weights=weights, **kwargs)
+    return lsh_forward(self, x, mask, weights=weights, **kwargs)
   w_q, w_v, w_o, w_a, w_b = weights
   a, b = jnp.matmul(x, w_a), jnp.matmul(x, w_b)
 
@@ -912,13 +911,120 @@ def _forward_unbatched(self, x, mask=None, *, weights, **kwargs):
     kw['kv_chunk_len'] = kw['q_chunk_len']
     if kw.get('kv_info') is None:
       kw['kv_info'] = at
-    return _TRAX_ATTEND(q, k, v, **kw)
+    return ea.attend(q, k, v, **kw)
 
-  ea.attend = directed_attend  # Read by Trax's step as it is traced.
-  try:
-    return _ORIGINAL_FORWARD(self, x, mask, weights=(w_q, w_v, w_o), **kwargs)
-  finally:
-    ea.attend = _TRAX_ATTEND
+  return lsh_forward(
+    self, x, mask, weights=(w_q, w_v, w_o), attend=directed_attend, **kwargs
+  )
+
+
+def lsh_forward(
+  self, x, mask=None, *, weights, state, rng, update_state, attend=None
+):
+  """Trax 1.4.1's `LSHSelfAttention.forward_unbatched`, the same
+  computation, with a cheaper sort: `[length, d]` -> `([length, d],
+  state)`.
+
+  Trax sorts `(bucket, position)` keys carrying their indices along
+  (`sort_key_val`), then sorts again to invert the permutation. The keys
+  are distinct and hold the position (`key % length`), and the hash
+  rounds' buckets do not overlap (round r's start at r * n_buckets), so
+  sorted slot i belongs to round `i // length`: sorting the keys alone
+  gives the same permutation, and a scatter inverts it (~2 ms per head
+  at 32k positions instead of ~13.6); the logits' sort is undone by a
+  gather, as the outputs' are. `attend` replaces Trax's `attend` (the
+  directed score).
+  """
+  attend = attend or ea.attend
+  attend_rng, output_rng = fastmath.random.split(rng)
+  w_q, w_v, w_o = weights
+
+  q = jnp.matmul(x, w_q)
+  v = jnp.matmul(x, w_v)
+
+  if update_state:
+    _, old_hash_rng = state
+    hash_rng, hash_subrng = fastmath.random.split(old_hash_rng)
+    buckets = self.hash_vectors(q, hash_subrng, mask)
+    s_buckets = buckets
+    if self._max_length_for_buckets:
+      length = self._n_hashes * self._max_length_for_buckets
+      if buckets.shape[0] < length:
+        s_buckets = jnp.concatenate(
+          [buckets, jnp.zeros(length - buckets.shape[0], dtype=jnp.int32)],
+          axis=0,
+        )
+    state = (s_buckets, hash_rng)
+  else:
+    buckets, _ = state
+    if self._max_length_for_buckets:
+      buckets = buckets[: self._n_hashes * x.shape[0]]
+
+  seqlen = x.shape[0]
+  if int(buckets.shape[0]) != self._n_hashes * seqlen:
+    raise ValueError(
+      f'LSH state holds {buckets.shape[0]} buckets for {seqlen} positions '
+      f'and {self._n_hashes} hash rounds; build the layer for this length.'
+    )
+
+  ticker = jnp.arange(self._n_hashes * seqlen, dtype=jnp.int32)
+  buckets_and_t = seqlen * buckets + (ticker % seqlen)
+  buckets_and_t = jax.lax.stop_gradient(buckets_and_t)
+
+  # Hash-based sort ("s" at the start of variable names means "sorted").
+  sbuckets_and_t = jax.lax.sort(buckets_and_t)
+  sticker = (ticker // seqlen) * seqlen + sbuckets_and_t % seqlen
+  undo_sort = jnp.zeros_like(ticker).at[sticker].set(ticker)
+  sticker = jax.lax.stop_gradient(sticker)
+  undo_sort = jax.lax.stop_gradient(undo_sort)
+
+  st = sticker % seqlen
+  sq = jnp.take(q, st, axis=0)
+  sv = jnp.take(v, st, axis=0)
+
+  mask_fn = functools.partial(
+    ea.mask_self_attention,
+    causal=self._causal,
+    exclude_self=True,
+    masked=self._masked,
+  )
+  q_info = st
+
+  kv_info = None
+  if self._masked:
+    # mask is a boolean array (True means "is valid token")
+    smask = jnp.take(mask, st, axis=0)
+    ones_like_mask = jnp.ones_like(smask, dtype=jnp.int32)
+    kv_info = q_info * jnp.where(smask, ones_like_mask, -ones_like_mask)
+
+  so, slogits = attend(
+    sq,
+    k=None,
+    v=sv,
+    q_chunk_len=self._chunk_len,
+    n_chunks_before=self._n_chunks_before,
+    n_chunks_after=self._n_chunks_after,
+    mask_fn=mask_fn,
+    q_info=q_info,
+    kv_info=kv_info,
+    dropout=self._attention_dropout,
+    rng=attend_rng,
+  )
+
+  # Trax undoes the logits' sort with another sort; a gather is the same
+  # permutation.
+  o = ea.permute_via_gather(so, undo_sort, sticker, axis=0)
+  logits = ea.permute_via_gather(slogits, undo_sort, sticker, axis=0)
+
+  if self._n_hashes > 1:
+    o = jnp.reshape(o, (self._n_hashes, seqlen, o.shape[-1]))
+    logits = jnp.reshape(logits, (self._n_hashes, seqlen, 1))
+    probs = jnp.exp(logits - fastmath.logsumexp(logits, axis=0, keepdims=True))
+    o = jnp.sum(o * probs, axis=0)
+
+  out = jnp.matmul(o, w_o)
+  out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+  return out, state
 
 
 def install():
