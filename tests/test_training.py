@@ -503,3 +503,45 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
       train_settings(tmp_path / 'k0', **{'accumulate-steps': 0}),
       gin_bindings=MICRO,
     )
+
+
+def test_the_training_step_is_compiled_once(caplog):
+  """`CompileFirstTrainer` compiles the step ahead of its first run (to
+  hand the compiler's memory back first), and that executable is the
+  one every step runs: the update is compiled once over three steps
+  (the chunked loss's state keeps its structure from the first step)."""
+  import logging
+
+  import trax
+
+  from src.model import reformer
+  from src.training.loop import CompileFirstTrainer
+
+  from .conftest import TINY_GIN
+
+  length = ginconf.parse(TINY_GIN, MICRO).max_len
+  m = reformer.init_model(40, 'train', length, directed=ginconf.lsh())
+  fused = reformer.chunked_model(m, 32)
+  optimizer = trax.optimizers.Adam(0.001)
+  optimizer.tree_init(fused.weights)
+  trainer_ = CompileFirstTrainer(fused, optimizer)
+  rng = np.random.default_rng(0)
+  ids = jax.numpy.asarray(rng.integers(1, 40, (1, length)), jax.numpy.int32)
+  batch = (ids, ids, jax.numpy.ones((1, length), jax.numpy.float32))
+  jax.config.update('jax_log_compiles', True)
+  try:
+    with caplog.at_level(logging.WARNING, logger='jax'):
+      for step in (1, 2, 3):
+        loss, _ = trainer_.one_step(
+          batch, jax.random.PRNGKey(step), step, np.float32(0.001)
+        )
+        assert np.isfinite(float(loss))
+  finally:
+    jax.config.update('jax_log_compiles', False)
+  compiles = [
+    r
+    for r in caplog.records
+    if 'Finished XLA compilation' in r.getMessage()
+    and 'single_device_update_fn' in r.getMessage()
+  ]
+  assert len(compiles) == 1

@@ -28,6 +28,41 @@ class StopRequested(Exception):
     self.signum = signum
 
 
+class CompileFirstTrainer(trax_optimizers.Trainer):
+  """Trax's trainer whose first step compiles before it runs, handing the
+  compiler's freed memory back in between (`heap.release`).
+
+  The compiler's working memory is freed inside glibc's heap, which keeps
+  it; compiled and run in one call, the first step's scratch came on top
+  of it, and the process's peak memory was the first step's (32k
+  benchmark: 2.2 GB against ~1.9 GB for every later step). The executable
+  is JAX's own cached one: the step that follows runs it, and nothing is
+  compiled twice.
+  """
+
+  _compiled = False
+
+  def one_step(self, batch, rng, step=0, learning_rate=None):
+    update = self._accelerated_update_fn
+    if not self._compiled and hasattr(update, 'lower'):  # One device: jit.
+      self._compiled = True
+      if learning_rate is not None:  # As Trax's `one_step` sets it.
+        self._opt_params['learning_rate'] = trax.layers.for_n_devices(
+          learning_rate, self._n_devices
+        )
+      model = self._accelerated_model_with_loss
+      update.lower(
+        (model.weights, self._slots),
+        step,
+        self._opt_params,
+        batch,
+        model.state,
+        rng,
+      ).compile()
+      heap.release()
+    return super().one_step(batch, rng, step, learning_rate)
+
+
 class JadeLoop(trax_training.Loop):
   """Trax's Loop with our console output (progress line, eval lines).
 
@@ -103,7 +138,7 @@ class JadeLoop(trax_training.Loop):
     if fused is None:
       return super()._init_trainer(task)
     task.optimizer.tree_init(fused.weights)
-    return trax_optimizers.Trainer(fused, task.optimizer, adasum=self._adasum)
+    return CompileFirstTrainer(fused, task.optimizer, adasum=self._adasum)
 
   def _init_evaluator(self, eval_task):
     """Trax's evaluator, with loss and accuracy computed from chunked

@@ -15,7 +15,8 @@ fails without it.
 - `loop_log`: Trax's `Loop` logs to absl, not to stdout.
 - `fast_lsh`: the LSH and local attention paths of Jade V8's model
   (one-token decoding, the local training window, directed LSH, zero
-  attention outputs at the start).
+  attention outputs at the start, faster hashing and sorting in
+  training).
 - `lsh_buckets`: a context manager that records LSH buckets (analysis).
 """
 
