@@ -9,7 +9,9 @@ causal LM, vocab 500, d_model 256, d_ff 1024, 4 layers, 4 heads of 64,
 LSH attention in every layer (chunk 64, 1 hash; Trax's shared query/key
 score, as the peer's, without gin/tiny.gin's directed term and local
 blocks), reversible layers, axial
-positions, batch 1, float32, Adam, no dropout. Contenders:
+positions, feed-forwards over chunks of positions (4096 for Jade, as
+gin/reformer_32k.gin; the peer's default 100 chunks), batch 1, float32,
+Adam, no dropout. Contenders:
 
 - jade: the project's real path: `training.train` with gin/tiny.gin plus
   bindings for the architecture, a synthetic corpus through the data
@@ -47,6 +49,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.common import CHUNK, D_FF, D_HEAD, HEADS, LAYERS, VOCAB, D  # noqa: E402
+
+FF_CHUNK = 4096  # Positions per feed-forward chunk (gin/reformer_32k.gin).
 
 
 def axial(length):
@@ -119,6 +123,9 @@ def run_jade(length, steps, vocab, with_eval=False, binds=()):
     'LSHSelfAttention.n_hashes = 1',
     f'LSHSelfAttention.n_buckets = {length // CHUNK}',
     f'LSHSelfAttention.predict_mem_len = {length}',
+    # Feed-forwards over chunks of positions, as gin/reformer_32k.gin runs
+    # them (the peer chunks its feed-forwards too: `ff_chunks=100`).
+    f'ReformerLM.ff_chunk_size = {FF_CHUNK if length > FF_CHUNK else 0}',
     *binds,
   ]
   settings = jsonconfig.from_values(

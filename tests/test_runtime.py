@@ -3,6 +3,8 @@
 import os
 from unittest import mock
 
+import pytest
+
 from src.runtime import xla
 
 
@@ -26,3 +28,38 @@ def test_this_process_runs_with_them():
   # conftest imports `src` before JAX starts its backend.
   flags = os.environ['XLA_FLAGS'].split()
   assert set(xla.XLA_CPU_FLAGS) <= set(flags)
+
+
+def test_free_memory_goes_back_after_long_steps_only():
+  """`heap.release_after_step` trims glibc's heap after a long training
+  step and leaves short steps alone (a trim costs them 5% or more); the
+  trim really returns freed memory to the system."""
+  import ctypes
+
+  from src.runtime import heap
+
+  assert heap.release_after_step(heap.MIN_STEP_SECONDS / 10) is False
+  if heap._trim() is None:
+    pytest.skip('no glibc malloc_trim here')
+  libc = ctypes.CDLL(None)
+  libc.malloc.restype = ctypes.c_void_p
+  libc.malloc.argtypes = [ctypes.c_size_t]
+  libc.free.argtypes = [ctypes.c_void_p]
+
+  def resident():
+    with open('/proc/self/statm') as f:
+      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+  # Many small blocks (the heap, not mmap), touched, then all but the
+  # last freed: glibc keeps the hole below the last one.
+  size, count = 64 * 1024, 1600  # ~100 MB
+  blocks = [libc.malloc(size) for _ in range(count)]
+  for b in blocks:
+    ctypes.memset(b, 1, size)
+  for b in blocks[:-1]:
+    libc.free(b)
+  before = resident()
+  assert heap.release_after_step(heap.MIN_STEP_SECONDS) is True
+  after = resident()
+  libc.free(blocks[-1])
+  assert before - after > 50 * 1024 * 1024

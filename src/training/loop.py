@@ -4,6 +4,8 @@ finite checks, running scalars, sample replies)."""
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 import trax
@@ -155,6 +157,7 @@ class JadeLoop(trax_training.Loop):
     )
 
   def _run_one_step(self, task_index, task_changed):
+    started = time.perf_counter()
     loss, stats = super()._run_one_step(task_index, task_changed)
     lr = float(self._tasks[task_index].learning_rate(self.step))
     tokens = self._tokens_per_step()
@@ -166,9 +169,9 @@ class JadeLoop(trax_training.Loop):
     )
     self._running.after_step(self.step, lr, tokens, counts)
     self._finite.after_step(self.step, loss, stats.get('gradients_l2', 0.0))
-    # The step has run (its loss was read): what it and the compiler freed
-    # goes back to the system before the next step maps its scratch anew.
-    heap.release()
+    # The step has run (its loss was read): what it freed goes back to the
+    # system before the next step maps its scratch anew (long steps only).
+    heap.release_after_step(time.perf_counter() - started)
     if self.signals.signum is not None:
       self._finite.check()
       raise StopRequested(self.signals.signum)
