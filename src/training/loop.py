@@ -46,7 +46,10 @@ class CompileFirstTrainer(trax_optimizers.Trainer):
 
   def one_step(self, batch, rng, step=0, learning_rate=None):
     update = self._accelerated_update_fn
-    if not self._compiled and hasattr(update, 'lower'):  # One device: jit.
+    # One device, Trax's plain `jit` (several devices, or fix 11's pmap over
+    # one, reshape the batch first: those compile as Trax calls them).
+    single = self._n_devices == 1 and hasattr(update, 'lower')
+    if not self._compiled and single:
       self._compiled = True
       if learning_rate is not None:  # As Trax's `one_step` sets it.
         self._opt_params['learning_rate'] = trax.layers.for_n_devices(
