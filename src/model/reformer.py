@@ -741,13 +741,10 @@ class ChunkedOutput(tl.Layer):
     self._with_accuracy = with_accuracy
     self._ranges = tuple(ranges) if with_accuracy else ()
     if not with_accuracy:
-      # The trainer reads the state of a layer it never initializes: the
-      # first step must see the structure every later step sees, or the
-      # whole training step is traced and compiled a second time.
-      self.state = hit_counts_zero()
-
-  def init_weights_and_state(self, input_signature):
-    if not self._with_accuracy:
+      # Set here, not in `init_weights_and_state`: the trainer reads the
+      # state of a layer it never initializes, and the first step must see
+      # the structure every later step sees, or the whole training step is
+      # traced and compiled a second time.
       self.state = hit_counts_zero()
 
   def forward(self, inputs):
