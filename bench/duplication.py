@@ -3,6 +3,7 @@
   python bench/duplication.py WORK_DIR [--length 256] [--steps 2000]
       [--variants full,lsh,lsh-only,lsh-shared] [--layers 3] [--batch 8]
       [--train-hashes 2] [--eval-hashes 1,2,4,8] [--bind GIN]...
+      [--task duplication|recall] [--pairs 63]
 
 Kitaev et al. 2020 (Section 5, Table 2): sequences `0 w 0 w`, `w` a random
 string of symbols 1..V-1; a model that predicts the second `w` must find,
@@ -24,6 +25,11 @@ on the second half only:
 - `lsh-only`: directed LSH in every block, `--train-hashes` hashes;
 - `lsh-shared`: Trax's LSH as it is (shared queries and keys only) in
   every block.
+
+`lsh-second` (local, LSH, local) and `lsh-alternate` (LSH, local, LSH)
+place the LSH block after a local one. `--task recall` trains the same
+variants on associative recall instead (`recall_batches`: a value looked
+up by the key stated before it; `--pairs` per sequence).
 
 `--trax-alone` builds `trax.models.ReformerLM` directly instead (Trax's
 own axial start; the same gin settings, Trax's Loop and loss).
@@ -78,6 +84,19 @@ VARIANTS = {
   'lsh': [*LOCAL],
   # Directed LSH in every block.
   'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
+  # A local block first, then LSH, then local: LSH can match what the
+  # first block gathered (the token before a value, for --task recall).
+  'lsh-second': [
+    *LOCAL,
+    'ReformerLM.attention_type = '
+    '[@SelfAttention, @LSHSelfAttention, @SelfAttention]',
+  ],
+  # LSH, local, LSH: the pattern of gin/reformer_32k.gin.
+  'lsh-alternate': [
+    *LOCAL,
+    'ReformerLM.attention_type = '
+    '[@LSHSelfAttention, @SelfAttention, @LSHSelfAttention]',
+  ],
   # Trax's LSH (shared queries and keys only) in every block.
   'lsh-shared': [
     'ReformerLM.attention_type = @LSHSelfAttention',
@@ -86,7 +105,53 @@ VARIANTS = {
 }
 
 
+TASK = 'duplication'  # --task: 'duplication' or 'recall'.
+PAIRS = 63  # --pairs: key/value pairs per recall sequence (at most 63).
+
+
 def batches(rng, batch: int, length: int):
+  """Endless `(inputs, targets, weights)` of `--task`'s sequences."""
+  if TASK == 'recall':
+    return recall_batches(rng, batch, length)
+  return duplication_batches(rng, batch, length)
+
+
+def recall_batches(rng, batch: int, length: int):
+  """Associative recall, the clean form of "look the fact up".
+
+  `0 k1 v1 ... kn vn 0 q1 a1 ... qn an`: n pairs (`--pairs`, at most
+  (length / 2 - 1) // 2 and 63) of a key (1..63, each at most once) and a
+  value (64..127, drawn at random), then every key asked once in another
+  random order, each followed by its value; zero padding fills each half
+  to `length / 2`. A position holding a question key must predict the
+  value that followed that key earlier: the value is found by the content
+  of the token *before* it, an induction lookup (one block gathers the
+  previous token into the value's position, a later block matches the
+  question against it), at distances of `length / 2 - 2n` tokens or more.
+  Position alone cannot solve it, and one block alone cannot either.
+
+  Yields `[batch, length]` int32 inputs and targets (the same: the model
+  shifts its inputs right itself) and `[batch, length]` float32 weights,
+  1.0 on the answers `a_i`. Chance: 1/64.
+  """
+  half = length // 2
+  n = min((half - 1) // 2, PAIRS, 63)
+  weights = np.zeros((batch, length), np.float32)
+  weights[:, half + 2 : half + 1 + 2 * n : 2] = 1.0
+  while True:
+    seq = np.zeros((batch, length), np.int32)
+    for b in range(batch):
+      keys = rng.permutation(63)[:n] + 1
+      values = rng.integers(64, VOCAB, n)
+      seq[b, 1 : 1 + 2 * n : 2] = keys
+      seq[b, 2 : 2 + 2 * n : 2] = values
+      order = rng.permutation(n)
+      seq[b, half + 1 : half + 1 + 2 * n : 2] = keys[order]
+      seq[b, half + 2 : half + 2 + 2 * n : 2] = values[order]
+    yield seq, seq, weights
+
+
+def duplication_batches(rng, batch: int, length: int):
   """Endless `(inputs, targets, weights)`: `[batch, length]` int32 twice
   (the model shifts its inputs right itself) and `[batch, length]` float32,
   1.0 on the second copy's symbols."""
@@ -288,16 +353,26 @@ def main(argv=None):
   parser.add_argument('--bind', action='append', default=[])
   parser.add_argument('--trax-alone', action='store_true')
   parser.add_argument(
+    '--task',
+    choices=['duplication', 'recall'],
+    default='duplication',
+    help='recall: associative recall (recall_batches) instead of 0w0w',
+  )
+  parser.add_argument(
+    '--pairs', type=int, default=63, help='--task recall: pairs per sequence'
+  )
+  parser.add_argument(
     '--peer-python',
     help='a python with bench/requirements.txt: adds the reformer-pytorch row',
   )
   parser.add_argument('--as-peer', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  global TRAX_ALONE, TASK, PAIRS
+  TRAX_ALONE = args.trax_alone
+  TASK, PAIRS = args.task, args.pairs
   if args.as_peer:  # The child run by --peer-python: torch only.
     print('PEER ' + json.dumps(run_peer(args)))
     return 0
-  global TRAX_ALONE
-  TRAX_ALONE = args.trax_alone
   from src import runtime
 
   runtime.bootstrap()

@@ -275,3 +275,27 @@ def test_positions_smoke(tmp_path):
   assert (
     '| full, tokens | ' in result.stdout and '| full, fixed | ' in result.stdout
   )
+
+
+def test_associative_recall_answers_are_the_values_stated_before():
+  from bench import duplication
+
+  rng = np.random.default_rng(3)
+  old = duplication.TASK, duplication.PAIRS
+  try:
+    duplication.TASK, duplication.PAIRS = 'recall', 16
+    x, y, w = next(duplication.batches(rng, 3, 256))
+  finally:
+    duplication.TASK, duplication.PAIRS = old
+  assert x.shape == y.shape == w.shape == (3, 256)
+  assert (x == y).all() and (w.sum(axis=1) == 16).all()
+  for seq, weights in zip(x, w):
+    stated = dict(zip(seq[1:33:2], seq[2:33:2]))  # key -> value
+    assert len(stated) == 16 and all(1 <= k < 64 for k in stated)
+    assert (seq[33:128] == 0).all()  # Padding up to the second half.
+    answers = np.flatnonzero(weights)
+    assert (answers >= 129).all()  # Only in the second half.
+    for at in answers:
+      assert 64 <= seq[at] < duplication.VOCAB
+      assert stated[seq[at - 1]] == seq[at]  # The key before it, stated.
+    assert sorted(seq[answers - 1]) == sorted(stated)  # Each asked once.
