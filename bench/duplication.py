@@ -112,14 +112,14 @@ PAIRS = 63  # --pairs: key/value pairs per recall sequence (at most 63).
 def batches(rng, batch: int, length: int):
   """Endless `(inputs, targets, weights)` of `--task`'s sequences."""
   if TASK == 'recall':
-    return recall_batches(rng, batch, length)
+    return recall_batches(rng, batch, length, PAIRS)
   return duplication_batches(rng, batch, length)
 
 
-def recall_batches(rng, batch: int, length: int):
+def recall_batches(rng, batch: int, length: int, pairs: int = 63):
   """Associative recall, the clean form of "look the fact up".
 
-  `0 k1 v1 ... kn vn 0 q1 a1 ... qn an`: n pairs (`--pairs`, at most
+  `0 k1 v1 ... kn vn 0 q1 a1 ... qn an`: n pairs (`pairs`, at most
   (length / 2 - 1) // 2 and 63) of a key (1..63, each at most once) and a
   value (64..127, drawn at random), then every key asked once in another
   random order, each followed by its value; zero padding fills each half
@@ -135,9 +135,9 @@ def recall_batches(rng, batch: int, length: int):
   1.0 on the answers `a_i`. Chance: 1/64.
   """
   half = length // 2
-  n = min((half - 1) // 2, PAIRS, 63)
+  n = min((half - 1) // 2, pairs, 63)
   weights = np.zeros((batch, length), np.float32)
-  weights[:, half + 2 : half + 1 + 2 * n : 2] = 1.0
+  weights[:, half + 2 : half + 2 + 2 * n : 2] = 1.0
   while True:
     seq = np.zeros((batch, length), np.int32)
     for b in range(batch):
@@ -367,6 +367,8 @@ def main(argv=None):
   )
   parser.add_argument('--as-peer', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.pairs < 1:
+    parser.error(f'--pairs {args.pairs}: give at least 1 (at most 63 are used)')
   global TRAX_ALONE, TASK, PAIRS
   TRAX_ALONE = args.trax_alone
   TASK, PAIRS = args.task, args.pairs

@@ -281,12 +281,7 @@ def test_associative_recall_answers_are_the_values_stated_before():
   from bench import duplication
 
   rng = np.random.default_rng(3)
-  old = duplication.TASK, duplication.PAIRS
-  try:
-    duplication.TASK, duplication.PAIRS = 'recall', 16
-    x, y, w = next(duplication.batches(rng, 3, 256))
-  finally:
-    duplication.TASK, duplication.PAIRS = old
+  x, y, w = next(duplication.recall_batches(rng, 3, 256, pairs=16))
   assert x.shape == y.shape == w.shape == (3, 256)
   assert (x == y).all() and (w.sum(axis=1) == 16).all()
   for seq, weights in zip(x, w):
