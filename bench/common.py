@@ -137,11 +137,16 @@ def to_text(conversations, markers, loss: str = 'ai') -> str:
   return '\n\n'.join(chatformat.format_conversation(c, markers) for c in convs)
 
 
-# Attention variants beside the shipped one ('lsh': gin/tiny.gin's
-# directed LSH block, then two local blocks) and 'full' (BENCHMARKS.md,
-# "Why LSH did not learn", "LSH first"); bench/positions.py and
-# bench/repeat.py use the same names.
+# Attention variants beside the shipped one ('lsh': gin/tiny.gin's local
+# block, directed LSH block, local block) and 'full' (BENCHMARKS.md, "Why
+# LSH did not learn", "LSH first", "Local, LSH, local"); bench/positions.py
+# and bench/repeat.py use the same names.
 VARIANTS = {
+  # The order shipped before "Local, LSH, local": LSH, then two local blocks.
+  'lsh-first': [
+    'ReformerLM.attention_type = '
+    '[@LSHSelfAttention, @SelfAttention, @SelfAttention]',
+  ],
   # Directed LSH in every block, no local blocks.
   'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
   # Trax's LSH (shared queries and keys only) in every block: the design

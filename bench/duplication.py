@@ -18,18 +18,21 @@ on the second half only:
 
 - `full`: full attention (`SelfAttention`, separate queries and keys) in
   every block;
-- `lsh`: as shipped (gin/tiny.gin): a directed LSH block (`lsh.directed`),
-  then two local blocks (`SelfAttention` within 32-token chunks and the
-  chunk before). The second `w` is `length / 2` tokens after the first,
-  beyond the local blocks' reach: only the LSH block can copy it;
+- `lsh`: as shipped (gin/tiny.gin): a local block (`SelfAttention`
+  within 32-token chunks and the chunk before), a directed LSH block
+  (`lsh.directed`), a local block. The second `w` is `length / 2`
+  tokens after the first, beyond the local blocks' reach: only the LSH
+  block can copy it;
+- `lsh-first`: the order shipped before (LSH, local, local);
 - `lsh-only`: directed LSH in every block, `--train-hashes` hashes;
 - `lsh-shared`: Trax's LSH as it is (shared queries and keys only) in
   every block.
 
-`lsh-second` (local, LSH, local) and `lsh-alternate` (LSH, local, LSH)
-place the LSH block after a local one. `--task recall` trains the same
-variants on associative recall instead (`recall_batches`: a value looked
-up by the key stated before it; `--pairs` per sequence).
+`lsh-second` (local, LSH, local: the shipped order by name) and
+`lsh-alternate` (LSH, local, LSH) place the LSH block after a local
+one. `--task recall` trains the same variants on associative recall
+instead (`recall_batches`: a value looked up by the key stated before
+it; `--pairs` per sequence).
 
 `--trax-alone` builds `trax.models.ReformerLM` directly instead (Trax's
 own axial start; the same gin settings, Trax's Loop and loss).
@@ -80,12 +83,18 @@ VARIANTS = {
     'SelfAttention.chunk_len = None',
     'SelfAttention.n_chunks_before = 0',
   ],
-  # As shipped (gin/tiny.gin): a directed LSH block, then two local ones.
+  # As shipped (gin/tiny.gin): local, directed LSH, local.
   'lsh': [*LOCAL],
+  # The order shipped before "Local, LSH, local": LSH, local, local.
+  'lsh-first': [
+    *LOCAL,
+    'ReformerLM.attention_type = '
+    '[@LSHSelfAttention, @SelfAttention, @SelfAttention]',
+  ],
   # Directed LSH in every block.
   'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
-  # A local block first, then LSH, then local: LSH can match what the
-  # first block gathered (the token before a value, for --task recall).
+  # A local block first, then LSH, then local (= gin/tiny.gin now): LSH
+  # can match what the first block gathered (the token before a value).
   'lsh-second': [
     *LOCAL,
     'ReformerLM.attention_type = '

@@ -8,9 +8,10 @@ Each training conversation is six turns of "Repeat river." answered by
 so the answer is the word three tokens back: the simplest use of context
 there is. The tiny model (gin/tiny.gin, context 128, no dropout, batch 8)
 is trained on it once per variant and attention (`--attention`): `full`
-(every position in view), `lsh` (as shipped: a directed LSH block with
-chunk 64 and 2 buckets, then two local blocks), or one of
-`bench/recall.py`'s VARIANTS (`lsh-only`, `lsh-shared`, `local-shared`):
+(every position in view), `lsh` (as shipped: a local block, a directed LSH
+block with chunk 64 and 2 buckets, a local block), or one of
+`bench/common.py`'s VARIANTS (`lsh-first`, `lsh-only`, `lsh-shared`,
+`local-shared`):
 
 - `trax`: axial positions drawn as Trax draws them (std 1.0, that is
   `positions.axial_init_scale = sqrt(d_model)`),

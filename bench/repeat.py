@@ -11,7 +11,8 @@
 2. Trains with `train.py` exactly as the README's quick start does
    (gin/tiny.gin, vocabulary 1000, batch 4, no dropout, peak rate 0.004,
    warmup 100), `--steps` steps: `lsh` is the shipped gin/tiny.gin (a
-   directed LSH block, then two local blocks), `lsh-only` directed LSH in
+   local block, a directed LSH block, a local block), `lsh-first` the
+   order before (LSH, local, local), `lsh-only` directed LSH in
    every block, `lsh-shared` Trax's LSH in every block (the design
    before), `local-shared` the shipped blocks with Trax's LSH, `full` full
    attention. `--bind` adds gin bindings to every run.
@@ -37,7 +38,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ATTENTION = {
-  'lsh': [],  # As shipped: a directed LSH block, then two local blocks.
+  'lsh': [],  # As shipped: a local block, a directed LSH block, a local block.
+  # The order shipped before "Local, LSH, local": LSH, then two local blocks.
+  'lsh-first': [
+    'ReformerLM.attention_type = '
+    '[@LSHSelfAttention, @SelfAttention, @SelfAttention]',
+  ],
   'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
   'lsh-shared': [
     'ReformerLM.attention_type = @LSHSelfAttention',
