@@ -1,6 +1,7 @@
 """What several benches share: the repository root on `sys.path`, the
 benchmark model's shape, and the attention benches' facts, variants and
-training run (bench/recall.py, bench/positions.py).
+training run (bench/recall.py, bench/positions.py; the variants also
+bench/repeat.py and bench/duplication.py).
 
 A bench script puts the repository root on `sys.path` (one line, as it
 must to import `src`) and then imports `bench.common`; benches never import

@@ -58,6 +58,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench import common  # noqa: E402
+
 VOCAB = 128  # Symbols 1..127 and the separator 0, as in the paper.
 
 # Kitaev et al. 2020, Table 2: accuracy on the duplication task (length
@@ -86,13 +88,9 @@ VARIANTS = {
   # As shipped (gin/tiny.gin): local, directed LSH, local.
   'lsh': [*LOCAL],
   # The order shipped before "Local, LSH, local": LSH, local, local.
-  'lsh-first': [
-    *LOCAL,
-    'ReformerLM.attention_type = '
-    '[@LSHSelfAttention, @SelfAttention, @SelfAttention]',
-  ],
+  'lsh-first': [*LOCAL, *common.VARIANTS['lsh-first']],
   # Directed LSH in every block.
-  'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
+  'lsh-only': common.VARIANTS['lsh-only'],
   # A local block first, then LSH, then local (= gin/tiny.gin now): LSH
   # can match what the first block gathered (the token before a value).
   'lsh-second': [
@@ -107,10 +105,7 @@ VARIANTS = {
     '[@LSHSelfAttention, @SelfAttention, @LSHSelfAttention]',
   ],
   # Trax's LSH (shared queries and keys only) in every block.
-  'lsh-shared': [
-    'ReformerLM.attention_type = @LSHSelfAttention',
-    'lsh.directed = False',
-  ],
+  'lsh-shared': common.VARIANTS['lsh-shared'],
 }
 
 

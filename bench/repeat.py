@@ -36,20 +36,13 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import common  # noqa: E402
 
 ATTENTION = {
   'lsh': [],  # As shipped: a local block, a directed LSH block, a local block.
-  # The order shipped before "Local, LSH, local": LSH, then two local blocks.
-  'lsh-first': [
-    'ReformerLM.attention_type = '
-    '[@LSHSelfAttention, @SelfAttention, @SelfAttention]',
-  ],
-  'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
-  'lsh-shared': [
-    'ReformerLM.attention_type = @LSHSelfAttention',
-    'lsh.directed = False',
-  ],
-  'local-shared': ['lsh.directed = False'],
+  **common.VARIANTS,  # lsh-first, lsh-only, lsh-shared, local-shared.
   'full': [
     'ReformerLM.attention_type = @SelfAttention',
     'SelfAttention.chunk_len = None',
