@@ -12,6 +12,16 @@
   python -m src.apps.convert subtitles  a.srt b.srt  data/films --gap 5 --trim
   python -m src.apps.convert to-messages data/           chats.jsonl
 
+A person's own chats, from the apps' exports (`--ai NAME`: whose messages
+the model learns to write; everyone else is the user):
+
+  python -m src.apps.convert whatsapp  "WhatsApp Chat with Sam.txt" data/me \
+      --ai "Alex Doe" --trim
+  python -m src.apps.convert telegram  result.json      data/me --ai "Alex"
+  python -m src.apps.convert discord   general.json     data/me --ai alex
+  python -m src.apps.convert messenger inbox/sam_1/message_*.json data/me \
+      --ai "Alex Doe" --gap 3h --names --redact
+
 Each importer (`src/data/importers/`, one module per format) writes
 `OUT/<input name>.txt` (one conversation per blank-line separated block)
 that `src.data.chatformat` accepts, and never overwrites a file. A record that
@@ -26,7 +36,7 @@ import argparse
 import sys
 
 from src.core.errors import UserError
-from src.data.importers import FORMATS, base
+from src.data.importers import CHATS, FORMATS, base, chatlog
 from src.data.importers.base import Options, Report
 from src.data.importers.chatterbot import chatterbot_files
 from src.data.importers.to_messages import to_messages
@@ -81,7 +91,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(
     prog='python -m src.apps.convert', description=__doc__.split('\n')[0]
   )
-  parser.add_argument('format', choices=[*FORMATS, 'to-messages'])
+  parser.add_argument('format', choices=[*FORMATS, *CHATS, 'to-messages'])
   parser.add_argument(
     'source',
     nargs='+',
@@ -126,19 +136,47 @@ def main(argv=None):
   parser.add_argument('--ai-prefix', default='Bot:', help='transcript')
   parser.add_argument(
     '--gap',
-    type=float,
-    default=5.0,
-    help='subtitles: a pause of more seconds starts a new conversation',
+    default=None,
+    metavar='DURATION',
+    help='a longer silence starts a new conversation: 45s, 90m, 6h, 2d (a '
+    'bare number is seconds) or never; default 5s for subtitles, 6h for '
+    'chat exports',
+  )
+  parser.add_argument(
+    '--ai',
+    action='append',
+    default=[],
+    metavar='NAME',
+    help='chat exports: whose messages become AI lines (the name as the '
+    'export writes it; repeat for several names); everyone else is the user',
+  )
+  parser.add_argument(
+    '--names',
+    action='store_true',
+    help='chat exports: user lines start with the speaker ("Sam: hi"), for '
+    'group chats',
+  )
+  parser.add_argument(
+    '--redact',
+    action='store_true',
+    help='chat exports: e-mail addresses, phone numbers and URLs become '
+    '<email>, <phone>, <url>',
   )
   args = parser.parse_args(argv)
+  if args.format in CHATS:
+    return _convert_chats(args)
+  if args.ai or args.names or args.redact:
+    raise UserError(
+      f'--ai, --names and --redact are for chat exports ({", ".join(CHATS)}),'
+      f' not {args.format}'
+    )
   if args.format == 'to-messages':
     if len(args.source) != 1:
       raise UserError('to-messages takes one data file or folder')
     report = to_messages(args.source[0], args.out)
     print(f'{args.format}: {report.summary()} -> {args.out}')
     return 0
-  if args.gap <= 0:
-    raise UserError(f'--gap {args.gap}: must be above 0 seconds (e.g. 5)')
+  gap = 5.0 if args.gap is None else chatlog.parse_gap(args.gap)
   sources = skip(FORMATS[args.format].sources(args.source), args.skip)
   total = Report()
   for source in sources:
@@ -153,11 +191,34 @@ def main(argv=None):
         ai_side=args.ai_side,
         user_prefix=args.user_prefix,
         ai_prefix=args.ai_prefix,
-        gap=args.gap,
+        gap=gap,
       )
     )
   print(
     f'{args.format}: {len(sources)} file(s): {total.summary()} -> {args.out}'
+  )
+  return 0
+
+
+def _convert_chats(args) -> int:
+  if args.skip:
+    raise UserError('--skip is for dataset formats; name the exports to read')
+  opts = chatlog.ChatOptions(
+    ai=tuple(a for a in args.ai if a.strip()),
+    gap=(
+      chatlog.DEFAULT_GAP if args.gap is None else chatlog.parse_gap(args.gap)
+    ),
+    names=args.names,
+    redact=args.redact,
+    trim=args.trim,
+    strict=args.strict,
+  )
+  report = chatlog.convert(
+    CHATS[args.format], args.source, args.out, opts, base.warn_stderr
+  )
+  print(
+    f'{args.format}: {len(args.source)} file(s): {report.summary(opts.ai)} '
+    f'-> {args.out}'
   )
   return 0
 

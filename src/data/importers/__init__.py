@@ -3,7 +3,10 @@
 Every importer yields `(where, turns)` pairs: `where` names the record
 (`file:line` or `file[index]`), `turns` is a list of `(role, text)` or
 `(role, text, train)` tuples with the raw message text, or a `base.Skip`
-saying why the record does not fit. `base.write` turns them into one
+saying why the record does not fit (the dataset formats, `FORMATS`).
+The chat exports of messenger apps (`CHATS`) yield messages with their
+sender and time instead; `chatlog` chooses the sides and the
+conversations. `base.write` turns them into one
 line-format file with the same warnings, summary, `--strict` and `--trim`
 for every format. `python -m src.apps.convert` is the shared command line.
 """
@@ -11,10 +14,14 @@ for every format. `python -m src.apps.convert` is the shared command line.
 from src.data.importers import (
   chatterbot,
   cornell,
+  discord,
   messages,
+  messenger,
   subtitles,
   taskmaster,
+  telegram,
   transcript,
+  whatsapp,
 )
 
 # Format name -> module with `sources(inputs) -> [source]`,
@@ -27,4 +34,15 @@ FORMATS = {
   'cornell': cornell,
   'taskmaster': taskmaster,
   'subtitles': subtitles,
+}
+
+# A person's own chat exports: module with `sources(inputs) -> [Source]`,
+# `items(source, warn) -> iterator of Chat | Message | Drop`, written by
+# `chatlog.convert` with `--ai`, `--gap`, `--names`, `--redact`.
+CHATS = {
+  'whatsapp': whatsapp,
+  'telegram': telegram,
+  'discord': discord,
+  'messenger': messenger,
+  'instagram': messenger,
 }

@@ -1,0 +1,443 @@
+"""A person's own chat exports into the line format: whose voice the model
+learns, where a conversation ends, what is kept and what the app wrote.
+
+The messenger importers (`whatsapp`, `telegram`, `discord`, `messenger`)
+each turn one export into a stream of items: `Chat` (a new chat begins),
+`Message` (a person wrote it) or `Drop` (the app wrote it: a media
+placeholder, a deleted message, a call, a notice). `convert` reads every
+export given, writes each as `OUT/<name>.txt`, and keeps nothing when any
+of them fails: the files are written under temporary names and moved into
+place only when all are done (an existing file is never replaced).
+
+Memory stays bounded by one message, whatever the export's size: lines are
+written as soon as the other side talks, and a conversation that must be
+dropped whole (it ends with someone else talking, without `--trim`) is cut
+from the file by truncating back to where it began.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import math
+import os
+import re
+import stat
+import tempfile
+import unicodedata
+
+from src.core.errors import UserError
+from src.data import chatformat
+from src.data.importers import wording
+from src.data.importers.base import AI, USER, Skip, clean_message
+
+# A message longer than this (characters) is dropped with a warning: no
+# chat message is, and it bounds what one message can hold in memory.
+MAX_MESSAGE = 1 << 20
+# Default silence that starts a new conversation in a messenger chat.
+DEFAULT_GAP = 6 * 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Chat:
+  """A new chat (a thread, a channel) starts: a conversation ends here."""
+
+  name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+  """What a person wrote."""
+
+  where: str  # file:line or file[index]
+  time: float | None  # Seconds (any epoch); None if the export has none.
+  sender: str
+  text: str
+  alias: str = ''  # Another name `--ai` may use (a user name, an id).
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+  """What the app wrote (or nobody can read): counted, never written."""
+
+  kind: str  # 'media', 'deleted', 'call', 'system notice', ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+  ai: tuple[str, ...] = ()  # Names whose messages become AI lines.
+  gap: float = DEFAULT_GAP  # Seconds of silence that end a conversation.
+  names: bool = False  # User lines carry "Name: text".
+  redact: bool = False  # E-mail addresses, phone numbers, URLs replaced.
+  trim: bool = False  # Drop a trailing user turn instead of the whole.
+  strict: bool = False  # Stop at the first message that does not fit.
+  markers: chatformat.Markers = dataclasses.field(
+    default_factory=chatformat.Markers
+  )
+
+
+@dataclasses.dataclass
+class ChatReport:
+  """What one conversion kept and dropped, for the summary."""
+
+  conversations: int = 0
+  turns: int = 0
+  characters: int = 0
+  messages: collections.Counter = dataclasses.field(
+    default_factory=collections.Counter
+  )  # Sender -> messages kept.
+  ai_messages: int = 0
+  dropped: collections.Counter = dataclasses.field(
+    default_factory=collections.Counter
+  )  # Kind -> messages the app wrote.
+  skipped: collections.Counter = dataclasses.field(
+    default_factory=collections.Counter
+  )  # Reason -> conversations or messages left out.
+  redacted: collections.Counter = dataclasses.field(
+    default_factory=collections.Counter
+  )
+
+  def add(self, other: ChatReport):
+    for field in dataclasses.fields(self):
+      mine = getattr(self, field.name)
+      if isinstance(mine, collections.Counter):
+        mine.update(getattr(other, field.name))
+      else:
+        setattr(self, field.name, mine + getattr(other, field.name))
+
+  def summary(self, ai: tuple[str, ...] = ()) -> str:
+    text = (
+      f'{self.conversations} conversations, {self.turns} turns, '
+      f'{self.characters} characters'
+    )
+    people = [
+      f'{name} {n}' + (' (AI)' if _matches(name, '', ai) else '')
+      for name, n in self.messages.most_common(8)
+    ]
+    if len(self.messages) > 8:
+      people.append(f'{len(self.messages) - 8} more')
+    if people:
+      text += '; messages: ' + ', '.join(people)
+    if self.dropped:
+      text += '; dropped (the app wrote them): ' + ', '.join(
+        f'{n} {kind}' for kind, n in self.dropped.most_common()
+      )
+    if self.redacted:
+      text += '; redacted: ' + ', '.join(
+        f'{n} {kind}' for kind, n in self.redacted.most_common()
+      )
+    if self.skipped:
+      text += '; left out: ' + ', '.join(
+        f'{n} {why}' for why, n in self.skipped.most_common()
+      )
+    return text
+
+
+def parse_gap(text: str) -> float:
+  """`--gap`: '6h', '90m', '45s', '2d', a bare number of seconds, or
+  'never' (infinite)."""
+  value = text.strip().lower()
+  if value == 'never':
+    return math.inf
+  m = re.fullmatch(r'(\d+(?:\.\d+)?)\s*([smhd]?)', value)
+  if not m or float(m.group(1)) <= 0:
+    raise UserError(
+      f'--gap {text}: write a duration above 0 with its unit (45s, 90m, 6h, '
+      '2d; a bare number is seconds) or "never"'
+    )
+  unit = {'': 1, 's': 1, 'm': 60, 'h': 3600, 'd': 86400}[m.group(2)]
+  return float(m.group(1)) * unit
+
+
+def _key(name: str) -> str:
+  return unicodedata.normalize('NFC', wording.clean_name(name)).casefold()
+
+
+def _matches(sender: str, alias: str, ai: tuple[str, ...]) -> bool:
+  keys = {_key(a) for a in ai}
+  return _key(sender) in keys or (bool(alias) and _key(alias) in keys)
+
+
+# Redaction. URLs first (they hold digits and "@"), then e-mail addresses,
+# then phone numbers: 7 to 15 digits with the usual separators, not a date
+# or a time.
+_URL = re.compile(r'\b(?:https?://|www\.)[^\s<>"\']+', re.IGNORECASE)
+_EMAIL = re.compile(
+  r'\b[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[a-z]{2,}\b', re.IGNORECASE
+)
+_PHONE = re.compile(r'(?<![\w+])(?:\+|\b)\d(?:[ ./-]?\(?\d\)?){6,16}(?![\w])')
+_DATE_LIKE = re.compile(r'\d{1,4}([./-])\d{1,2}\1\d{1,4}')
+
+
+def redact(text: str, counts: collections.Counter) -> str:
+  """`text` with e-mail addresses, phone numbers and URLs replaced by
+  `<email>`, `<phone>` and `<url>`; `counts` counts each kind."""
+
+  def sub(kind):
+    def replace(m):
+      counts[kind] += 1
+      return f'<{kind}>'
+
+    return replace
+
+  def phone(m):
+    found = m.group(0)
+    digits = sum(ch.isdigit() for ch in found)
+    if digits < 7 or digits > 15 or _DATE_LIKE.fullmatch(found):
+      return found
+    counts['phone'] += 1
+    return '<phone>'
+
+  text = _URL.sub(sub('url'), text)
+  text = _EMAIL.sub(sub('email'), text)
+  return _PHONE.sub(phone, text)
+
+
+def open_input(path: str):
+  """An export file opened for reading (binary): a regular file, never
+  through a link; else a `UserError` that says what to give instead."""
+  flags = (
+    os.O_RDONLY | getattr(os, 'O_NOFOLLOW', 0) | getattr(os, 'O_NONBLOCK', 0)
+  )
+  try:
+    fd = os.open(path, flags)
+  except FileNotFoundError:
+    raise UserError(f'{path}: no such file') from None
+  except OSError as e:
+    if e.errno == errno.ELOOP or os.path.islink(path):
+      raise UserError(
+        f'{path}: is a symbolic link; give the export file itself (copy it '
+        'here with cp -L)'
+      ) from None
+    raise UserError(f'{path}: cannot be read ({e.strerror})') from None
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    what = 'a folder' if os.path.isdir(path) else 'not a regular file'
+    raise UserError(f'{path}: is {what}; give the exported chat file')
+  return os.fdopen(fd, 'rb')
+
+
+class _Writer:
+  """Writes one export's conversations into an open text file, merging
+  each side's consecutive messages into one line and cutting a
+  conversation that may not be kept."""
+
+  def __init__(self, f, opts: ChatOptions, report: ChatReport, warn):
+    self.f, self.opts, self.report, self.warn = f, opts, report, warn
+    self.written = 0  # Conversations in the file.
+    self._reset()
+
+  def _reset(self):
+    self.start = self.f.tell()
+    self.role = None  # Side of the pending turn.
+    self.parts: list[str] = []
+    self.speaker = None  # Last speaker of the pending turn.
+    self.lines = 0
+    self.chars = 0
+    self.has_ai = False
+    self.any = False
+
+  def add(self, message: Message, role: str):
+    try:
+      line = clean_message(message.text, self.opts.markers)
+    except Skip as e:
+      if self.opts.strict:
+        raise UserError(f'{message.where}: {e}') from None
+      self.warn(f'{message.where}: left out: {e}')
+      self.report.skipped[f'messages with {str(e).split(" ")[-1]}'] += 1
+      return
+    self.any = True
+    if role != self.role:
+      self._flush()
+      self.role, self.speaker = role, None
+    if self.opts.names and role == USER and message.sender != self.speaker:
+      line = f'{message.sender}: {line}'
+    self.speaker = message.sender
+    self.parts.append(line)
+
+  def _flush(self):
+    if not self.parts:
+      return
+    m = self.opts.markers
+    text = f' {m.line_break} '.join(self.parts)
+    if self.lines == 0 and self.written:
+      self.f.write('\n')  # The blank line between conversations.
+    if self.role == AI:
+      self.f.write(f'{m.ai_start} {text} {m.ai_end}\n')
+      self.has_ai = True
+    else:
+      self.f.write(text + '\n')
+    self.lines += 1
+    self.chars += len(text)
+    self.parts = []
+
+  def end(self):
+    """Ends the conversation: kept if the AI talks last (or `--trim` can
+    make it so), else cut from the file."""
+    if self.role == AI:
+      self._flush()
+    elif self.parts and not self.opts.trim:
+      self._cut('conversations ending on a user turn (--trim keeps them)')
+      return
+    if not self.has_ai:
+      if self.any:
+        self._cut('conversations without an AI message')
+      else:
+        self._reset()
+      return
+    self.written += 1
+    self.report.conversations += 1
+    self.report.turns += self.lines
+    self.report.characters += self.chars
+    self._reset()
+
+  def _cut(self, why: str):
+    self.report.skipped[why] += 1
+    self.f.seek(self.start)
+    self.f.truncate()
+    self._reset()
+
+
+def write_chat(items, f, opts: ChatOptions, report: ChatReport, warn):
+  """Writes the conversations of one export's `items` (see the module
+  docstring) into the open text file `f`."""
+  writer = _Writer(f, opts, report, warn)
+  last = None
+  for item in items:
+    if isinstance(item, Drop):
+      report.dropped[item.kind] += 1
+      continue
+    if isinstance(item, Chat):
+      writer.end()
+      last = None
+      continue
+    text = item.text
+    if len(text) > MAX_MESSAGE:
+      warn(f'{item.where}: left out: longer than {MAX_MESSAGE} characters')
+      report.skipped['messages too long'] += 1
+      continue
+    if opts.redact:
+      text = redact(text, report.redacted)
+    if item.time is not None:
+      if last is not None and item.time - last > opts.gap:
+        writer.end()
+      last = item.time
+    ai = _matches(item.sender, item.alias, opts.ai)
+    report.messages[item.sender] += 1
+    report.ai_messages += ai
+    writer.add(dataclasses.replace(item, text=text), AI if ai else USER)
+  writer.end()
+
+
+def _participants(report: ChatReport) -> str:
+  found = report.messages.most_common()
+  shown = ', '.join(f'"{name}" ({n} messages)' for name, n in found[:20])
+  if len(found) > 20:
+    shown += f' and {len(found) - 20} more'
+  return shown
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One export to convert: what to read and the output's name."""
+
+  paths: tuple[str, ...]  # Files read together (Messenger's message_N).
+  name: str  # Output file name without .txt.
+
+  @property
+  def shown(self) -> str:
+    return (
+      self.paths[0]
+      if len(self.paths) == 1
+      else os.path.dirname(self.paths[0])
+      + os.sep
+      + '{'
+      + ','.join(os.path.basename(p) for p in self.paths)
+      + '}'
+    )
+
+
+def convert(
+  module, inputs: list[str], out_dir: str, opts: ChatOptions, warn
+) -> ChatReport:
+  """Converts every export in `inputs` with the importer `module` (its
+  `sources(inputs) -> [Source]` and `items(source, warn) -> iterator`).
+  Writes `out_dir/<name>.txt` for each, all or none; returns the report."""
+  sources = module.sources(inputs)
+  names = collections.Counter()
+  targets = []
+  for source in sources:
+    names[source.name] += 1
+    name = source.name + (
+      f'-{names[source.name]}' if names[source.name] > 1 else ''
+    )
+    target = os.path.join(out_dir, name + '.txt')
+    if os.path.lexists(target):
+      raise UserError(
+        f'{target} exists; choose another output folder (nothing was written)'
+      )
+    targets.append(target)
+  created = not os.path.isdir(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  total = ChatReport()
+  staged: list[str] = []
+  try:
+    for source, target in zip(sources, targets):
+      fd, tmp = tempfile.mkstemp(
+        dir=out_dir, prefix='.' + os.path.basename(target), suffix='.partial'
+      )
+      staged.append(tmp)
+      report = ChatReport()
+      with os.fdopen(fd, 'w', encoding='utf-8', newline='\n') as f:
+        write_chat(module.items(source, warn), f, opts, report, warn)
+      if not report.messages:
+        raise UserError(
+          f'{source.shown}: no message a person wrote was found '
+          f'({report.summary()}); is it the right export?'
+        )
+      if not opts.ai:
+        raise UserError(
+          f'{source.shown}: say whose messages the model learns to write '
+          f'with --ai NAME; the participants are {_participants(report)}'
+        )
+      if not report.ai_messages:
+        raise UserError(
+          f'{source.shown}: --ai {" / ".join(opts.ai)} matches no one; the '
+          f'participants are {_participants(report)}'
+        )
+      if not report.conversations:
+        raise UserError(
+          f'{source.shown}: no conversation could be kept '
+          f'({report.summary(opts.ai)})'
+          + (
+            '' if opts.trim else '; --trim keeps those that end on a user turn'
+          )
+        )
+      total.add(report)
+    for tmp, target in zip(staged, targets):
+      _place(tmp, target)
+  except BaseException:
+    for tmp in staged:
+      if os.path.lexists(tmp):
+        os.remove(tmp)
+    if created and not os.listdir(out_dir):
+      os.rmdir(out_dir)
+    raise
+  return total
+
+
+def _place(tmp: str, target: str):
+  """Moves `tmp` to `target` unless `target` exists (then a UserError)."""
+  try:
+    os.link(tmp, target)
+  except FileExistsError:
+    raise UserError(f'{target} exists; choose another output folder') from None
+  except OSError:  # No hard links here: check, then rename.
+    if os.path.lexists(target):
+      raise UserError(
+        f'{target} exists; choose another output folder'
+      ) from None
+    os.rename(tmp, target)
+    return
+  os.remove(tmp)

@@ -1,0 +1,84 @@
+"""DiscordChatExporter's JSON export of a channel or a direct-message chat.
+
+  {"channel": {"name": "general"}, "messages": [
+    {"id": "1", "type": "Default", "timestamp": "2024-03-01T18:02:11+00:00",
+     "content": "See you at 8", "author": {"name": "alice",
+     "nickname": "Alice"}, "attachments": []}]}
+
+Messages of type Default and Reply are what people wrote; every other type
+(joins, pins, calls, thread notices) is dropped as a notice, a message with
+no content (an attachment, a sticker, an embed only) as media. `--ai`
+matches the author's `name` or `nickname`; user lines with `--names` carry
+the nickname. Custom emoji (`<:wave:123>`) become `:wave:`. The file is
+read as a stream.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+
+from src.data.importers import jsonstream
+from src.data.importers.chatlog import Chat, Drop, Message, Source, open_input
+
+_EMOJI = re.compile(r'<a?:(\w{1,64}):\d{1,24}>')
+
+
+def sources(inputs: list[str]) -> list[Source]:
+  return [
+    Source((p,), os.path.splitext(os.path.basename(os.path.normpath(p)))[0])
+    for p in inputs
+  ]
+
+
+def _time(value) -> float | None:
+  if not isinstance(value, str):
+    return None
+  try:
+    when = datetime.datetime.fromisoformat(value)
+  except ValueError:
+    return None
+  if when.tzinfo is None:
+    when = when.replace(tzinfo=datetime.UTC)
+  return when.timestamp()
+
+
+def item(message, where: str):
+  """The `Message` or `Drop` for one exported message object."""
+  if not isinstance(message, dict):
+    return Drop('unreadable')
+  if message.get('type', 'Default') not in ('Default', 'Reply'):
+    return Drop('system notice')
+  content = message.get('content')
+  if not isinstance(content, str) or not content.strip():
+    return Drop('media')
+  author = message.get('author')
+  author = author if isinstance(author, dict) else {}
+  name = author.get('name') if isinstance(author.get('name'), str) else ''
+  nick = author.get('nickname')
+  nick = nick if isinstance(nick, str) and nick else name
+  if not nick:
+    return Drop('unreadable')
+  return Message(
+    where,
+    _time(message.get('timestamp')),
+    nick,
+    _EMOJI.sub(r':\1:', content),
+    name if name != nick else '',
+  )
+
+
+def items(source: Source, warn):
+  del warn
+  (path,) = source.paths
+  n = 0
+  with open_input(path) as f:
+    for _prefix, value in jsonstream.objects(
+      f, path, {'messages.item'}, {'messages'}
+    ):
+      if value is None:
+        yield Chat(source.name)
+      else:
+        yield item(value, f'{path}[{n}]')
+        n += 1

@@ -1,0 +1,234 @@
+"""Facebook Messenger and Instagram chats from Meta's "Download your
+information" (JSON): one folder per conversation with `message_1.json`,
+`message_2.json`, ...
+
+  {"participants": [{"name": "Alice"}, {"name": "Bob"}],
+   "messages": [{"sender_name": "Bob", "timestamp_ms": 1709316131000,
+                 "content": "See you at 8"}, ...]}
+
+Messages come newest first, split over several files: the files of one
+folder are read together and put in time order. Meta writes text as
+UTF-8 bytes escaped one by one (`\\u00c3\\u00a9` for é, four escapes for
+an emoji); that is repaired in messages and names. The newer layout
+(`senderName`, `timestamp`, `text`, `isUnsent`) is read too.
+
+Dropped and counted: messages with only an attachment (photos, videos,
+audio, a sticker, a GIF, a file), what Meta writes for them ("Alice sent an
+attachment."), calls, reactions ("Reacted ❤ to your message", "Liked a
+message"), unsent messages, and notices about the chat (names, nicknames,
+themes, members). A sender missing from `participants` still counts.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+
+from src.core import files
+from src.core.errors import UserError
+from src.data.importers.chatlog import Chat, Drop, Message, Source, open_input
+
+# Meta's files are split at about 10,000 messages (a few MB); a bigger
+# one is not an export.
+MAX_FILE = 256 * files.MB
+
+# What Meta writes, as (kind, pattern). A pattern that starts with a name
+# counts only when the name is the message's sender or "You": a person's
+# "my mum sent a photo" is kept.
+_NAMED = [
+  (
+    'media',
+    r'(?:sent an attachment|sent a photo|sent \d+ photos|'
+    r'sent a video|sent a voice message|sent an audio clip|sent a gif|'
+    r'sent a sticker|sent a link|sent a location|shared a location|'
+    r'shared a story|shared a post|shared a reel|sent a post|'
+    r'hat einen anhang gesendet|hat ein foto gesendet|envió un archivo '
+    r'adjunto|envió una foto|a envoyé une pièce jointe|a envoyé une photo|'
+    r'enviou um anexo|enviou uma foto|ha inviato un allegato|'
+    r'ha inviato una foto)\.?',
+  ),
+  ('deleted', r'unsent a message\.?'),
+  (
+    'call',
+    r'(?:started a (?:video |audio )?call|joined the (?:video |audio )?'
+    r'call|missed (?:a|your) (?:video |audio )?call|called you|started '
+    r'sharing video|started a video chat|joined the video chat)\.?',
+  ),
+  (
+    'reaction',
+    r'(?:reacted [^\n]{1,40} to (?:your|a) message|liked a '
+    r'message|waved at [^\n]{1,100})[.!]?',
+  ),
+  (
+    'system notice',
+    r'(?:named the group|changed the group photo|set the '
+    r'nickname|set (?:his|her|their|your) own nickname|set your nickname|'
+    r'cleared (?:the|his|her|their|your)(?: own)? nickname|set the emoji|'
+    r'changed the (?:chat )?theme|set the quick reaction|added [^\n]{1,200} '
+    r'to the group|removed [^\n]{1,200} from the group|left the group|'
+    r'created the group|pinned a message|changed the group name|turned (?:on|'
+    r'off) [^\n]{1,80}|made [^\n]{1,100} an admin|joined the group)'
+    r'[^\n]{0,200}',
+  ),
+]
+_BARE = [
+  (
+    'media',
+    r'(?:mentioned you in (?:their|his|her) story|replied to your '
+    r'story|sent an attachment)\.?',
+  ),
+  ('deleted', r'this message was unsent\.?|message unavailable'),
+  (
+    'call',
+    r'the (?:video chat|call) ended\.?|(?:video|audio) call ended\.?|'
+    r'missed (?:video |audio )?call',
+  ),
+  ('reaction', r'reacted [^\n]{1,40} to (?:your|a) message|liked a message'),
+  (
+    'system notice',
+    r'you are now connected on messenger\.?|say hi to your '
+    r'new facebook friend[^\n]{0,100}|you can now message and call each '
+    r'other[^\n]{0,200}|messages and calls are secured with end-to-end '
+    r'encryption[^\n]{0,200}',
+  ),
+]
+_NAMED_RE = [(k, re.compile(p, re.IGNORECASE)) for k, p in _NAMED]
+_BARE_RE = [(k, re.compile(p, re.IGNORECASE)) for k, p in _BARE]
+_MEDIA_KEYS = (
+  'photos',
+  'videos',
+  'audio_files',
+  'gifs',
+  'files',
+  'sticker',
+  'share',
+  'media',
+)
+
+
+def sources(inputs: list[str]) -> list[Source]:
+  """Files of one folder are one conversation, named after the folder
+  (Meta's `alice_123456`); other names stand alone."""
+  folders: dict[str, list[str]] = collections.defaultdict(list)
+  out = []
+  for path in inputs:
+    base = os.path.basename(path)
+    if re.fullmatch(r'message_\d+\.json', base):
+      folders[os.path.dirname(os.path.abspath(path))].append(path)
+    else:
+      out.append(Source((path,), os.path.splitext(base)[0]))
+  for folder, paths in folders.items():
+    paths.sort(key=lambda p: int(re.findall(r'\d+', os.path.basename(p))[0]))
+    out.append(Source(tuple(paths), os.path.basename(folder) or 'messenger'))
+  return out
+
+
+def repair(text: str) -> str:
+  """Meta's mis-encoded text (UTF-8 bytes read as Latin-1) made right;
+  text that is not mis-encoded comes back unchanged."""
+  try:
+    return text.encode('latin-1').decode('utf-8')
+  except (UnicodeEncodeError, UnicodeDecodeError):
+    return text
+
+
+def _kind(text: str, sender: str) -> str | None:
+  body = text.strip()
+  if len(body) > 500:
+    return None
+  for kind, pattern in _BARE_RE:
+    if pattern.fullmatch(body):
+      return kind
+  lower = body.lower()
+  for name in (sender.lower(), 'you'):
+    if lower.startswith(name + ' '):
+      rest = body[len(name) + 1 :]
+      for kind, pattern in _NAMED_RE:
+        if pattern.fullmatch(rest):
+          return kind
+  return None
+
+
+def _load(path: str) -> dict:
+  with open_input(path) as f:
+    data = f.read(MAX_FILE + 1)
+  if len(data) > MAX_FILE:
+    raise UserError(
+      f'{path}: more than {MAX_FILE // files.MB} MB, which no Meta message '
+      'file is; give the message_N.json files of a chat folder'
+    )
+  try:
+    text = data.decode('utf-8-sig')
+  except UnicodeDecodeError:
+    raise UserError(
+      f'{path}: not UTF-8 text; give the file Meta exported, unchanged'
+    ) from None
+  record = files.parse_json(text, path) if text.strip() else None
+  if not isinstance(record, dict) or not isinstance(
+    record.get('messages'), list
+  ):
+    raise UserError(
+      f'{path}: not a Messenger or Instagram chat (no "messages" list); in '
+      'Meta\'s "Download your information" choose JSON, then give '
+      'messages/inbox/NAME/message_1.json'
+    )
+  return record
+
+
+def _field(message: dict, *keys):
+  for key in keys:
+    if key in message:
+      return message[key]
+  return None
+
+
+def item(message, where: str, names: dict):
+  """(time, `Message` or `Drop`) for one exported message object."""
+  if not isinstance(message, dict):
+    return 0.0, Drop('unreadable')
+  time = _field(message, 'timestamp_ms', 'timestamp')
+  time = float(time) / 1000 if isinstance(time, (int, float)) else None
+  order = time if time is not None else 0.0
+  if _field(message, 'is_unsent', 'isUnsent') is True:
+    return order, Drop('deleted')
+  if message.get('type') == 'Call' or 'call_duration' in message:
+    return order, Drop('call')
+  sender = _field(message, 'sender_name', 'senderName')
+  sender = repair(sender) if isinstance(sender, str) and sender else ''
+  sender = names.get(sender, sender)
+  text = _field(message, 'content', 'text')
+  text = repair(text) if isinstance(text, str) else ''
+  if not text.strip():
+    has_media = any(message.get(k) for k in _MEDIA_KEYS)
+    return order, Drop('media' if has_media else 'empty')
+  if not sender:
+    return order, Drop('unreadable')
+  kind = _kind(text, sender)
+  if kind:
+    return order, Drop(kind)
+  return order, Message(where, time, sender, text)
+
+
+def items(source: Source, warn):
+  """Yields `Chat`, then the folder's messages in time order."""
+  del warn
+  found = []
+  for path in source.paths:
+    record = _load(path)
+    names = {}
+    for person in record.get('participants') or []:
+      name = person.get('name') if isinstance(person, dict) else person
+      if isinstance(name, str):
+        names[repair(name)] = repair(name)
+    mine = [
+      item(message, f'{path}[{i}]', names)
+      for i, message in enumerate(record['messages'])
+    ]
+    if len(mine) > 1 and mine[0][0] > mine[-1][0]:
+      mine.reverse()  # Newest first, as Meta writes it.
+    found.extend(mine)
+  found.sort(key=lambda pair: pair[0])  # Stable: ties keep file order.
+  yield Chat(source.name)
+  for _, it in found:
+    yield it

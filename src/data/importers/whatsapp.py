@@ -1,0 +1,297 @@
+"""WhatsApp's "Export chat": the `.txt`, or the `.zip` that holds it.
+
+  Android:  12/03/2021, 14:22 - Alice: See you at 8?
+  iOS:      [12/03/21, 14:22:01] Alice: See you at 8?
+            ‎[12/03/21, 14:23:10] Bob: ‎image omitted
+
+Every locale's layout is read: the date as day, month and year in the
+locale's order (d/m/y, m/d/y or y-m-d) with `/`, `.` or `-`, a year of two
+or four digits; the time in 24 hours or 12 (AM/PM, am/pm, `a. m.`, with a
+space, a no-break or a narrow no-break space before it), with or without
+seconds. The date order is found from the file itself: a first field above
+12 is a day, and when every date fits both orders the one under which the
+chat runs forward in time is taken (day first when both do, as most
+locales write it). Lines without a timestamp continue the message above
+(its own line breaks). What the app wrote is dropped and counted: lines
+without a sender (group events, the encryption notice), iOS's text marked
+with U+200E, media placeholders, deleted messages and missed calls in
+English, German, Spanish, French, Portuguese, Italian and Dutch; the
+"<This message was edited>" mark is removed and the text kept.
+
+The file is read twice (once for the date order), line by line: memory does
+not grow with the export.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import re
+import zipfile
+
+from src.core.errors import UserError
+from src.data.importers import wording
+from src.data.importers.chatlog import Chat, Drop, Message, Source, open_input
+
+# A line longer than this (characters) is left out: no chat line is.
+MAX_LINE = 1 << 20
+# A zip member that inflates more than this many times its packed size is
+# refused: text compresses about 3-10 times, a zip bomb thousands.
+MAX_RATIO = 200
+
+_SP = r'[ \u00a0\u202f]'
+_DATE = r'(\d{1,4})([./-])(\d{1,2})\2(\d{1,4})\.?'
+_TIME = (
+  r'(\d{1,2})[:.](\d{2})(?:[:.](\d{2}))?'
+  rf'(?:{_SP}?([AaPp])\.?{_SP}?[Mm]\.?)?'
+)
+_MARK = '[\u200e\u200f\ufeff]*'
+ANDROID = re.compile(
+  rf'^{_MARK}{_DATE},?{_SP}+(?:um{_SP}+|à{_SP}+|a las{_SP}+)?{_TIME}'
+  rf'{_SP}*[-–]{_SP}(.*)$'
+)
+IOS = re.compile(rf'^{_MARK}\[{_DATE},?{_SP}+{_TIME}\]{_SP}*(.*)$')
+# Group events Android writes with a colon in them ("Alice changed the
+# subject from "Trip" to "Trip: day 2""): their "sender" is no name.
+_EVENT_SENDER = re.compile(
+  r'changed the (?:subject|group description|group name)|created group|'
+  r'hat den betreff|cambió el asunto|a modifié le sujet|mudou o assunto|'
+  r'ha cambiato l\'oggetto|["“”]',
+  re.IGNORECASE,
+)
+_NOT_EXPORT = (
+  'is not a WhatsApp chat export (no line starts like "12/03/2021, 14:22 - '
+  'Name: text" or "[12/03/21, 14:22:01] Name: text"); in WhatsApp open the '
+  'chat, then More > Export chat, and give the .txt or .zip it makes'
+)
+
+
+def sources(inputs: list[str]) -> list[Source]:
+  """Each input (a .txt or .zip export) is one chat."""
+  out = []
+  for path in inputs:
+    name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+    if name in ('_chat', ''):
+      name = 'whatsapp'
+    out.append(Source((path,), name))
+  return out
+
+
+def _member(zf: zipfile.ZipFile, path: str) -> zipfile.ZipInfo:
+  """The chat text inside an export zip: `_chat.txt` (iOS), else the one
+  `.txt` (Android's "WhatsApp Chat with X.txt", in any language)."""
+  texts = [
+    i
+    for i in zf.infolist()
+    if not i.is_dir() and i.filename.lower().endswith('.txt')
+  ]
+  chosen = [i for i in texts if os.path.basename(i.filename) == '_chat.txt']
+  if not chosen:
+    chosen = (
+      texts
+      if len(texts) == 1
+      else [i for i in texts if 'whatsapp' in i.filename.lower()]
+    )
+  if len(chosen) != 1:
+    found = ', '.join(i.filename for i in texts[:5]) or 'no .txt file'
+    raise UserError(
+      f'{path}: holds {found}, not one chat file (_chat.txt or "WhatsApp Chat '
+      'with NAME.txt"); give the zip WhatsApp made, or the .txt inside it'
+    )
+  info = chosen[0]
+  if info.flag_bits & 0x1:
+    raise UserError(f'{path}: {info.filename} is encrypted; unzip it first')
+  if info.file_size > MAX_RATIO * max(info.compress_size, 1) and (
+    info.file_size > 1 << 20
+  ):
+    raise UserError(
+      f'{path}: {info.filename} would inflate {info.file_size} bytes from '
+      f'{info.compress_size} (more than {MAX_RATIO}x): not a chat export; '
+      'export the chat again'
+    )
+  return info
+
+
+class _Lines:
+  """Opens an export (.txt, or the chat inside a .zip) as numbered lines,
+  each at most MAX_LINE characters; can be opened again."""
+
+  def __init__(self, path: str):
+    self.path = path
+
+  def __iter__(self):
+    with open_input(self.path) as raw:
+      if zipfile.is_zipfile(raw):
+        raw.seek(0)
+        try:
+          with zipfile.ZipFile(raw) as zf:
+            info = _member(zf, self.path)
+            with zf.open(info) as member:
+              yield from self._read(member, f'{self.path}:{info.filename}')
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as e:
+          raise UserError(
+            f'{self.path}: a damaged zip ({e}); export the chat again'
+          ) from None
+        return
+      raw.seek(0)
+      yield from self._read(raw, self.path)
+
+  @staticmethod
+  def _read(binary, where: str):
+    text = io.TextIOWrapper(binary, encoding='utf-8-sig', newline='')
+    no = 0
+    while True:
+      try:
+        line = text.readline(MAX_LINE)
+      except UnicodeDecodeError:
+        raise UserError(
+          f'{where}:{no + 1}: not UTF-8 text; WhatsApp exports are UTF-8: '
+          'give the file WhatsApp made, unchanged'
+        ) from None
+      if not line:
+        return
+      no += 1
+      if len(line) == MAX_LINE and not line.endswith(('\n', '\r')):
+        while line and not line.endswith(('\n', '\r')):
+          line = text.readline(MAX_LINE)
+        yield no, where, None  # Too long to be a chat line.
+        continue
+      yield no, where, line.rstrip('\r\n')
+
+
+def _header(line: str):
+  """(layout, match) for a line that starts a message, else None."""
+  for layout, pattern in (('ios', IOS), ('android', ANDROID)):
+    m = pattern.match(line)
+    if m:
+      return layout, m
+  return None
+
+
+def _order(path: str) -> tuple[str, str]:
+  """The file's layout ('ios' or 'android') and date order ('dmy', 'mdy',
+  'ymd'), read from the whole file (see the module docstring)."""
+  layouts = {'ios': 0, 'android': 0}
+  possible = {'dmy': True, 'mdy': True}
+  backwards = {'dmy': 0, 'mdy': 0}
+  last = {'dmy': None, 'mdy': None}
+  ymd = 0
+  for _, _, line in _Lines(path):
+    found = line is not None and _header(line)
+    if not found:
+      continue
+    layout, m = found
+    layouts[layout] += 1
+    a, _, b, c = m.group(1, 2, 3, 4)
+    if len(a) == 4:
+      ymd += 1
+      continue
+    a, b, c = int(a), int(b), int(c)
+    for order, (day, month) in (('dmy', (a, b)), ('mdy', (b, a))):
+      if month > 12 or day > 31 or not month or not day:
+        possible[order] = False
+        continue
+      key = (c, month, day)
+      if last[order] is not None and key < last[order]:
+        backwards[order] += 1
+      last[order] = key
+  if not any(layouts.values()):
+    raise UserError(f'{path}: {_NOT_EXPORT}')
+  layout = max(layouts, key=layouts.get)
+  if ymd and ymd >= sum(layouts.values()) / 2:
+    return layout, 'ymd'
+  candidates = [o for o in ('dmy', 'mdy') if possible[o]] or ['dmy']
+  return layout, min(candidates, key=lambda o: (backwards[o], o != 'dmy'))
+
+
+def _time(m, order: str) -> float | None:
+  """Seconds since the epoch (as if UTC) of a header, or None if it is
+  not a real date and time."""
+  a, _, b, c, hh, mm, ss, ampm = m.groups()[:8]
+  a, b, c = int(a), int(b), int(c)
+  year, month, day = {'dmy': (c, b, a), 'mdy': (c, a, b), 'ymd': (a, b, c)}[
+    order
+  ]
+  if year < 100:
+    year += 2000
+  hour = int(hh)
+  if ampm:
+    if hour > 12:
+      return None
+    hour = hour % 12 + (12 if ampm in 'Pp' else 0)
+  try:
+    when = datetime.datetime(
+      year,
+      month,
+      day,
+      hour,
+      int(mm),
+      int(ss or 0),
+      tzinfo=datetime.UTC,
+    )
+  except ValueError:
+    return None
+  return when.timestamp()
+
+
+def _finish(current):
+  """The item for a message whose lines are all read."""
+  where, time, sender, lines, app = current
+  text = '\n'.join(lines)
+  if sender is None:
+    return Drop('system notice')
+  if app:  # iOS marks what the app wrote with U+200E.
+    kind = wording.kind(text)
+    if kind is None and wording.CALL_LOG.match(text.strip(wording.MARKS)):
+      kind = 'call'
+    return Drop(kind or 'system notice')
+  text = wording.strip_edited(text)
+  kind = wording.kind(text)
+  if kind:
+    return Drop(kind)
+  if not text.strip(wording.MARKS + ' '):
+    return Drop('empty')
+  return Message(where, time, sender, text)
+
+
+def items(source: Source, warn):
+  """Yields `Chat`, then a `Message` or `Drop` per message, in file
+  order."""
+  (path,) = source.paths
+  layout, order = _order(path)
+  pattern = IOS if layout == 'ios' else ANDROID
+  yield Chat(source.name)
+  current = None  # [where, time, sender, lines, app]
+  too_long = 0
+  for no, where, line in _Lines(path):
+    if line is None:
+      too_long += 1
+      warn(f'{where}:{no}: left out: a line of over {MAX_LINE} characters')
+      continue
+    m = pattern.match(line)
+    time = _time(m, order) if m else None
+    if time is None:
+      if current is not None:
+        current[3].append(line)
+        if sum(len(part) for part in current[3]) > 4 * MAX_LINE:
+          warn(
+            f'{current[0]}: left out: a message of over '
+            f'{4 * MAX_LINE} characters'
+          )
+          yield Drop('too long')
+          current = None
+      continue
+    if current is not None:
+      yield _finish(current)
+    rest = m.group(9)
+    sender, sep, body = rest.partition(': ')
+    if not sep and rest.endswith(':'):
+      sender, sep, body = rest[:-1], ':', ''
+    if not sep or _EVENT_SENDER.search(sender) or len(sender) > 100:
+      current = [f'{where}:{no}', time, None, [rest], False]
+      continue
+    app = body.startswith('\u200e')
+    current = [f'{where}:{no}', time, wording.clean_name(sender), [body], app]
+  if current is not None:
+    yield _finish(current)

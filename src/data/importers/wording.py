@@ -1,0 +1,175 @@
+"""What messenger apps write into a chat export that no person wrote.
+
+Each entry is the app's wording in English, German, Spanish, French,
+Portuguese and Italian (and a few more where known), matched against a whole
+message after its ends are stripped. `kind(text)` names what a message is
+when the app wrote it ('media', 'deleted', 'call', 'system notice') and
+`None` when a person did; `strip_edited(text)` removes the "edited" mark
+that WhatsApp appends and keeps the text.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Whole-message placeholders for a photo, video, voice note, sticker, GIF,
+# document or contact that the export left out, and attachment names.
+_MEDIA = [
+  # Android: "<Media omitted>" and its translations.
+  r'<(?:media omitted|medien ausgeschlossen|medien weggelassen|'
+  r'multimedia omitido|archivo multimedia omitido|médias omis|'
+  r'fichier multimédia omis|mídia oculta|arquivo de mídia oculto|'
+  r'media omessi|media weggelaten|multimedia omesso)>',
+  r'<(?:view once|einmalige ansicht|ver una vez|vue unique|visualização '
+  r'única|visualizza una volta)[^<>]{0,40}(?:omitted|weggelassen|omitid[oa]|'
+  r'omis|omise|ocultad[oa]|omess[oa])>',
+  # iOS: "image omitted", "sticker omitted" ... in each language.
+  r'(?:image|video|audio|sticker|gif|document|contact card|'
+  r'bild|audio|dokument|kontaktkarte|'
+  r'imagen|vídeo|tarjeta de contacto|'
+  r'vidéo|autocollant|fiche contact|'
+  r'imagem|figurinha|cartão de contato|'
+  r'immagine|scheda contatto|documento)'
+  r' (?:omitted|weggelassen|omitid[oa]|absente?|omise?|omis|'
+  r'ocultad[oa]|omess[oa])',
+  r'(?:gif|sticker|audio|video|document|documento|dokument) ?'
+  r'(?:omitted|weggelassen|omitid[oa]|omis|omess[oa]|ocultad[oa])',
+  # iOS attachment lines: "<attached: 00000012-PHOTO-2021-03-04.jpg>".
+  r'<(?:attached|anhang|adjunto|pièce jointe|joint|anexado|anexo|'
+  r'allegato|bijlage): [^<>]{1,300}>',
+  # Android with media: "IMG-20210304-WA0001.jpg (file attached)".
+  r'[^\n]{1,300}\.\w{1,5} \((?:file attached|datei angehängt|archivo '
+  r'adjunto|fichier joint|arquivo anexado|file allegato|bestand '
+  r'bijgevoegd)\)',
+  # Shared locations.
+  r'(?:location|standort|ubicación|position|localização|posizione): '
+  r'https?://\S+',
+  r'(?:live location shared|live-standort wird geteilt|ubicación en tiempo '
+  r'real compartida|position en direct partagée|localização em tempo real '
+  r'compartilhada|posizione in tempo reale condivisa)',
+]
+
+# "This message was deleted" (by the other person) and "You deleted this
+# message", and messages the phone never received.
+_DELETED = [
+  r'this message was deleted\.?',
+  r'you deleted this message\.?',
+  r'diese nachricht wurde gelöscht\.?',
+  r'du hast diese nachricht gelöscht\.?',
+  r'se eliminó este mensaje\.?',
+  r'eliminaste este mensaje\.?',
+  r'este mensaje fue eliminado\.?',
+  r'ce message a été supprimé\.?',
+  r'vous avez supprimé ce message\.?',
+  r'tu as supprimé ce message\.?',
+  r'essa mensagem foi apagada\.?',
+  r'esta mensagem foi apagada\.?',
+  r'mensagem apagada\.?',
+  r'você apagou esta mensagem\.?',
+  r'você apagou essa mensagem\.?',
+  r'questo messaggio è stato eliminato\.?',
+  r'hai eliminato questo messaggio\.?',
+  r'dit bericht is verwijderd\.?',
+  r'je hebt dit bericht verwijderd\.?',
+  r'waiting for this message\. this may take a while\.?',
+  r'warte auf diese nachricht\.[^\n]{0,60}',
+  r'esperando el mensaje\.[^\n]{0,60}',
+  r'en attente de ce message\.[^\n]{0,60}',
+  r'aguardando mensagem\.[^\n]{0,60}',
+  r'in attesa di questo messaggio\.[^\n]{0,60}',
+]
+
+# Calls the app logged as messages.
+_CALL = [
+  r'missed (?:voice|video|group voice|group video) call',
+  r'verpasster (?:sprach|video|gruppen)?anruf',
+  r'(?:llamada|videollamada|llamada de voz) perdida',
+  r'appel (?:vocal |vidéo |de groupe )?manqué',
+  r'chamada de (?:voz|vídeo) perdida',
+  r'(?:chiamata vocale|videochiamata|chiamata) persa',
+]
+# A call line iOS writes (after its U+200E mark): "Voice call, 3 min".
+CALL_LOG = re.compile(
+  r'(?:voice call|video call|sprachanruf|videoanruf|llamada de voz|'
+  r'videollamada|appel vocal|appel vidéo|chamada de voz|chamada de vídeo|'
+  r'chiamata vocale|videochiamata)\b',
+  re.IGNORECASE,
+)
+
+# Notices about the chat itself that can come under a sender's name (iOS
+# writes them under the chat's name). Android writes group events without
+# a sender, and iOS marks its own text with U+200E: the importers drop
+# those whatever they say, so group events need no list here, and a
+# person's "I left early" is never taken for one.
+_SYSTEM = [
+  r'messages (?:and calls )?are end-to-end encrypted\.[^\n]*',
+  r'nachrichten und anrufe sind ende-zu-ende-verschlüsselt\.[^\n]*',
+  r'los mensajes y las llamadas están cifrados de extremo a extremo\.'
+  r'[^\n]*',
+  r'les messages et les appels sont chiffrés de bout en bout\.[^\n]*',
+  r'as mensagens e as chamadas são protegidas com a criptografia de ponta '
+  r'a ponta[^\n]*',
+  r'i messaggi e le chiamate sono crittografati end-to-end\.[^\n]*',
+  r'(?:your )?security code (?:with [^\n]{1,80} )?changed\.[^\n]*',
+  r'(?:dein |ihr )?sicherheitsnummer[^\n]{0,80}geändert\.[^\n]*',
+  r'this chat is with a business account\.[^\n]*',
+  r'disappearing messages (?:were|are) [^\n]*',
+  r'[^\n]{0,80} turned (?:on|off) disappearing messages\.[^\n]*',
+]
+
+_KINDS = [
+  ('deleted', _DELETED),
+  ('call', _CALL),
+  ('media', _MEDIA),
+  ('system notice', _SYSTEM),
+]
+_COMPILED = [
+  (name, re.compile('(?:' + '|'.join(pats) + r')\Z', re.IGNORECASE))
+  for name, pats in _KINDS
+]
+
+# "<This message was edited>" after a message's text, in each language.
+_EDITED = re.compile(
+  r'[\s\u200e]*<(?:this message was edited|diese nachricht wurde bearbeitet|'
+  r'se editó este mensaje\.?|este mensaje fue editado|ce message a été '
+  r'modifié|mensagem editada|essa mensagem foi editada|questo messaggio è '
+  r'stato modificato|dit bericht is bewerkt)>\s*\Z',
+  re.IGNORECASE,
+)
+
+# Direction and invisible marks an app puts around names and notices.
+MARKS = '\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069'
+MARKS += '\ufeff'
+# What a user may be sure is not text: the end of a message after them.
+_STRIP = MARKS + ' \t\u00a0\u202f'
+
+
+def kind(text: str, notices: tuple[str, ...] = ()) -> str | None:
+  """What the app wrote as `text` ('deleted', 'call', 'media', 'system
+  notice'), or None when a person wrote it. `notices` are extra
+  whole-message patterns of the format (its own wording)."""
+  body = text.strip(_STRIP)
+  if len(body) > 400:  # No app notice is this long.
+    return None
+  for name, pattern in _COMPILED:
+    if pattern.match(body):
+      return name
+  for pattern in notices:
+    if re.match(pattern + r'\Z', body, re.IGNORECASE):
+      return 'system notice'
+  return None
+
+
+def strip_edited(text: str) -> str:
+  """`text` without WhatsApp's trailing "<This message was edited>"."""
+  return _EDITED.sub('', text)
+
+
+def clean_name(name: str) -> str:
+  """A sender's name without direction marks, WhatsApp's "~ " prefix for
+  people not in the contacts, and spare spaces."""
+  name = ''.join(ch for ch in name if ch not in MARKS)
+  name = name.replace('\u00a0', ' ').replace('\u202f', ' ').strip()
+  if name.startswith('~'):
+    name = name[1:].strip()
+  return name
