@@ -112,7 +112,7 @@ class ChatReport:
       f'{self.characters} characters'
     )
     people = [
-      f'{name} {n}' + (' (AI)' if _matches(name, '', ai) else '')
+      f'{name}' + (' (AI)' if _matches(name, '', ai) else '') + f' {n}'
       for name, n in self.messages.most_common(8)
     ]
     if len(self.messages) > 8:
@@ -166,7 +166,7 @@ _URL = re.compile(r'\b(?:https?://|www\.)[^\s<>"\']+', re.IGNORECASE)
 _EMAIL = re.compile(
   r'\b[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[a-z]{2,}\b', re.IGNORECASE
 )
-_PHONE = re.compile(r'(?<![\w+])(?:\+|\b)\d(?:[ ./-]?\(?\d\)?){6,16}(?![\w])')
+_PHONE = re.compile(r'(?<![\w+(])(?:\+|\(|\b)\d(?:[ ./-]?\(?\d\)?){6,16}(?!\w)')
 _DATE_LIKE = re.compile(r'\d{1,4}([./-])\d{1,2}\1\d{1,4}')
 
 

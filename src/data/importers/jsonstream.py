@@ -39,7 +39,8 @@ def objects(binary, path: str, wanted: set[str], marks: set[str] = frozenset()):
           yield prefix, value
   except ijson.JSONError as e:
     raise UserError(
-      f'{path}: not valid JSON ({str(e)[:120]}); give the file the app '
+      f'{path}: not valid JSON ({str(e).splitlines()[0][:120]}); give the '
+      'file the app '
       'exported, unchanged'
     ) from None
   except UnicodeDecodeError:

@@ -1,0 +1,635 @@
+"""A person's own chat exports (WhatsApp, Telegram, Discord, Messenger,
+Instagram) into the line format, on fixtures written in the apps' layouts."""
+
+import json
+import os
+import zipfile
+
+import pytest
+
+from src.apps import convert
+from src.core.errors import UserError
+from src.data import chatformat
+from src.data.importers import chatlog
+
+LRM, NNBSP = '\u200e', '\u202f'
+
+
+def run(tmp_path, fmt, files, *flags, out='out'):
+  """Writes `files` ({name: text | bytes | dict}) and converts them; the
+  conversations of every written file, as [(role, text)] lists."""
+  paths = []
+  for name, content in files.items():
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, (dict, list)):
+      path.write_text(json.dumps(content), encoding='utf-8')
+    elif isinstance(content, bytes):
+      path.write_bytes(content)
+    else:
+      path.write_bytes(content.encode('utf-8'))
+    paths.append(str(path))
+  target = tmp_path / out
+  convert.main([fmt, *paths, str(target), *flags])
+  convs = []
+  for name in sorted(os.listdir(target)):
+    convs += chatformat.read_file(str(target / name))
+  return [[(t.role, t.text) for t in c.turns] for c in convs]
+
+
+def refused(tmp_path, fmt, files, *flags, out='out'):
+  """The one-line error for a conversion that must write nothing."""
+  with pytest.raises(UserError) as e:
+    run(tmp_path, fmt, files, *flags, out=out)
+  assert not (tmp_path / out).exists() or not os.listdir(tmp_path / out)
+  assert '\n' not in str(e.value)
+  return str(e.value)
+
+
+ANDROID_EN = (
+  '12/03/2021, 14:22 - Messages and calls are end-to-end encrypted. No one '
+  'outside of this chat, not even WhatsApp, can read or listen to them. Tap '
+  'to learn more.\r\n'
+  '12/03/2021, 14:22 - Sam Lee: Hey, are we still on for tonight?\r\n'
+  '12/03/2021, 14:23 - Alex Doe: Yes!\r\n'
+  'See you at 8\r\n'
+  '12/03/2021, 14:23 - Alex Doe: <Media omitted>\r\n'
+  '12/03/2021, 14:24 - Sam Lee: This message was deleted\r\n'
+  '12/03/2021, 14:25 - Sam Lee: Missed voice call\r\n'
+  '13/03/2021, 09:00 - Sam Lee: Morning! I left my keys at yours\r\n'
+  '13/03/2021, 09:01 - Alex Doe: Morning <This message was edited>\r\n'
+  '13/03/2021, 09:02 - Alex Doe: IMG-20210313-WA0001.jpg (file attached)\r\n'
+  '13/03/2021, 09:05 - Sam Lee: ok\r\n'
+)
+
+
+def test_whatsapp_android_speakers_splits_and_what_the_app_wrote(tmp_path):
+  convs = run(
+    tmp_path, 'whatsapp', {'chat.txt': ANDROID_EN}, '--ai', 'Alex Doe', '--trim'
+  )
+  assert convs == [
+    [
+      ('user', 'Hey, are we still on for tonight?'),
+      ('ai', 'Yes! |br| See you at 8'),
+    ],
+    [('user', 'Morning! I left my keys at yours'), ('ai', 'Morning')],
+  ]
+
+
+def test_whatsapp_without_trim_drops_conversations_ending_on_the_user(
+  tmp_path, capsys
+):
+  convs = run(
+    tmp_path, 'whatsapp', {'chat.txt': ANDROID_EN}, '--ai', 'alex doe'
+  )
+  assert len(convs) == 1
+  out = capsys.readouterr().out
+  assert '2 media' in out and '1 deleted' in out and '1 call' in out
+  assert '1 conversations ending on a user turn' in out
+
+
+def test_whatsapp_gap_never_and_minutes(tmp_path):
+  never = run(
+    tmp_path,
+    'whatsapp',
+    {'chat.txt': ANDROID_EN},
+    '--ai',
+    'Alex Doe',
+    '--trim',
+    '--gap',
+    'never',
+    out='a',
+  )
+  assert len(never) == 1 and len(never[0]) == 4
+  short = run(
+    tmp_path,
+    'whatsapp',
+    {'chat.txt': ANDROID_EN},
+    '--ai',
+    'Alex Doe',
+    '--trim',
+    '--gap',
+    '30s',
+    out='b',
+  )
+  # 14:22 -> 14:23 is 60 s: the first reply is a new conversation that
+  # starts with the AI.
+  assert short[0] == [('ai', 'Yes! |br| See you at 8')]
+
+
+def test_whatsapp_us_12_hour_narrow_space_and_order_from_the_file(tmp_path):
+  text = (
+    f'1/2/21, 9:05{NNBSP}PM - Sam: Happy new year\n'
+    f'1/2/21, 9:06{NNBSP}PM - Alex: you too\n'
+    f'1/5/21, 10:00{NNBSP}AM - Sam: lunch?\n'
+    f'1/5/21, 10:01{NNBSP}AM - Alex: sure\n'
+    f'2/1/21, 12:30{NNBSP}PM - Sam: how was it\n'
+    f'2/1/21, 12:31{NNBSP}PM - Alex: good\n'
+  )
+  # Every date fits day-first too (1 Feb, 1 May, 2 Jan), but only
+  # month-first runs forward: three conversations at the 6 h default.
+  convs = run(tmp_path, 'whatsapp', {'chat.txt': text}, '--ai', 'Alex')
+  assert [c[0][1] for c in convs] == ['Happy new year', 'lunch?', 'how was it']
+  # 9:05 PM to 12:30 PM next... within a day the 12-hour clock is read:
+  # 12:30 PM and 12:31 PM are one minute apart, one conversation.
+  assert len(convs[2]) == 2
+
+
+def test_whatsapp_ios_zip_with_marks_and_attachments(tmp_path):
+  chat = (
+    f'{LRM}[14/03/2021, 18:02:11] Trip: {LRM}Messages and calls are '
+    'end-to-end encrypted.\n'
+    f'{LRM}[14/03/2021, 18:02:11] Trip: {LRM}Sam created group “Trip”\n'
+    '[14/03/2021, 18:03:00] Sam: Who brings the tent?\n'
+    '[14/03/2021, 18:04:30] Alex: I do\n'
+    'and the stove\n'
+    f'{LRM}[14/03/2021, 18:05:00] Alex: {LRM}image omitted\n'
+    f'{LRM}[14/03/2021, 18:05:10] Alex: {LRM}<attached: 00000012-PHOTO-'
+    '2021-03-14-18-05-10.jpg>\n'
+    f'[14/03/2021, 18:06:00] ~{NNBSP}Kim: {LRM}sticker omitted\n'
+    f'[14/03/2021, 18:06:30] ~{NNBSP}Kim: Great, thanks!\n'
+    f'[14/03/2021, 18:07:00] Alex: {LRM}Voice call, {LRM}12 min\n'
+    '[14/03/2021, 18:08:00] Alex: See you Friday\n'
+  )
+  buf = tmp_path / 'WhatsApp Chat - Trip.zip'
+  with zipfile.ZipFile(buf, 'w', zipfile.ZIP_DEFLATED) as zf:
+    zf.writestr('_chat.txt', chat)
+    zf.writestr('00000012-PHOTO-2021-03-14-18-05-10.jpg', b'\xff\xd8')
+  out = tmp_path / 'out'
+  convert.main(['whatsapp', str(buf), str(out), '--ai', 'Alex', '--names'])
+  (conv,) = chatformat.read_file(str(out / 'WhatsApp Chat - Trip.txt'))
+  assert [(t.role, t.text) for t in conv.turns] == [
+    ('user', 'Sam: Who brings the tent?'),
+    ('ai', 'I do |br| and the stove'),
+    ('user', 'Kim: Great, thanks!'),
+    ('ai', 'See you Friday'),
+  ]
+
+
+def test_whatsapp_android_zip_in_german_with_dots(tmp_path):
+  chat = (
+    '14.03.21, 18:02 - Nachrichten und Anrufe sind Ende-zu-Ende-'
+    'verschlüsselt. Tippe, um mehr zu erfahren.\n'
+    '14.03.21, 18:03 - Lena: Kommst du heute?\n'
+    '14.03.21, 18:04 - Jonas: <Medien ausgeschlossen>\n'
+    '14.03.21, 18:04 - Lena: Diese Nachricht wurde gelöscht\n'
+    '14.03.21, 18:05 - Jonas: Ja, um acht. <Diese Nachricht wurde '
+    'bearbeitet>\n'
+    '25.03.21, 07:15 - Lena: Verpasster Sprachanruf\n'
+  )
+  path = tmp_path / 'chat.zip'
+  with zipfile.ZipFile(path, 'w') as zf:
+    zf.writestr('WhatsApp-Chat mit Lena.txt', chat)
+  out = tmp_path / 'out'
+  convert.main(['whatsapp', str(path), str(out), '--ai', 'Jonas'])
+  (conv,) = chatformat.read_file(str(out / 'chat.txt'))
+  assert [(t.role, t.text) for t in conv.turns] == [
+    ('user', 'Kommst du heute?'),
+    ('ai', 'Ja, um acht.'),
+  ]
+
+
+@pytest.mark.parametrize(
+  'header',
+  [
+    '[14/3/21, 6:05:09 p. m.] ',  # Spanish iOS.
+    '14/3/21 18:05 - ',  # No comma.
+    '2021-03-14, 18:05 - ',  # Year first.
+    '14-03-2021 18:05:09 - ',
+    '[14.03.21, 18:05:09] ',  # German iOS.
+    '14/03/2021, 6:05\u00a0pm - ',  # No-break space, lower case.
+  ],
+)
+def test_whatsapp_locales(tmp_path, header):
+  reply = header.replace('05', '06', 1)
+  text = f'{header}Ana: ¿Vienes?\n{reply}Luis: Sí\n'
+  assert run(tmp_path, 'whatsapp', {'c.txt': text}, '--ai', 'Luis') == [
+    [('user', '¿Vienes?'), ('ai', 'Sí')]
+  ]
+
+
+@pytest.mark.parametrize(
+  'placeholder',
+  [
+    '<Multimedia omitido>',
+    'imagen omitida',
+    'Se eliminó este mensaje',
+    '<Médias omis>',
+    'Ce message a été supprimé',
+    '<Mídia oculta>',
+    'Esta mensagem foi apagada',
+    '<Media omessi>',
+    'Questo messaggio è stato eliminato',
+    'sticker omitted',
+    'GIF omitted',
+    'You deleted this message',
+  ],
+)
+def test_whatsapp_placeholders_in_six_languages_are_dropped(
+  tmp_path, placeholder
+):
+  text = (
+    '1/3/21, 10:00 - Ana: hola\n'
+    f'1/3/21, 10:01 - Ana: {placeholder}\n'
+    '1/3/21, 10:02 - Luis: hey\n'
+  )
+  assert run(tmp_path, 'whatsapp', {'c.txt': text}, '--ai', 'Luis') == [
+    [('user', 'hola'), ('ai', 'hey')]
+  ]
+
+
+def test_unknown_or_missing_ai_lists_the_participants(tmp_path):
+  line = refused(tmp_path, 'whatsapp', {'c.txt': ANDROID_EN}, '--ai', 'Bob')
+  assert 'matches no one' in line
+  assert '"Sam Lee" (3 messages)' in line and '"Alex Doe" (2 messages)' in line
+  line = refused(tmp_path, 'whatsapp', {'c.txt': ANDROID_EN})
+  assert '--ai NAME' in line and '"Sam Lee"' in line
+
+
+def test_redact(tmp_path):
+  text = (
+    '1/3/21, 10:00 - Ana: mail me at ana.b+x@mail.example.org or call '
+    '+34 612 34 56 78, see https://example.com/a?b=1 on 12.03.2021\n'
+    '1/3/21, 10:01 - Luis: mine is (030) 1234-5678, www.example.net\n'
+  )
+  convs = run(tmp_path, 'whatsapp', {'c.txt': text}, '--ai', 'Luis', '--redact')
+  assert convs == [
+    [
+      ('user', 'mail me at <email> or call <phone>, see <url> on 12.03.2021'),
+      ('ai', 'mine is <phone>, <url>'),
+    ]
+  ]
+
+
+def test_whatsapp_bad_inputs_get_one_line_and_nothing_written(tmp_path):
+  assert 'not a WhatsApp chat export' in refused(
+    tmp_path, 'whatsapp', {'notes.txt': 'just some notes\nmore\n'}, '--ai', 'x'
+  )
+  assert 'not a WhatsApp chat export' in refused(
+    tmp_path, 'whatsapp', {'empty.txt': ''}, '--ai', 'x'
+  )
+  zpath = tmp_path / 'photos.zip'
+  with zipfile.ZipFile(zpath, 'w') as zf:
+    zf.writestr('a.jpg', b'\xff')
+  with pytest.raises(UserError, match='not one chat file'):
+    convert.main(['whatsapp', str(zpath), str(tmp_path / 'o1'), '--ai', 'x'])
+  bomb = tmp_path / 'bomb.zip'
+  with zipfile.ZipFile(bomb, 'w', zipfile.ZIP_DEFLATED) as zf:
+    zf.writestr('_chat.txt', b'\n' * (64 << 20))
+  with pytest.raises(UserError, match='inflate'):
+    convert.main(['whatsapp', str(bomb), str(tmp_path / 'o2'), '--ai', 'x'])
+  real = tmp_path / 'real.txt'
+  real.write_text(ANDROID_EN)
+  link = tmp_path / 'link.txt'
+  link.symlink_to(real)
+  with pytest.raises(UserError, match='symbolic link'):
+    convert.main(['whatsapp', str(link), str(tmp_path / 'o3'), '--ai', 'x'])
+  bad = tmp_path / 'latin1.txt'
+  bad.write_bytes('1/3/21, 10:00 - Ana: ¿qué?\n'.encode('latin-1'))
+  with pytest.raises(UserError, match=r'latin1.txt:1: not UTF-8'):
+    convert.main(['whatsapp', str(bad), str(tmp_path / 'o4'), '--ai', 'x'])
+  for out in ('o1', 'o2', 'o3', 'o4'):
+    assert not (tmp_path / out).exists()
+
+
+def test_all_or_nothing_and_never_overwrite(tmp_path):
+  good = tmp_path / 'good.txt'
+  good.write_text(ANDROID_EN)
+  other = tmp_path / 'other.txt'
+  other.write_text('1/3/21, 10:00 - Kim: hi\n1/3/21, 10:01 - Lou: yo\n')
+  out = tmp_path / 'out'
+  with pytest.raises(UserError, match='other.txt: --ai Alex Doe matches'):
+    convert.main(
+      ['whatsapp', str(good), str(other), str(out), '--ai', 'Alex Doe']
+    )
+  assert not out.exists()
+  convert.main(['whatsapp', str(good), str(out), '--ai', 'Alex Doe'])
+  before = (out / 'good.txt').read_bytes()
+  with pytest.raises(UserError, match='exists'):
+    convert.main(['whatsapp', str(good), str(out), '--ai', 'Alex Doe'])
+  assert (out / 'good.txt').read_bytes() == before
+  assert os.listdir(out) == ['good.txt']
+
+
+TELEGRAM_CHAT = {
+  'name': 'Sam',
+  'type': 'personal_chat',
+  'id': 42,
+  'messages': [
+    {
+      'id': 1,
+      'type': 'service',
+      'date': '2024-03-01T18:00:00',
+      'date_unixtime': '1709316000',
+      'actor': 'Sam',
+      'action': 'phone_call',
+    },
+    {
+      'id': 2,
+      'type': 'message',
+      'date': '2024-03-01T18:02:11',
+      'date_unixtime': '1709316131',
+      'from': 'Sam',
+      'from_id': 'user1',
+      'text': ['Did you see ', {'type': 'bold', 'text': 'this'}, '?'],
+      'text_entities': [],
+    },
+    {
+      'id': 3,
+      'type': 'message',
+      'date': '2024-03-01T18:03:00',
+      'date_unixtime': '1709316180',
+      'from': 'Alex Doe',
+      'from_id': 'user2',
+      'text': '',
+      'media_type': 'sticker',
+      'sticker_emoji': '😂',
+    },
+    {
+      'id': 4,
+      'type': 'message',
+      'date': '2024-03-01T18:03:30',
+      'date_unixtime': '1709316210',
+      'from': 'Alex Doe',
+      'from_id': 'user2',
+      'photo': 'photos/p.jpg',
+      'text': 'Yes, look at it\nso good',
+    },
+    {
+      'id': 5,
+      'type': 'message',
+      'date': '2024-03-01T18:04:00',
+      'date_unixtime': '1709316240',
+      'from': 'Sam',
+      'from_id': 'user1',
+      'forwarded_from': 'News',
+      'text': 'Breaking: something',
+    },
+    {
+      'id': 6,
+      'type': 'message',
+      'date': '2024-03-02T09:00:00',
+      'from': 'Sam',
+      'from_id': 'user1',
+      'text': 'Morning',
+    },
+    {
+      'id': 7,
+      'type': 'message',
+      'date': '2024-03-02T09:01:00',
+      'from': 'Alex Doe',
+      'from_id': 'user2',
+      'text': 'Hi!',
+    },
+  ],
+}
+
+
+def test_telegram_single_chat(tmp_path):
+  convs = run(
+    tmp_path,
+    'telegram',
+    {'ChatExport/result.json': TELEGRAM_CHAT},
+    '--ai',
+    'Alex Doe',
+  )
+  assert convs == [
+    [('user', 'Did you see this?'), ('ai', 'Yes, look at it |br| so good')],
+    [('user', 'Morning'), ('ai', 'Hi!')],
+  ]
+  assert os.listdir(tmp_path / 'out') == ['ChatExport.txt']
+
+
+def test_telegram_full_export_every_chat_and_ai_by_id(tmp_path):
+  group = {
+    'name': 'Climbing',
+    'type': 'private_group',
+    'id': 7,
+    'messages': [
+      {
+        'id': 1,
+        'type': 'message',
+        'date': '2024-03-01T18:02:11',
+        'from': 'Kim',
+        'from_id': 'user3',
+        'text': 'Gym at 6?',
+      },
+      {
+        'id': 2,
+        'type': 'message',
+        'date': '2024-03-01T18:02:50',
+        'from': 'Alex D.',
+        'from_id': 'user2',
+        'text': 'In',
+      },
+    ],
+  }
+  export = {
+    'about': 'Here is the data you requested.',
+    'personal_information': {'first_name': 'Alex'},
+    'chats': {'about': '...', 'list': [TELEGRAM_CHAT, group]},
+  }
+  convs = run(
+    tmp_path, 'telegram', {'result.json': export}, '--ai', 'user2', '--names'
+  )
+  assert [c[0] for c in convs] == [
+    ('user', 'Sam: Did you see this?'),
+    ('user', 'Sam: Morning'),
+    ('user', 'Kim: Gym at 6?'),
+  ]
+  assert convs[2][1] == ('ai', 'In')
+
+
+def test_telegram_and_discord_bad_json(tmp_path):
+  assert 'not valid JSON' in refused(
+    tmp_path,
+    'telegram',
+    {'result.json': '{"messages": [{"id": 1,'},
+    '--ai',
+    'x',
+  )
+  assert 'no message a person wrote' in refused(
+    tmp_path, 'discord', {'a.json': {'hello': 1}}, '--ai', 'x'
+  )
+
+
+def test_discord(tmp_path):
+  export = {
+    'guild': {'id': '1', 'name': 'Direct Messages'},
+    'channel': {'id': '2', 'type': 'DirectTextChat', 'name': 'sam'},
+    'messages': [
+      {
+        'id': '1',
+        'type': 'RecipientAdd',
+        'timestamp': '2024-03-01T18:00:00+00:00',
+        'content': 'Added a recipient.',
+        'author': {'id': '9', 'name': 'sam', 'nickname': 'Sam'},
+      },
+      {
+        'id': '2',
+        'type': 'Default',
+        'timestamp': '2024-03-01T18:02:11.123+00:00',
+        'content': 'gg <:pog:123456>',
+        'author': {'id': '9', 'name': 'sam', 'nickname': 'Sam'},
+      },
+      {
+        'id': '3',
+        'type': 'Default',
+        'timestamp': '2024-03-01T18:02:30+00:00',
+        'content': '',
+        'attachments': [{'url': 'a.png'}],
+        'author': {'id': '8', 'name': 'alexd', 'nickname': 'Alex'},
+      },
+      {
+        'id': '4',
+        'type': 'Reply',
+        'timestamp': '2024-03-01T18:03:00+00:00',
+        'content': 'thanks!',
+        'author': {'id': '8', 'name': 'alexd', 'nickname': 'Alex'},
+      },
+      {
+        'id': '5',
+        'type': 'ChannelPinnedMessage',
+        'timestamp': '2024-03-01T18:04:00+00:00',
+        'content': 'Pinned a message.',
+        'author': {'id': '8', 'name': 'alexd', 'nickname': 'Alex'},
+      },
+    ],
+  }
+  assert run(tmp_path, 'discord', {'dm.json': export}, '--ai', 'alexd') == [
+    [('user', 'gg :pog:'), ('ai', 'thanks!')]
+  ]
+
+
+def _mojibake(text):
+  return text.encode('utf-8').decode('latin-1')
+
+
+def test_messenger_mojibake_order_two_files_and_what_meta_wrote(tmp_path):
+  t = 1709316000000
+  newest = {
+    'participants': [{'name': _mojibake('José Núñez')}, {'name': 'Alex Doe'}],
+    'messages': [
+      {
+        'sender_name': 'Alex Doe',
+        'timestamp_ms': t + 240_000,
+        'content': _mojibake('Claro 😀'),
+        'type': 'Generic',
+      },
+      {
+        'sender_name': _mojibake('José Núñez'),
+        'timestamp_ms': t + 200_000,
+        'content': _mojibake('José Núñez sent an attachment.'),
+        'photos': [{'uri': 'p.jpg'}],
+      },
+      {
+        'sender_name': 'Alex Doe',
+        'timestamp_ms': t + 180_000,
+        'content': 'Reacted \u00e2\u009d\u00a4 to your message',
+      },
+      {
+        'sender_name': 'Alex Doe',
+        'timestamp_ms': t + 170_000,
+        'is_unsent': True,
+      },
+      {
+        'sender_name': 'Kim',
+        'timestamp_ms': t + 160_000,
+        'content': 'my mum sent a photo',
+      },
+    ],
+    'title': 'José',
+    'thread_path': 'inbox/jose_123',
+  }
+  oldest = {
+    'participants': [{'name': _mojibake('José Núñez')}, {'name': 'Alex Doe'}],
+    'messages': [
+      {
+        'sender_name': 'Alex Doe',
+        'timestamp_ms': t + 60_000,
+        'content': 'Alex Doe started a video chat.',
+        'type': 'Call',
+        'call_duration': 30,
+      },
+      {
+        'sender_name': _mojibake('José Núñez'),
+        'timestamp_ms': t,
+        'content': _mojibake('¿Cenamos mañana?'),
+      },
+    ],
+  }
+  convs = run(
+    tmp_path,
+    'messenger',
+    {
+      'inbox/jose_123/message_1.json': newest,
+      'inbox/jose_123/message_2.json': oldest,
+    },
+    '--ai',
+    'Alex Doe',
+    '--names',
+  )
+  assert convs == [
+    [
+      ('user', 'José Núñez: ¿Cenamos mañana? |br| Kim: my mum sent a photo'),
+      ('ai', 'Claro 😀'),
+    ]
+  ]
+  assert os.listdir(tmp_path / 'out') == ['jose_123.txt']
+
+
+def test_messenger_newer_layout_and_not_an_export(tmp_path):
+  export = {
+    'participants': ['Ana', 'Luis'],
+    'threadName': 'Ana',
+    'messages': [
+      {
+        'isUnsent': False,
+        'media': [],
+        'reactions': [],
+        'senderName': 'Ana',
+        'text': 'hola',
+        'timestamp': 1709316000000,
+        'type': 'text',
+      },
+      {
+        'isUnsent': False,
+        'media': [],
+        'reactions': [],
+        'senderName': 'Luis',
+        'text': 'qué tal',
+        'timestamp': 1709316060000,
+        'type': 'text',
+      },
+    ],
+  }
+  assert run(tmp_path, 'instagram', {'ana.json': export}, '--ai', 'Luis') == [
+    [('user', 'hola'), ('ai', 'qué tal')]
+  ]
+  assert 'no "messages" list' in refused(
+    tmp_path, 'messenger', {'x.json': [1, 2]}, '--ai', 'Luis', out='o2'
+  )
+
+
+def test_parse_gap():
+  assert chatlog.parse_gap('6h') == 21600
+  assert chatlog.parse_gap('90m') == 5400
+  assert chatlog.parse_gap('45s') == chatlog.parse_gap('45') == 45
+  assert chatlog.parse_gap('never') == float('inf')
+  for bad in ('0', '-1h', '6 hours', 'x'):
+    with pytest.raises(UserError, match='--gap'):
+      chatlog.parse_gap(bad)
+
+
+def test_ai_is_an_exact_option_now(tmp_path):
+  # --ai used to be an ambiguous prefix of --ai-roles/--ai-side/--ai-prefix.
+  with pytest.raises(UserError, match='--ai, --names and --redact'):
+    convert.main(
+      [
+        'transcript',
+        str(tmp_path / 'x.txt'),
+        str(tmp_path / 'o'),
+        '--ai',
+        'Bob',
+      ]
+    )
