@@ -277,6 +277,8 @@ class _Writer:
     make it so), else cut from the file."""
     if self.role == AI:
       self._flush()
+    elif self.parts and self.opts.trim and self.has_ai:
+      self.report.skipped['last user turns trimmed (--trim)'] += 1
     elif self.parts and not self.opts.trim:
       self._cut('conversations ending on a user turn (--trim keeps them)')
       return
