@@ -633,3 +633,54 @@ def test_ai_is_an_exact_option_now(tmp_path):
         'Bob',
       ]
     )
+
+
+def test_shipped_example_chats_convert_to_the_persona_data(tmp_path):
+  # The README's "A model that talks like you" walkthrough: two WhatsApp
+  # exports (Android .txt, iOS .zip) of invented people, converted with
+  # Robin's name, are data/persona's conversations exactly.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  chats = os.path.join(root, 'examples', 'chats')
+  out = tmp_path / 'robin'
+  convert.main(
+    [
+      'whatsapp',
+      os.path.join(chats, 'WhatsApp Chat with Sam Okafor.txt'),
+      os.path.join(chats, 'WhatsApp Chat - Jo Park.zip'),
+      str(out),
+      '--ai',
+      'Robin Silva',
+      '--trim',
+    ]
+  )
+  got = chatformat.read_file(str(out / 'WhatsApp Chat with Sam Okafor.txt'))
+  got += chatformat.read_file(str(out / 'WhatsApp Chat - Jo Park.txt'))
+  want = chatformat.read_file(
+    os.path.join(root, 'data', 'persona', 'robin.txt')
+  )
+  assert [[(t.role, t.text) for t in c.turns] for c in got] == [
+    [(t.role, t.text) for t in c.turns] for c in want
+  ]
+
+
+def test_chat_import_bench_smoke(tmp_path):
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+    [
+      sys.executable,
+      'bench/chat_import.py',
+      '--smoke',
+      '--work',
+      str(tmp_path),
+    ],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+  assert '| convert whatsapp | 1 |' in result.stdout
+  assert '| convert telegram | 1 |' in result.stdout
