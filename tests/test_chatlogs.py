@@ -63,6 +63,19 @@ ANDROID_EN = (
 )
 
 
+def as_alex(tmp_path, *flags, out='out'):
+  """ANDROID_EN converted with Alex Doe as the AI."""
+  return run(
+    tmp_path,
+    'whatsapp',
+    {'chat.txt': ANDROID_EN},
+    '--ai',
+    'Alex Doe',
+    *flags,
+    out=out,
+  )
+
+
 def test_whatsapp_android_speakers_splits_and_what_the_app_wrote(tmp_path):
   convs = run(
     tmp_path, 'whatsapp', {'chat.txt': ANDROID_EN}, '--ai', 'Alex Doe', '--trim'
@@ -89,29 +102,9 @@ def test_whatsapp_without_trim_drops_conversations_ending_on_the_user(
 
 
 def test_whatsapp_gap_never_and_minutes(tmp_path):
-  never = run(
-    tmp_path,
-    'whatsapp',
-    {'chat.txt': ANDROID_EN},
-    '--ai',
-    'Alex Doe',
-    '--trim',
-    '--gap',
-    'never',
-    out='a',
-  )
+  never = as_alex(tmp_path, '--trim', '--gap', 'never', out='a')
   assert len(never) == 1 and len(never[0]) == 4
-  short = run(
-    tmp_path,
-    'whatsapp',
-    {'chat.txt': ANDROID_EN},
-    '--ai',
-    'Alex Doe',
-    '--trim',
-    '--gap',
-    '30s',
-    out='b',
-  )
+  short = as_alex(tmp_path, '--trim', '--gap', '30s', out='b')
   # 14:22 -> 14:23 is 60 s: the first reply is a new conversation that
   # starts with the AI.
   assert short[0] == [('ai', 'Yes! |br| See you at 8')]
@@ -282,7 +275,7 @@ def test_whatsapp_bad_inputs_get_one_line_and_nothing_written(tmp_path):
   real.write_text(ANDROID_EN)
   link = tmp_path / 'link.txt'
   link.symlink_to(real)
-  with pytest.raises(UserError, match='symbolic link'):
+  with pytest.raises(UserError, match='is a link'):
     convert.main(['whatsapp', str(link), str(tmp_path / 'o3'), '--ai', 'x'])
   bad = tmp_path / 'latin1.txt'
   bad.write_bytes('1/3/21, 10:00 - Ana: ¿qué?\n'.encode('latin-1'))
@@ -453,47 +446,29 @@ def test_telegram_and_discord_bad_json(tmp_path):
   )
 
 
+def _discord(n, kind, content, author, **more):
+  name, nick = author
+  return {
+    'id': str(n),
+    'type': kind,
+    'timestamp': f'2024-03-01T18:0{n}:11.123+00:00',
+    'content': content,
+    'author': {'id': name, 'name': name, 'nickname': nick},
+    **more,
+  }
+
+
 def test_discord(tmp_path):
+  sam, alex = ('sam', 'Sam'), ('alexd', 'Alex')
   export = {
     'guild': {'id': '1', 'name': 'Direct Messages'},
     'channel': {'id': '2', 'type': 'DirectTextChat', 'name': 'sam'},
     'messages': [
-      {
-        'id': '1',
-        'type': 'RecipientAdd',
-        'timestamp': '2024-03-01T18:00:00+00:00',
-        'content': 'Added a recipient.',
-        'author': {'id': '9', 'name': 'sam', 'nickname': 'Sam'},
-      },
-      {
-        'id': '2',
-        'type': 'Default',
-        'timestamp': '2024-03-01T18:02:11.123+00:00',
-        'content': 'gg <:pog:123456>',
-        'author': {'id': '9', 'name': 'sam', 'nickname': 'Sam'},
-      },
-      {
-        'id': '3',
-        'type': 'Default',
-        'timestamp': '2024-03-01T18:02:30+00:00',
-        'content': '',
-        'attachments': [{'url': 'a.png'}],
-        'author': {'id': '8', 'name': 'alexd', 'nickname': 'Alex'},
-      },
-      {
-        'id': '4',
-        'type': 'Reply',
-        'timestamp': '2024-03-01T18:03:00+00:00',
-        'content': 'thanks!',
-        'author': {'id': '8', 'name': 'alexd', 'nickname': 'Alex'},
-      },
-      {
-        'id': '5',
-        'type': 'ChannelPinnedMessage',
-        'timestamp': '2024-03-01T18:04:00+00:00',
-        'content': 'Pinned a message.',
-        'author': {'id': '8', 'name': 'alexd', 'nickname': 'Alex'},
-      },
+      _discord(1, 'RecipientAdd', 'Added a recipient.', sam),
+      _discord(2, 'Default', 'gg <:pog:123456>', sam),
+      _discord(3, 'Default', '', alex, attachments=[{'url': 'a.png'}]),
+      _discord(4, 'Reply', 'thanks!', alex),
+      _discord(5, 'ChannelPinnedMessage', 'Pinned a message.', alex),
     ],
   }
   assert run(tmp_path, 'discord', {'dm.json': export}, '--ai', 'alexd') == [

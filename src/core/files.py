@@ -45,9 +45,16 @@ def _size_text(n: int) -> str:
   return f'{n / MB:.1f} MB' if n >= MB else f'{n} bytes'
 
 
-def open_regular(path: str, limit: int):
+_FOLDER_FIX = (
+  'a model or run folder must hold plain files: copy the folder again'
+)
+
+
+def open_regular(path: str, limit: int, fix: str = _FOLDER_FIX):
   """An open binary file for `path`, which must be a regular file (not a
-  link, device or FIFO) of at most `limit` bytes; else a `UserError`."""
+  link, device or FIFO) of at most `limit` bytes; else a `UserError`
+  ending with `fix`, what the user should do (by default: copy the model
+  or run folder again). A missing file raises FileNotFoundError."""
   flags = (
     os.O_RDONLY | getattr(os, 'O_NOFOLLOW', 0) | getattr(os, 'O_NONBLOCK', 0)
   )
@@ -56,8 +63,7 @@ def open_regular(path: str, limit: int):
   except OSError as e:
     if e.errno == errno.ELOOP or os.path.islink(path):
       raise UserError(
-        f'{path}: is a link ({os.readlink(path)!r}); a model or run folder '
-        'must hold the file itself: copy the folder again'
+        f'{path}: is a link ({os.readlink(path)!r}); {fix}'
       ) from None
     if isinstance(e, FileNotFoundError):
       raise
@@ -65,10 +71,7 @@ def open_regular(path: str, limit: int):
   info = os.fstat(fd)
   if not stat.S_ISREG(info.st_mode):
     os.close(fd)
-    raise UserError(
-      f'{path}: is not a regular file; a model or run folder must hold '
-      'plain files: copy the folder again'
-    )
+    raise UserError(f'{path}: is not a regular file; {fix}')
   if info.st_size > limit:
     os.close(fd)
     raise UserError(

@@ -19,18 +19,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import math
 import os
 import re
-import stat
 import tempfile
 import unicodedata
 
+from src.core import files
 from src.core.errors import UserError
-from src.data import chatformat
 from src.data.importers import wording
-from src.data.importers.base import AI, USER, Skip, clean_message
+from src.data.importers.base import (
+  AI,
+  USER,
+  Options,
+  Report,
+  Skip,
+  clean_message,
+)
 
 # A message longer than this (characters) is dropped with a warning: no
 # chat message is, and it bounds what one message can hold in memory.
@@ -64,26 +69,24 @@ class Drop:
   kind: str  # 'media', 'deleted', 'call', 'system notice', ...
 
 
-@dataclasses.dataclass(frozen=True)
-class ChatOptions:
+@dataclasses.dataclass
+class ChatOptions(Options):
+  """The dataset formats' options (markers, `trim`: drop a trailing user
+  turn instead of the whole conversation, `strict`: stop at the first
+  message that does not fit) and the chat exports' own."""
+
   ai: tuple[str, ...] = ()  # Names whose messages become AI lines.
   gap: float = DEFAULT_GAP  # Seconds of silence that end a conversation.
   names: bool = False  # User lines carry "Name: text".
   redact: bool = False  # E-mail addresses, phone numbers, URLs replaced.
-  trim: bool = False  # Drop a trailing user turn instead of the whole.
-  strict: bool = False  # Stop at the first message that does not fit.
-  markers: chatformat.Markers = dataclasses.field(
-    default_factory=chatformat.Markers
-  )
 
 
 @dataclasses.dataclass
-class ChatReport:
-  """What one conversion kept and dropped, for the summary."""
+class ChatReport(Report):
+  """What one conversion kept and dropped, for the summary: the dataset
+  formats' counts, and who wrote what, what the app wrote, what was
+  redacted."""
 
-  conversations: int = 0
-  turns: int = 0
-  characters: int = 0
   messages: collections.Counter = dataclasses.field(
     default_factory=collections.Counter
   )  # Sender -> messages kept.
@@ -91,20 +94,16 @@ class ChatReport:
   dropped: collections.Counter = dataclasses.field(
     default_factory=collections.Counter
   )  # Kind -> messages the app wrote.
-  skipped: collections.Counter = dataclasses.field(
-    default_factory=collections.Counter
-  )  # Reason -> conversations or messages left out.
   redacted: collections.Counter = dataclasses.field(
     default_factory=collections.Counter
   )
 
   def add(self, other: ChatReport):
-    for field in dataclasses.fields(self):
-      mine = getattr(self, field.name)
-      if isinstance(mine, collections.Counter):
-        mine.update(getattr(other, field.name))
-      else:
-        setattr(self, field.name, mine + getattr(other, field.name))
+    super().add(other)
+    self.messages.update(other.messages)
+    self.ai_messages += other.ai_messages
+    self.dropped.update(other.dropped)
+    self.redacted.update(other.redacted)
 
   def summary(self, ai: tuple[str, ...] = ()) -> str:
     text = (
@@ -197,25 +196,15 @@ def redact(text: str, counts: collections.Counter) -> str:
 def open_input(path: str):
   """An export file opened for reading (binary): a regular file, never
   through a link; else a `UserError` that says what to give instead."""
-  flags = (
-    os.O_RDONLY | getattr(os, 'O_NOFOLLOW', 0) | getattr(os, 'O_NONBLOCK', 0)
-  )
   try:
-    fd = os.open(path, flags)
+    return files.open_regular(
+      path,
+      1 << 50,
+      fix='give the exported chat file itself (cp -L copies what a link '
+      'points to)',
+    )
   except FileNotFoundError:
     raise UserError(f'{path}: no such file') from None
-  except OSError as e:
-    if e.errno == errno.ELOOP or os.path.islink(path):
-      raise UserError(
-        f'{path}: is a symbolic link; give the export file itself (copy it '
-        'here with cp -L)'
-      ) from None
-    raise UserError(f'{path}: cannot be read ({e.strerror})') from None
-  if not stat.S_ISREG(os.fstat(fd).st_mode):
-    os.close(fd)
-    what = 'a folder' if os.path.isdir(path) else 'not a regular file'
-    raise UserError(f'{path}: is {what}; give the exported chat file')
-  return os.fdopen(fd, 'rb')
 
 
 class _Writer:
