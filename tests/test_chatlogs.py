@@ -191,6 +191,8 @@ def test_whatsapp_android_zip_in_german_with_dots(tmp_path):
     '14-03-2021 18:05:09 - ',
     '[14.03.21, 18:05:09] ',  # German iOS.
     '14/03/2021, 6:05\u00a0pm - ',  # No-break space, lower case.
+    '[14/03/21 18:05] ',  # Brackets without a comma or seconds.
+    '03/14/2021, 06:05 p. m. - ',  # Month first, Spanish 12-hour.
   ],
 )
 def test_whatsapp_locales(tmp_path, header):
@@ -228,6 +230,19 @@ def test_whatsapp_placeholders_in_six_languages_are_dropped(
   )
   assert run(tmp_path, 'whatsapp', {'c.txt': text}, '--ai', 'Luis') == [
     [('user', 'hola'), ('ai', 'hey')]
+  ]
+
+
+def test_whatsapp_group_events_and_a_colon_right_after_the_name(tmp_path):
+  text = (
+    '20/06/20, 00:08 - +12 345 578 created group "Trip: day 2"\n'
+    '20/06/20, 00:09 - Kim changed the subject from "a" to "b: c"\n'
+    '20/06/20, 00:09 - You were added\n'
+    '20/06/20, 00:10 - Kim:.\n'
+    '20/06/20, 00:11 - Lou Doe 🤓: on it : really\n'
+  )
+  assert run(tmp_path, 'whatsapp', {'c.txt': text}, '--ai', 'Lou Doe 🤓') == [
+    [('user', '.'), ('ai', 'on it : really')]
   ]
 
 

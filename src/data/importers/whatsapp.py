@@ -285,9 +285,8 @@ def items(source: Source, warn):
     if current is not None:
       yield _finish(current)
     rest = m.group(9)
-    sender, sep, body = rest.partition(': ')
-    if not sep and rest.endswith(':'):
-      sender, sep, body = rest[:-1], ':', ''
+    sender, sep, body = rest.partition(':')
+    body = body[1:] if body.startswith(' ') else body
     if not sep or _EVENT_SENDER.search(sender) or len(sender) > 100:
       current = [f'{where}:{no}', time, None, [rest], False]
       continue
