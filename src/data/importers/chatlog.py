@@ -18,10 +18,13 @@ from the file by truncating back to where it began.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import io
 import math
 import os
 import re
+import sys
 import tempfile
 import unicodedata
 
@@ -205,6 +208,46 @@ def open_input(path: str):
     )
   except FileNotFoundError:
     raise UserError(f'{path}: no such file') from None
+
+
+# Exports at least this big show a progress bar (on a terminal).
+PROGRESS_MIN_BYTES = 16 * files.MB
+
+
+class _Counted(io.RawIOBase):
+  """A binary file whose reads advance a progress bar."""
+
+  def __init__(self, f, bar):
+    self.f, self.bar = f, bar
+
+  def readable(self):
+    return True
+
+  def readinto(self, buffer):
+    n = self.f.readinto(buffer)
+    self.bar.update(n or 0)
+    return n
+
+
+@contextlib.contextmanager
+def progress(binary, total: int, desc: str):
+  """`binary` (an open binary file of `total` bytes) read through a
+  progress bar on stderr, shown for big exports on a terminal."""
+  from tqdm import tqdm
+
+  bar = tqdm(
+    total=total,
+    unit='B',
+    unit_scale=True,
+    desc=desc,
+    disable=not sys.stderr.isatty() or total < PROGRESS_MIN_BYTES,
+    leave=False,
+  )
+  with bar:
+    if bar.disable:
+      yield binary
+    else:
+      yield io.BufferedReader(_Counted(binary, bar), 1 << 20)
 
 
 class _Writer:

@@ -20,7 +20,14 @@ import os
 import re
 
 from src.data.importers import jsonstream
-from src.data.importers.chatlog import Chat, Drop, Message, Source, open_input
+from src.data.importers.chatlog import (
+  Chat,
+  Drop,
+  Message,
+  Source,
+  open_input,
+  progress,
+)
 
 _EMOJI = re.compile(r'<a?:(\w{1,64}):\d{1,24}>')
 
@@ -73,7 +80,10 @@ def items(source: Source, warn):
   del warn
   (path,) = source.paths
   n = 0
-  with open_input(path) as f:
+  with (
+    open_input(path) as raw,
+    progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
+  ):
     for _prefix, value in jsonstream.objects(
       f, path, {'messages.item'}, {'messages'}
     ):

@@ -22,7 +22,14 @@ import datetime
 import os
 
 from src.data.importers import jsonstream
-from src.data.importers.chatlog import Chat, Drop, Message, Source, open_input
+from src.data.importers.chatlog import (
+  Chat,
+  Drop,
+  Message,
+  Source,
+  open_input,
+  progress,
+)
 
 _CHATS = ('chats.list.item', 'left_chats.list.item')
 _WANTED = {'messages.item'} | {c + '.messages.item' for c in _CHATS}
@@ -116,7 +123,10 @@ def items(source: Source, warn):
   (path,) = source.paths
   name = source.name
   n = 0
-  with open_input(path) as f:
+  with (
+    open_input(path) as raw,
+    progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
+  ):
     for prefix, value in jsonstream.objects(f, path, _WANTED, _MARKS):
       if prefix.endswith('.name'):
         name = str(value)

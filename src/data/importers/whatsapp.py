@@ -32,7 +32,14 @@ import zipfile
 
 from src.core.errors import UserError
 from src.data.importers import wording
-from src.data.importers.chatlog import Chat, Drop, Message, Source, open_input
+from src.data.importers.chatlog import (
+  Chat,
+  Drop,
+  Message,
+  Source,
+  open_input,
+  progress,
+)
 
 # A line longer than this (characters) is left out: no chat line is.
 MAX_LINE = 1 << 20
@@ -117,8 +124,8 @@ class _Lines:
   """Opens an export (.txt, or the chat inside a .zip) as numbered lines,
   each at most MAX_LINE characters; can be opened again."""
 
-  def __init__(self, path: str):
-    self.path = path
+  def __init__(self, path: str, desc: str = ''):
+    self.path, self.desc = path, desc
 
   def __iter__(self):
     with open_input(self.path) as raw:
@@ -127,15 +134,20 @@ class _Lines:
         try:
           with zipfile.ZipFile(raw) as zf:
             info = _member(zf, self.path)
-            with zf.open(info) as member:
-              yield from self._read(member, f'{self.path}:{info.filename}')
+            with (
+              zf.open(info) as member,
+              progress(member, info.file_size, self.desc) as f,
+            ):
+              yield from self._read(f, f'{self.path}:{info.filename}')
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as e:
           raise UserError(
             f'{self.path}: a damaged zip ({e}); export the chat again'
           ) from None
         return
       raw.seek(0)
-      yield from self._read(raw, self.path)
+      size = os.fstat(raw.fileno()).st_size
+      with progress(raw, size, self.desc) as f:
+        yield from self._read(f, self.path)
 
   @staticmethod
   def _read(binary, where: str):
@@ -177,7 +189,7 @@ def _order(path: str) -> tuple[str, str]:
   backwards = {'dmy': 0, 'mdy': 0}
   last = {'dmy': None, 'mdy': None}
   ymd = 0
-  for _, _, line in _Lines(path):
+  for _, _, line in _Lines(path, 'reading the dates'):
     found = line is not None and _header(line)
     if not found:
       continue
@@ -264,7 +276,7 @@ def items(source: Source, warn):
   yield Chat(source.name)
   current = None  # [where, time, sender, lines, app]
   too_long = 0
-  for no, where, line in _Lines(path):
+  for no, where, line in _Lines(path, 'converting'):
     if line is None:
       too_long += 1
       warn(f'{where}:{no}: left out: a line of over {MAX_LINE} characters')
