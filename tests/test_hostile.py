@@ -78,8 +78,13 @@ def test_writes_and_deletes_refuse_links_themselves(tmp_path, victim):
   run = tmp_path / 'run'
   run.mkdir()
   os.symlink(str(victim / 'victim.txt'), run / 'x._tmp_')
-  with pytest.raises(OSError):
-    lazy_tensorflow._LocalGFile.GFile(str(run / 'x._tmp_'), 'wb')
+  with lazy_tensorflow._LocalGFile.GFile(str(run / 'x._tmp_'), 'wb') as f:
+    f.write(b'checkpoint')  # A new file replaces the link.
+  assert not os.path.islink(run / 'x._tmp_')
+  assert (run / 'x._tmp_').read_bytes() == b'checkpoint'
+  os.symlink(str(victim / 'victim.txt'), run / 'log')
+  with pytest.raises(UserError, match='is a link'):
+    lazy_tensorflow._LocalGFile.GFile(str(run / 'log'), 'ab')
   os.symlink(str(victim / 'train-notes'), run / 'old')
   files.remove_inside(str(run / 'old'), str(run))
   files.remove_inside(str(victim / 'step-1'), str(run))  # Outside.
@@ -420,3 +425,239 @@ def test_resuming_checks_the_checkpoint_trax_reads(tiny_run, copy_of):
     f.truncate(os.path.getsize(weights) // 2)
   with pytest.raises(UserError, match='damaged or not the weights'):
     trax.layers.np_from_file(weights, compresslevel=2)
+
+
+# ---- Round 2 (issue 45): hard links, FIFOs, amplifying streams and
+# pickles, untyped headers, what is hashed is what is parsed.
+
+
+def test_a_hard_link_in_an_out_dir_is_never_written_through(
+  tiny_run, copy_of, victim
+):
+  out = copy_of(tiny_run['out'])
+  os.link(
+    victim / 'victim.txt', os.path.join(out, 'model.weights.npy.gz._tmp_')
+  )
+  with pytest.raises(UserError, match='has a hard link outside the folder'):
+    trainer.train(train_settings(out, steps=6), gin_bindings=MICRO)
+  _unchanged(victim)
+  # Behind the check: the writer replaces the name, never the file.
+  from src.runtime.trax_patches import lazy_tensorflow
+
+  path = os.path.join(out, 'model.weights.npy.gz._tmp_')
+  with lazy_tensorflow._LocalGFile.GFile(path, 'wb') as f:
+    f.write(b'checkpoint')
+  _unchanged(victim)
+  os.link(victim / 'victim.txt', os.path.join(out, 'events.log'))
+  with pytest.raises(UserError, match='not a file of its own'):
+    lazy_tensorflow._LocalGFile.GFile(os.path.join(out, 'events.log'), 'ab')
+  _unchanged(victim)
+
+
+def test_checkpoint_snapshots_are_hard_links_the_check_allows(
+  tiny_run, copy_of
+):
+  out = copy_of(tiny_run['out'])
+  shutil.rmtree(os.path.join(out, 'checkpoints'))
+  checkpoints.seal(out, 4)  # Snapshots link the top-level files.
+  assert os.stat(os.path.join(out, 'model.pkl.gz')).st_nlink == 2
+  assert files.links_inside(out) == []
+
+
+def test_a_fifo_lock_or_file_in_an_out_dir_is_one_line(tiny_run, copy_of):
+  out = copy_of(tiny_run['out'])
+  os.mkfifo(os.path.join(out, 'train.lock'))
+  with pytest.raises(UserError, match='train.lock is not a regular file'):
+    trainer.train(train_settings(out, steps=6), gin_bindings=MICRO)
+  # The lock itself never opens a FIFO (it would block forever).
+  from src.core import runlock
+
+  with pytest.raises(UserError, match='train.lock: is not a lock file'):
+    with runlock.held(out):
+      pass
+  os.remove(os.path.join(out, 'train.lock'))
+  os.mkfifo(os.path.join(out, 'notes'))
+  with pytest.raises(UserError, match='notes is not a regular file'):
+    trainer.train(train_settings(out, steps=6), gin_bindings=MICRO)
+
+
+def _npy_stream(path, header: bytes, payload: bytes = b'', zeros: int = 0):
+  """A gzipped .npy record with a crafted header, then data."""
+  head = b'\x93NUMPY\x01\x00'
+  text = header + b' ' * (-(len(header) + 11) % 64) + b'\n'
+  with gzip.open(path, 'wb', compresslevel=9) as f:
+    f.write(head + struct.pack('<H', len(text)) + text + payload)
+    chunk = bytes(1 << 20)
+    for _ in range(zeros >> 20):
+      f.write(chunk)
+
+
+@pytest.mark.parametrize(
+  'header, match',
+  [
+    (b"{'descr': '|u1', 'fortran_order': False, 'shape': (-1,), }", 'shape'),
+    (
+      b"{'descr': '<f4', 'fortran_order': False, "
+      b"'shape': (1180591620717411303424,), }",
+      'big',
+    ),
+    (b"{'descr': '<c8', 'fortran_order': False, 'shape': (2,), }", 'complex'),
+    (
+      b"{'descr': '|V8', 'fortran_order': False, 'shape': (2,), }",
+      'no weights',
+    ),
+  ],
+)
+def test_a_crafted_weights_header_is_one_line(tmp_path, header, match):
+  path = tmp_path / 'model.weights.npy.gz'
+  _npy_stream(path, header, zeros=4 << 20)
+  with pytest.raises(UserError, match=match):
+    safe_pickle.read_weights_file(str(path))
+
+
+def test_a_weights_stream_claiming_more_than_it_holds_stays_bounded(tmp_path):
+  # 300 MB of zeros behind a header of shape (-1,) (read whole before) and
+  # behind one claiming 400 MB: refused in a 700 MB address space.
+  for shape in (b'(-1,)', b'(400000000,)'):
+    path = tmp_path / 'model.weights.npy.gz'
+    header = b"{'descr': '|u1', 'fortran_order': False, 'shape': %s, }" % shape
+    _npy_stream(path, header, zeros=300 << 20)
+    assert path.stat().st_size < 1 << 20
+    code = (
+      'from src.core import safe_pickle\n'
+      'try:\n'
+      f'  safe_pickle.read_weights_file({str(path)!r}, 64 << 20)\n'
+      'except UserError as e:\n'
+      '  print(e)\n'
+    )
+    result = _run_child(code, 700)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert 'model.weights.npy.gz: damaged' in result.stdout
+
+
+def test_big_endian_weights_are_converted(tmp_path):
+  path = tmp_path / 'model.weights.npy.gz'
+  with gzip.open(path, 'wb') as f:
+    np.save(f, np.arange(6, dtype='>f4').reshape(2, 3))
+    np.save(f, np.array([1, 2], dtype='>u4'))
+  a, b = safe_pickle.read_weights_file(str(path))
+  assert a.dtype == np.dtype('<f4') and a.tolist() == [[0, 1, 2], [3, 4, 5]]
+  assert b.dtype == np.dtype('<u4') and b.tolist() == [1, 2]
+
+
+class _Shared:
+  """Pickles as `n` arrays rebuilt from one shared bytes object."""
+
+  def __init__(self, nbytes, n, dtype='<f8'):
+    self.data, self.n, self.dtype = bytes(nbytes), n, dtype
+
+  def __reduce__(self):
+    return (list, ([_State(self.data, self.dtype) for _ in range(self.n)],))
+
+
+class _State:
+  def __init__(self, data, dtype):
+    self.data, self.dtype = data, dtype
+
+  def __reduce__(self):
+    shape = (len(self.data) // np.dtype(self.dtype).itemsize,)
+    state = (1, shape, np.dtype(self.dtype), False, self.data)
+    return (
+      np._core.multiarray._reconstruct,
+      (np.ndarray, (0,), b'b'),
+      state,
+    )
+
+
+def test_a_pickle_cannot_amplify_a_shared_buffer():
+  # Eight arrays from one 8 MB buffer: 64 MB built from an 8 MB pickle.
+  data = pickle.dumps(_Shared(8 << 20, 8), protocol=4)
+  assert len(data) < 9 << 20
+  with pytest.raises(UserError, match='more bytes than the pickle holds'):
+    safe_pickle.safe_load(data, 'model.pkl.gz')
+  with pytest.raises(UserError, match='big-endian'):
+    safe_pickle.safe_load(pickle.dumps(_Shared(64, 1, '>f8')), 'model.pkl.gz')
+  # One array from its own bytes loads.
+  (one,) = safe_pickle.safe_load(pickle.dumps(_Shared(64, 1)), 'model.pkl.gz')
+  assert one.shape == (8,) and one.dtype == np.dtype('<f8')
+
+
+def test_a_pickle_setstate_past_the_element_limit_is_refused():
+  n = safe_pickle.MAX_ARRAY_ELEMENTS + 1
+  data = pickle.dumps(_Shared(n, 1, '|u1'), protocol=4)
+  with pytest.raises(UserError, match='elements, more than a checkpoint'):
+    safe_pickle.safe_load(data, 'model.pkl.gz')
+
+
+def _rewrite_header(folder, change):
+  path = os.path.join(folder, 'model.safetensors')
+  data = open(path, 'rb').read()
+  n = struct.unpack('<Q', data[:8])[0]
+  header = json.loads(data[8 : 8 + n])
+  first = next(k for k in header if k != '__metadata__')
+  change(header[first])
+  text = json.dumps(header).encode()
+  with open(path, 'wb') as f:
+    f.write(struct.pack('<Q', len(text)) + text + data[8 + n :])
+  _resign(folder, 'model.safetensors')
+
+
+@pytest.mark.parametrize(
+  'change, match',
+  [
+    (lambda e: e.update(data_offsets=['0', 'x']), 'data_offsets'),
+    (lambda e: e.update(data_offsets=[8, 4]), 'data_offsets'),
+    (lambda e: e.update(shape=[-1, 2]), 'shape'),
+    (lambda e: e.update(shape='big'), 'shape'),
+    (lambda e: e.update(shape=[1, 1]), 'do not match its shape'),
+    (
+      lambda e: e.update(
+        data_offsets=[e['data_offsets'][0] + 4, e['data_offsets'][1] + 4]
+      ),
+      'overlap or leave gaps',
+    ),
+  ],
+)
+def test_safetensors_header_fields_are_typed(exported, tmp_path, change, match):
+  folder = str(tmp_path / 'model')
+  shutil.copytree(exported['dir'], folder)
+  _rewrite_header(folder, change)
+  with pytest.raises(UserError, match=match):
+    decoding.load_run(folder, 'eval')
+
+
+def test_an_export_is_checked_before_its_tokenizer_or_gin_is_read(
+  exported, tmp_path, monkeypatch
+):
+  folder = str(tmp_path / 'model')
+  shutil.copytree(exported['dir'], folder)
+  with open(os.path.join(folder, 'model.gin'), 'a') as f:
+    f.write('\n# changed\n')
+  read = []
+  real = files.read_regular
+  monkeypatch.setattr(
+    files, 'read_regular', lambda p, n: read.append(p) or real(p, n)
+  )
+  with pytest.raises(UserError, match='model.gin: damaged or truncated'):
+    decoding.load_run(folder, 'eval')
+  assert not any(p.endswith(('model.gin', 'tokenizer.model')) for p in read)
+
+
+def test_what_is_parsed_is_what_was_hashed(exported, tmp_path, monkeypatch):
+  """A file swapped after its checksum was checked is not read: the
+  checked bytes are."""
+  from src.storage import modelfolder
+
+  folder = str(tmp_path / 'model')
+  shutil.copytree(exported['dir'], folder)
+  real = checkpoints.verify_export
+
+  def verify_then_swap(path, *args, **kwargs):
+    meta, contents = real(path, *args, **kwargs)
+    os.remove(os.path.join(path, 'model.gin'))
+    os.mkfifo(os.path.join(path, 'model.gin'))  # Would block a reader.
+    return meta, contents
+
+  monkeypatch.setattr(checkpoints, 'verify_export', verify_then_swap)
+  model = modelfolder.load(folder, 'model-dir', 'copy it again')
+  assert model.kind == 'export' and model.step == exported['info']['step']

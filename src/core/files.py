@@ -12,7 +12,9 @@ holds links is refused before anything is written (`check_no_links`);
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -41,6 +43,73 @@ def write_atomic(path: str, data: bytes):
     raise
 
 
+def open_for_write(path: str, mode: str = 'wb'):
+  """`open(path, mode)` for writing into a folder we did not make, never
+  through what is there: a name written from the start ('w', 'x') is
+  removed first and made anew (`O_EXCL`), so a symbolic or hard link
+  planted there is replaced, not written through; a file appended to or
+  updated ('a', 'r+') must be a regular file with no other link."""
+  base = os.O_CREAT | getattr(os, 'O_NOFOLLOW', 0) | getattr(os, 'O_CLOEXEC', 0)
+  base |= os.O_RDWR if '+' in mode else os.O_WRONLY
+  if 'a' in mode or mode.startswith('r'):
+    flags = base | os.O_APPEND if 'a' in mode else base & ~os.O_CREAT
+    try:
+      fd = os.open(path, flags, 0o666)
+    except OSError as e:
+      if e.errno != errno.ELOOP:
+        raise
+      raise UserError(
+        f'{path}: is a link; a run never writes through one: remove it, '
+        'or use a new out-dir'
+      ) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+      os.close(fd)
+      raise UserError(
+        f'{path}: is not a file of its own (a hard link or a special file); '
+        'remove it, or use a new out-dir'
+      )
+    return os.fdopen(fd, mode)
+  if 'x' not in mode:
+    try:
+      os.unlink(path)
+    except FileNotFoundError:
+      pass
+    except IsADirectoryError:
+      raise UserError(f'{path}: is a folder; remove it') from None
+  fd = os.open(path, base | os.O_EXCL, 0o666)
+  return os.fdopen(fd, mode.replace('x', 'w'))
+
+
+# Bytes already read and checked, by absolute path (`pinned`): a reader
+# of such a path parses these, not what the name holds by then.
+_PINNED: dict[str, bytes] = {}
+
+
+@contextlib.contextmanager
+def pinned(contents: dict[str, bytes]):
+  """Within the block, `open_regular` and `read_regular` of these paths
+  give these bytes: the bytes whose checksum was checked are the bytes
+  that are parsed, whatever is renamed into the folder meanwhile."""
+  keys = {os.path.abspath(p): data for p, data in contents.items()}
+  _PINNED.update(keys)
+  try:
+    yield
+  finally:
+    for key in keys:
+      _PINNED.pop(key, None)
+
+
+def read_checked(path: str, size: int) -> bytes:
+  """The bytes of `path`, a regular file that must be `size` bytes, read
+  through one descriptor (see `open_regular`)."""
+  with open_regular(path, size) as f:
+    data = f.read(size + 1)
+  if len(data) != size:
+    raise UserError(f'{path}: changed while it was read; copy it again')
+  return data
+
+
 def _size_text(n: int) -> str:
   return f'{n / MB:.1f} MB' if n >= MB else f'{n} bytes'
 
@@ -55,6 +124,11 @@ def open_regular(path: str, limit: int, fix: str = _FOLDER_FIX):
   link, device or FIFO) of at most `limit` bytes; else a `UserError`
   ending with `fix`, what the user should do (by default: copy the model
   or run folder again). A missing file raises FileNotFoundError."""
+  data = _PINNED.get(os.path.abspath(path))
+  if data is not None:
+    if len(data) > limit:
+      raise UserError(f'{path}: more than {_size_text(limit)}; copy it again')
+    return io.BytesIO(data)
   flags = (
     os.O_RDONLY | getattr(os, 'O_NOFOLLOW', 0) | getattr(os, 'O_NONBLOCK', 0)
   )
@@ -142,37 +216,58 @@ def read_json(path: str, limit: int = MB):
 
 
 def links_inside(folder: str) -> list[tuple[str, str]]:
-  """`(path, target)` of every link in `folder`, at any depth (the links
-  are not followed)."""
+  """`(path, what is wrong)` of every entry in `folder`, at any depth, that
+  a run must not write or delete through (nothing is followed): a symbolic
+  link, a FIFO, socket or device, a file with a hard link outside the
+  folder (more links than the folder holds: checkpoint snapshots are hard
+  links inside it). A temporary name left by a killed run is no danger:
+  every write replaces the name with a new file (`open_for_write`)."""
   found, seen = [], 0
+  inodes: dict[tuple[int, int], list] = {}
   for root, dirs, names in os.walk(folder):
     for name in dirs + names:
       seen += 1
       path = os.path.join(root, name)
-      if os.path.islink(path):
-        found.append((path, os.readlink(path)))
+      try:
+        info = os.lstat(path)
+      except OSError:
+        continue
+      if stat.S_ISLNK(info.st_mode):
+        found.append((path, f'is a link to {os.readlink(path)!r}'))
+      elif stat.S_ISDIR(info.st_mode):
+        continue
+      elif not stat.S_ISREG(info.st_mode):
+        found.append((path, 'is not a regular file (a FIFO or device)'))
+      elif info.st_nlink > 1:
+        inodes.setdefault((info.st_dev, info.st_ino), [info.st_nlink]).append(
+          path
+        )
     if seen > MAX_ENTRIES:
       raise UserError(
         f'{folder}: more than {MAX_ENTRIES} files and folders, which no run '
         'folder holds; use a new --out-dir'
       )
+  for nlink, *paths in inodes.values():
+    if nlink > len(paths):  # Checkpoint snapshots link inside; never out.
+      found.append((paths[0], 'has a hard link outside the folder'))
   return found
 
 
 def check_no_links(folder: str, what: str = 'out-dir'):
-  """Refuses a folder that holds links: the run would write or delete
-  where they point. (The folder itself may be a link: it is used where
-  it points, and everything inside must be real.)"""
+  """Refuses a folder that holds links, special files or hard links to
+  files elsewhere: the run would write or delete where they point. (The
+  folder itself may be a link: it is used where it points, and everything
+  inside must be real.)"""
   if not os.path.isdir(folder):
     return
   found = links_inside(folder)
   if found:
-    path, target = found[0]
+    path, problem = found[0]
     more = f' (and {len(found) - 1} more)' if len(found) > 1 else ''
     raise UserError(
-      f'{what} {folder!r}: {path} is a link to {target!r}{more}; a run '
-      'writes and deletes inside its out-dir, never through links: '
-      'remove the links or use a new --out-dir'
+      f'{what} {folder!r}: {path} {problem}{more}; a run writes and deletes '
+      'inside its out-dir, never through links: remove the links (and such '
+      'files) or use a new --out-dir'
     )
 
 

@@ -16,7 +16,7 @@ import os
 import socket
 import time
 
-from src.core import rundir
+from src.core import files, rundir
 from src.core.errors import UserError
 
 LOCK_FILE = rundir.LOCK
@@ -32,11 +32,26 @@ def _alive(pid: int) -> bool:
   return True
 
 
+# A lock file holds one short JSON line.
+MAX_LOCK_BYTES = 4096
+
+
 def _read(path: str) -> dict | None:
+  """The holder a lock file names; None if it is gone or not readable as
+  one. A lock that is not a small regular file (a FIFO would block the
+  read forever, a link would be followed) is refused: no run made it."""
   try:
-    with open(path, encoding='utf-8') as f:
-      holder = json.load(f)
-  except (OSError, ValueError):
+    data = files.read_regular(path, MAX_LOCK_BYTES)
+  except FileNotFoundError:
+    return None
+  except UserError:
+    raise UserError(
+      f'{path}: is not a lock file a run writes (a link, a FIFO or device, '
+      'or too big); delete it, or use another --out-dir'
+    ) from None
+  try:
+    holder = json.loads(data.decode('utf-8'))
+  except ValueError:
     return None
   return holder if isinstance(holder, dict) else None
 
@@ -103,7 +118,9 @@ def held(out_dir: str, log=print):
   try:
     yield
   finally:
-    holder = _read(path)
+    holder = None
+    with contextlib.suppress(UserError):
+      holder = _read(path)
     if holder and holder.get('pid') == os.getpid():
       with contextlib.suppress(FileNotFoundError):
         os.remove(path)

@@ -8,6 +8,7 @@ containers) and refuses anything else with a `UserError`.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import os
@@ -48,12 +49,16 @@ MAX_ARRAYS = 100_000  # Weight arrays a model may have.
 
 
 def _elements(shape) -> int:
+  """Elements of an array `shape` (Python ints: no overflow), checked to
+  be non-negative ints, at most 2**62 in all."""
   shape = (shape,) if isinstance(shape, int) else tuple(shape)
   n = 1
   for d in shape:
-    if not isinstance(d, int) or d < 0:
-      raise pickle.UnpicklingError(f'array shape {shape!r} is not a shape')
+    if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+      raise pickle.UnpicklingError(f'array shape {shape!r:.60} is not a shape')
     n *= d
+    if n > 1 << 62:
+      raise pickle.UnpicklingError(f'array shape {shape!r:.60} is too big')
   return n
 
 
@@ -64,21 +69,35 @@ def _bounded(shape):
     )
 
 
-class _NdarrayName:
-  """What `numpy.ndarray` resolves to: allocation bounded by the shape."""
+# The unpicklers loading now (innermost last): what they build is
+# charged to their budget.
+_LOADING: list = []
 
-  def __new__(cls, shape, *args, **kwargs):
+
+def _charge(shape, dtype) -> None:
+  import numpy as np
+
+  _bounded(shape)
+  if _LOADING:
+    _LOADING[-1].spend(_elements(shape) * np.dtype(dtype).itemsize)
+
+
+class _NdarrayName:
+  """What `numpy.ndarray` resolves to: allocation bounded by the shape and
+  charged to the pickle's budget."""
+
+  def __new__(cls, shape, dtype=float, *args, **kwargs):
     import numpy as np
 
-    _bounded(shape)
-    return np.ndarray(shape, *args, **kwargs)
+    _charge(shape, dtype)
+    return np.ndarray(shape, dtype, *args, **kwargs)
 
 
 def _bounded_reconstruct(real):
   def reconstruct(subtype, shape, dtype):
     import numpy as np
 
-    _bounded(shape)
+    _charge(shape, dtype)
     return real(
       np.ndarray if subtype is _NdarrayName else subtype, shape, dtype
     )
@@ -86,8 +105,43 @@ def _bounded_reconstruct(real):
   return reconstruct
 
 
-class SafeUnpickler(pickle.Unpickler):
-  """Unpickles only the types a Trax checkpoint is made of."""
+class SafeUnpickler(pickle._Unpickler):
+  """Unpickles only the types a Trax checkpoint is made of, and builds at
+  most as many bytes of arrays as the pickle holds (`budget`): an array
+  rebuilt by `__setstate__` is checked (shape, dtype, byte count) before
+  NumPy makes it, so one shared buffer cannot become many arrays. (The
+  pure-Python unpickler: its BUILD step can be checked; a checkpoint's
+  pickle is small.)"""
+
+  dispatch = dict(pickle._Unpickler.dispatch)
+
+  def __init__(self, file, budget: int = MAX_PICKLE_BYTES):
+    super().__init__(file)
+    self.budget = budget
+
+  def spend(self, nbytes: int):
+    self.budget -= nbytes
+    if self.budget < 0:
+      raise pickle.UnpicklingError(
+        'its arrays add up to more bytes than the pickle holds'
+      )
+
+  def load_build(self):
+    import numpy as np
+
+    inst, state = self.stack[-2], self.stack[-1]
+    if isinstance(inst, np.ndarray):
+      self.spend(_setstate_bytes(state))
+    super().load_build()
+
+  dispatch[pickle.BUILD[0]] = load_build
+
+  def load(self):
+    _LOADING.append(self)
+    try:
+      return super().load()
+    finally:
+      _LOADING.remove(self)
 
   def find_class(self, module, name):
     if (module, name) == ('numpy', 'ndarray'):
@@ -104,10 +158,33 @@ class SafeUnpickler(pickle.Unpickler):
     )
 
 
+def _setstate_bytes(state) -> int:
+  """The bytes `ndarray.__setstate__(state)` would make, checked: a shape
+  of non-negative ints within the element limit, a plain little-endian
+  dtype, and raw data of exactly that size."""
+  import numpy as np
+
+  if not (isinstance(state, tuple) and len(state) in (4, 5)):
+    raise pickle.UnpicklingError('an array state that is not a tuple')
+  shape, dtype, data = state[-4], state[-3], state[-1]
+  if not isinstance(shape, tuple) or len(shape) > 32:
+    raise pickle.UnpicklingError('an array shape that is not a tuple')
+  _bounded(shape)
+  if not isinstance(dtype, np.dtype) or dtype.hasobject or dtype.names:
+    raise pickle.UnpicklingError('an array of objects or records')
+  if dtype.byteorder == '>':
+    raise pickle.UnpicklingError('a big-endian array')
+  nbytes = _elements(shape) * dtype.itemsize
+  if not isinstance(data, (bytes, bytearray)) or len(data) != nbytes:
+    raise pickle.UnpicklingError('array data of the wrong size')
+  return nbytes
+
+
 def safe_load(data: bytes, path: str = 'checkpoint'):
-  """Unpickles `data` with `SafeUnpickler`; errors become `UserError`."""
+  """Unpickles `data` with `SafeUnpickler` (at most `len(data)` bytes of
+  arrays); errors become `UserError`."""
   try:
-    return SafeUnpickler(io.BytesIO(data)).load()
+    return SafeUnpickler(io.BytesIO(data), budget=len(data)).load()
   except (
     pickle.UnpicklingError,
     EOFError,
@@ -149,10 +226,28 @@ def read_pickle(path: str, gzipped: bool = True):
   return safe_load(data, path)
 
 
+# What a weights or slots file holds: floats (bfloat16 is saved as uint16),
+# integers (random keys) and booleans, of at most 8 bytes.
+_NPY_KINDS = 'fiub'
+
+
+def _npy_dtype(dtype):
+  """`dtype` of an .npy header if a weights file may hold it, as the
+  native little-endian dtype its data is converted to; else ValueError."""
+  if dtype.hasobject or dtype.names or dtype.subdtype is not None:
+    raise ValueError(f'an array of {dtype} (objects or records)')
+  if dtype.kind not in _NPY_KINDS or dtype.itemsize > 8:
+    raise ValueError(f'an array of {dtype}, which no weights file holds')
+  return dtype.newbyteorder('<')
+
+
 def read_npy_stream(path: str, compressed_size: int, max_bytes: int) -> list:
   """The arrays of a gzipped stream of .npy records (Trax's weights file),
-  each header checked before its data is read: no object arrays, and at
-  most `max_bytes` in all (a small file cannot claim a huge array)."""
+  each header checked before its data is read: a shape of non-negative
+  ints (sizes in Python ints), numbers of at most 8 bytes (big-endian ones
+  converted), at most `max_bytes` in all (a small file cannot claim a huge
+  array), the data read in pieces (a header that claims more than the
+  stream holds fails at its end, having allocated only what was there)."""
   import numpy as np
   from numpy.lib import format as npy
 
@@ -168,23 +263,43 @@ def read_npy_stream(path: str, compressed_size: int, max_bytes: int) -> list:
           shape, fortran, dtype = npy.read_array_header_1_0(f)
         else:
           shape, fortran, dtype = npy.read_array_header_2_0(f)
-        if dtype.hasobject:
-          raise ValueError('an array of Python objects')
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        native = _npy_dtype(dtype)
+        try:
+          nbytes = _elements(shape) * dtype.itemsize
+        except pickle.UnpicklingError as e:
+          raise ValueError(str(e)) from None
         total += nbytes
         if total > max_bytes or len(out) >= MAX_ARRAYS:
           raise ValueError(
             f'more than the {max_bytes / 2**20:.0f} MB of weights the '
             'model needs'
           )
-        data = f.read(nbytes)
-        if len(data) != nbytes:
-          raise ValueError('truncated')
+        data = bytearray()
+        while len(data) < nbytes:
+          piece = f.read(min(nbytes - len(data), 1 << 24))
+          if not piece:
+            raise ValueError('truncated')
+          data += piece
         array = np.frombuffer(data, dtype).reshape(
           shape, order='F' if fortran else 'C'
         )
-        out.append(array)
+        out.append(array.astype(native) if native != dtype else array)
   return out
+
+
+_WEIGHTS_LIMIT: list[int] = []
+
+
+@contextlib.contextmanager
+def weights_limit(max_bytes: int):
+  """Within the block, a weights or slots file read without a bound of its
+  own (Trax's resume, through `np_from_file`) may hold at most `max_bytes`
+  (what the run's model needs), not all the memory there is."""
+  _WEIGHTS_LIMIT.append(int(max_bytes))
+  try:
+    yield
+  finally:
+    _WEIGHTS_LIMIT.pop()
 
 
 def is_int(value) -> bool:
@@ -232,10 +347,11 @@ def read_weights_file(path: str, max_bytes: int | None = None) -> list:
   `read_npy_stream`), at most `max_bytes` (default: the memory this machine
   has available); a damaged file is a UserError."""
   try:
-    return read_npy_stream(
-      path, os.path.getsize(path), max_bytes or memory_available()
+    limit = max_bytes or (
+      _WEIGHTS_LIMIT[-1] if _WEIGHTS_LIMIT else memory_available()
     )
-  except (OSError, EOFError, ValueError, zlib.error) as e:
+    return read_npy_stream(path, os.path.getsize(path), limit)
+  except (OSError, EOFError, ValueError, zlib.error, OverflowError) as e:
     raise UserError(
       f'{path}: damaged or not the weights of this model ({e}); delete '
       'the model.* files to start over, or copy the folder again'

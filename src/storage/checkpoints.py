@@ -91,9 +91,6 @@ def read_export_meta(folder: str) -> dict:
   return meta
 
 
-EXPORT_DTYPES = {'F32', 'F16', 'F64', 'I32', 'I64'}  # What an export holds.
-
-
 def _check_listing(listing):
   """A manifest's or export.json's `files`: name -> {size, sha256}."""
   if not isinstance(listing, dict):
@@ -110,58 +107,105 @@ def _check_listing(listing):
       raise ValueError(f'{name!r} is not a file name')
 
 
-def _check_file(path: str, want: dict) -> str:
+def _check_file(path: str, want: dict, keep: dict | None = None) -> str:
   """'' if `path` is a regular file of the listed size and checksum, else
-  what is wrong."""
+  what is wrong. The file is read through one descriptor; with `keep`,
+  the bytes that were hashed are kept there (by path) to be parsed."""
+  name = os.path.basename(path)
   if not os.path.lexists(path):
-    return f'{os.path.basename(path)} is missing'
+    return f'{name} is missing'
   if os.path.islink(path) or not os.path.isfile(path):
-    return f'{os.path.basename(path)} is not a regular file'
-  size = os.path.getsize(path)
-  if size != want['size']:
-    return f'{os.path.basename(path)} has {size} bytes, not {want["size"]}'
-  if _sha256(path) != want['sha256']:
-    return f'{os.path.basename(path)} does not match its checksum'
+    return f'{name} is not a regular file'
+  try:
+    with files.open_regular(path, 1 << 50) as f:
+      size = f.seek(0, os.SEEK_END)  # Pinned bytes have no descriptor.
+      f.seek(0)
+      if size != want['size']:
+        return f'{name} has {size} bytes, not {want["size"]}'
+      h, chunks = hashlib.sha256(), []
+      while block := f.read(1 << 22):
+        h.update(block)
+        if keep is not None:
+          chunks.append(block)
+  except UserError:
+    return f'{name} is not a regular file'
+  if h.hexdigest() != want['sha256']:
+    return f'{name} does not match its checksum'
+  if keep is not None:
+    keep[path] = b''.join(chunks)
   return ''
 
 
-def _safetensors_header(path: str, n: int) -> None:
-  """Checks the header of an export's weights before they are read: `n`
-  arrays, dtypes an export holds, offsets that cover the file exactly."""
+# Bytes per element of the dtypes an export may hold.
+_DTYPE_BYTES = {'F32': 4, 'F16': 2, 'F64': 8, 'I32': 4, 'I64': 8}
+EXPORT_DTYPES = set(_DTYPE_BYTES)
+
+
+def _safetensors_header(data: bytes, n: int) -> None:
+  """Checks the header of an export's weights before they are parsed, by
+  safetensors' own rules: `n` arrays, each with a dtype an export holds, a
+  shape of non-negative integers and two integer offsets that match it;
+  the arrays contiguous from the start, covering the data exactly."""
   import struct
 
-  with files.open_regular(path, 1 << 40) as f:
-    head = f.read(8)
-    size = os.fstat(f.fileno()).st_size
-    length = struct.unpack('<Q', head)[0] if len(head) == 8 else -1
-    if not 2 <= length <= min(size - 8, 64 * files.MB):
-      raise ValueError('no safetensors header')
-    header = files.parse_json(f.read(length).decode('utf-8'), path)
+  length = struct.unpack('<Q', data[:8])[0] if len(data) >= 8 else -1
+  if not 2 <= length <= min(len(data) - 8, 64 * files.MB):
+    raise ValueError('no safetensors header')
+  header = files.parse_json(data[8 : 8 + length].decode('utf-8'), 'header')
   if not isinstance(header, dict):
     raise ValueError('the header is not an object')
   header.pop('__metadata__', None)
   if len(header) != n:
     raise ValueError(f'{len(header)} arrays, export.json says {n}')
-  end = 0
+  spans = []
   for name, entry in header.items():
-    dtype = entry.get('dtype') if isinstance(entry, dict) else None
-    if dtype not in EXPORT_DTYPES:
-      raise ValueError(f'{name} has dtype {dtype!r}; an export holds F32')
+    if not isinstance(entry, dict):
+      raise ValueError(f'{name} is not an object')
+    dtype, shape = entry.get('dtype'), entry.get('shape')
     offsets = entry.get('data_offsets')
-    if not (isinstance(offsets, list) and len(offsets) == 2):
-      raise ValueError(f'{name} has no data_offsets')
-    end = max(end, *offsets)
-  if 8 + length + end != size:
+    if dtype not in _DTYPE_BYTES:
+      raise ValueError(f'{name} has dtype {dtype!r}; an export holds F32')
+    if not (
+      isinstance(shape, list)
+      and len(shape) <= 8
+      and all(is_int(d) and 0 <= d < 1 << 40 for d in shape)
+    ):
+      raise ValueError(f'{name} has shape {str(shape)[:40]}')
+    if not (
+      isinstance(offsets, list)
+      and len(offsets) == 2
+      and all(is_int(o) for o in offsets)
+      and 0 <= offsets[0] <= offsets[1]
+    ):
+      raise ValueError(f'{name} has data_offsets {str(offsets)[:40]}')
+    elements = 1
+    for d in shape:
+      elements *= d
+    if elements * _DTYPE_BYTES[dtype] != offsets[1] - offsets[0]:
+      raise ValueError(f'{name}: its offsets do not match its shape')
+    spans.append(tuple(offsets))
+  end = 0
+  for begin, stop in sorted(spans):
+    if begin != end:
+      raise ValueError('its arrays overlap or leave gaps')
+    end = stop
+  if 8 + length + end != len(data):
     raise ValueError('its arrays do not cover the file exactly')
 
 
-def read_export(folder: str, max_bytes: int | None = None):
-  """The flat weight arrays of an export and its metadata."""
-  from safetensors import SafetensorError
-  from safetensors.numpy import load
-
-  meta = read_export_meta(folder)
-  path = os.path.join(folder, EXPORT_WEIGHTS)
+def verify_export(
+  folder: str,
+  meta: dict | None = None,
+  part: str = 'all',
+  max_bytes: int | None = None,
+) -> tuple[dict, dict]:
+  """Checks the files `export.json` lists (size and SHA-256) before any is
+  used: `part` 'all', 'rest' (all but the weights) or 'weights' (whose
+  listed size must be at most `max_bytes`, default the memory available,
+  before a byte of them is read). Returns the metadata and the checked
+  files' bytes by path, to be parsed under `files.pinned` (the bytes
+  hashed are the bytes read). `meta`: `export.json` already read."""
+  meta = meta or read_export_meta(folder)
   listing = meta['files']
   for name in (EXPORT_WEIGHTS, rundir.TOKENIZER_MODEL, rundir.TOKENIZER_INFO):
     if name not in listing:
@@ -169,26 +213,64 @@ def read_export(folder: str, max_bytes: int | None = None):
         f'{os.path.join(folder, EXPORT_META)}: does not list {name}; '
         'download the model again'
       )
-  limit = max_bytes or safe_pickle.memory_available()
-  if os.path.isfile(path) and os.path.getsize(path) > limit:
+  limit = safe_pickle.memory_available()
+  others = sum(w['size'] for n, w in listing.items() if n != EXPORT_WEIGHTS)
+  if others > min(limit, 256 * files.MB):
     raise UserError(
-      f'{path}: {os.path.getsize(path) / 2**20:.0f} MB, more than the '
+      f'{os.path.join(folder, EXPORT_META)}: lists {others / 2**20:.0f} MB '
+      'of tokenizer, settings and card, more than an export holds; '
+      'download the model again'
+    )
+  size, bound = listing[EXPORT_WEIGHTS]['size'], max_bytes or limit
+  if part != 'rest' and size > bound:
+    raise UserError(
+      f'{os.path.join(folder, EXPORT_WEIGHTS)}: {size / 2**20:.0f} MB, more '
+      f'than the {bound / 2**20:.0f} MB of weights its model.gin describes; '
+      'the export is damaged or not this model: download it again'
+    )
+  contents: dict[str, bytes] = {}
+  for name, want in listing.items():
+    if part != 'all' and (name == EXPORT_WEIGHTS) != (part == 'weights'):
+      continue
+    path = os.path.join(folder, name)
+    problem = _check_file(path, want, keep=contents)
+    if problem:
+      raise UserError(
+        f'{path}: damaged or truncated ({problem}; export.json lists every '
+        'file with its size and SHA-256); download the model again'
+      )
+  return meta, contents
+
+
+def read_export(folder: str, max_bytes: int | None = None):
+  """The flat weight arrays of an export and its metadata, every file
+  checked first (`verify_export`), the weights parsed from the bytes
+  that were checked."""
+  meta, contents = verify_export(folder, max_bytes=max_bytes)
+  with files.pinned(contents):
+    return export_weights(folder, meta, max_bytes), meta
+
+
+def export_weights(folder: str, meta: dict, max_bytes: int | None):
+  """The weights of an export already checked (`verify_export`; read under
+  `files.pinned` with what it returned)."""
+  from safetensors import SafetensorError
+  from safetensors.numpy import load
+
+  path = os.path.join(folder, EXPORT_WEIGHTS)
+  limit = max_bytes or safe_pickle.memory_available()
+  size = meta['files'][EXPORT_WEIGHTS]['size']
+  if size > limit:
+    raise UserError(
+      f'{path}: {size / 2**20:.0f} MB, more than the '
       f'{limit / 2**20:.0f} MB of weights its model.gin describes; the '
       'export is damaged or not this model: download it again'
     )
-  for name, want in listing.items():
-    problem = _check_file(os.path.join(folder, name), want)
-    if problem:
-      raise UserError(
-        f'{os.path.join(folder, name)}: damaged or truncated ({problem}; '
-        'export.json lists every file with its size and SHA-256); '
-        'download the model again'
-      )
   n = int(meta['n_arrays'])
   try:
-    _safetensors_header(path, n)
-    with files.open_regular(path, 1 << 40) as f:
-      arrays = load(f.read())
+    data = files.read_regular(path, size)
+    _safetensors_header(data, n)
+    arrays = load(data)
   except (SafetensorError, ValueError, OSError, UnicodeDecodeError) as e:
     raise UserError(
       f'{path}: not a weights file an export holds ({e}); download the '
@@ -200,7 +282,7 @@ def read_export(folder: str, max_bytes: int | None = None):
       f'{path}: holds {len(arrays)} arrays, export.json says {n} named '
       'weights.00000...; the export is inconsistent'
     )
-  return [arrays[k] for k in keys], meta
+  return [arrays[k] for k in keys]
 
 
 def read_weights(model_dir: str, max_bytes: int | None = None):
@@ -213,7 +295,8 @@ def read_weights(model_dir: str, max_bytes: int | None = None):
   if is_export(model_dir):
     flat, meta = read_export(model_dir, max_bytes)
     return flat, int(meta['step'])
-  _, folder, problem = verify(model_dir, only=(CHECKPOINT, WEIGHTS))
+  checked = {}
+  _, folder, problem = verify(model_dir, (CHECKPOINT, WEIGHTS), checked)
   if folder is None:
     raise UserError(
       f'{os.path.join(model_dir, CHECKPOINT)}: missing; train a model '
@@ -225,7 +308,8 @@ def read_weights(model_dir: str, max_bytes: int | None = None):
       f'the intact one in {folder}',
       file=sys.stderr,
     )
-  return read_checkpoint_weights(folder, max_bytes)
+  with files.pinned(checked):
+    return read_checkpoint_weights(folder, max_bytes)
 
 
 def read_checkpoint_weights(folder: str, max_bytes: int | None = None):
@@ -357,7 +441,7 @@ def checkpoint_files(folder: str) -> list[str]:
 
 def _sha256(path: str) -> str:
   h = hashlib.sha256()
-  with open(path, 'rb') as f:
+  with files.open_regular(path, 1 << 50) as f:
     while block := f.read(1 << 22):
       h.update(block)
   return h.hexdigest()
@@ -446,10 +530,11 @@ def seal(out_dir: str, step: int, keep: int = 2, extra: dict | None = None):
     files.remove_inside(old, out_dir)
 
 
-def _check(folder: str, only=None) -> tuple[dict | None, str]:
+def _check(folder: str, only=None, keep=None) -> tuple[dict | None, str]:
   """`(manifest, '')` if `folder` holds an intact checkpoint, else
   `(None, what is wrong)`. `only`: check just these of its files (reading
-  the weights needs no optimizer slots)."""
+  the weights needs no optimizer slots). `keep`: a dict that receives the
+  checked bytes of an intact checkpoint's files, by path."""
   path = os.path.join(folder, MANIFEST)
   try:
     manifest = _manifest(path)
@@ -465,10 +550,13 @@ def _check(folder: str, only=None) -> tuple[dict | None, str]:
     files = {n: files[n] for n in only}
   elif set(files) != present or CHECKPOINT not in files:
     return None, 'its files are not the ones the manifest lists'
+  checked = {} if keep is not None else None
   for name, want in files.items():
-    problem = _check_file(os.path.join(folder, name), want)
+    problem = _check_file(os.path.join(folder, name), want, keep=checked)
     if problem:
       return None, problem
+  if keep is not None:
+    keep.update(checked)
   return manifest, ''
 
 
@@ -483,9 +571,11 @@ def exists(out_dir: str) -> bool:
   )
 
 
-def verify(out_dir: str, only=None):
+def verify(out_dir: str, only=None, keep=None):
   """Finds the checkpoint to resume from or read (`only`: the files the
-  reader needs, see `_check`; default all).
+  reader needs, see `_check`; default all; `keep`: a dict that receives
+  the checked bytes of the files of the checkpoint found, by path, to be
+  read under `files.pinned`).
 
   Returns:
     `(step, folder, problem)`: `folder` holds an intact checkpoint of
@@ -511,11 +601,11 @@ def verify(out_dir: str, only=None):
           'to start over'
         )
     return latest_step(out_dir), out_dir, ''
-  manifest, problem = _check(out_dir, only)
+  manifest, problem = _check(out_dir, only, keep)
   if manifest is not None:
     return int(manifest['step']), out_dir, ''
   for step, folder in kept:
-    if _check(folder, only)[0] is not None:
+    if _check(folder, only, keep)[0] is not None:
       return step, folder, problem
   raise UserError(
     f'{out_dir}: the checkpoint is damaged ({problem}) and no intact '
@@ -531,11 +621,22 @@ def restore(out_dir: str, folder: str):
     if n not in checkpoint_files(folder):
       files.remove_inside(os.path.join(out_dir, n), out_dir)
   for n in checkpoint_files(folder):
-    tmp = os.path.join(out_dir, f'.{n}.restore-{os.getpid()}')
-    shutil.copy2(os.path.join(folder, n), tmp)
-    os.replace(tmp, os.path.join(out_dir, n))
-  with open(os.path.join(folder, MANIFEST), encoding='utf-8') as f:
-    _write_json(os.path.join(out_dir, MANIFEST), json.load(f))
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f'.{n}.restore-')
+    try:
+      with (
+        files.open_regular(os.path.join(folder, n), 1 << 50) as src,
+        os.fdopen(fd, 'wb') as dst,
+      ):
+        shutil.copyfileobj(src, dst, 1 << 22)
+      os.replace(tmp, os.path.join(out_dir, n))
+    except BaseException:
+      if os.path.lexists(tmp):
+        os.remove(tmp)
+      raise
+  _write_json(
+    os.path.join(out_dir, MANIFEST),
+    files.read_json(os.path.join(folder, MANIFEST)),
+  )
 
 
 def discard(out_dir: str, step: int) -> int:

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from src.core import rundir
+from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import chatformat, tokenizer
 from src.model import ginconf, preflight
@@ -91,7 +91,21 @@ def load(
   """
   if not os.path.isdir(path):
     raise UserError(f'{what}: no such folder; {fix}')
-  kind = 'export' if checkpoints.is_export(path) else 'run'
+  if checkpoints.is_export(path):
+    # Every file is checked against export.json before it is read (the
+    # weights once model.gin has said how big they may be), and what is
+    # parsed is the bytes that were checked.
+    meta, contents = checkpoints.verify_export(path, part='rest')
+    with files.pinned(contents):
+      return _load(
+        path, 'export', what, bindings, checkpoint, check_memory, meta
+      )
+  return _load(path, 'run', what, bindings, checkpoint, check_memory, None)
+
+
+def _load(path, kind, what, bindings, checkpoint, check_memory, export_meta):
+  """`load` of a run folder, or of an export whose files but the weights
+  are checked (and pinned)."""
   gin_path = os.path.join(path, rundir.MODEL_GIN)
   if not os.path.lexists(gin_path):
     if kind == 'run' and not checkpoints.exists(path):
@@ -108,7 +122,12 @@ def load(
   if check_memory:
     preflight.check_model(setup, tok.vocab_size, what)
   limit = preflight.weight_file_bytes(setup, tok.vocab_size)
-  if checkpoint is None:
+  if export_meta is not None:
+    _, weights = checkpoints.verify_export(path, export_meta, 'weights', limit)
+    with files.pinned(weights):
+      flat = checkpoints.export_weights(path, export_meta, limit)
+    step = export_meta['step']
+  elif checkpoint is None:
     flat, step = checkpoints.read_weights(path, limit)
   else:
     flat, step = checkpoints.read_checkpoint_weights(checkpoint, limit)

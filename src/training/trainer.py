@@ -7,6 +7,7 @@ the loop run until done, stopped or diverged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import numpy as np
 from trax.supervised import training as trax_training
 
 from src.config.jsonconfig import Section
-from src.core import files, rundir, runlock
+from src.core import files, rundir, runlock, safe_pickle
 from src.core.errors import UserError
 from src.core.signals import StopSignals
 from src.model import ginconf, preflight, reformer
@@ -230,36 +231,37 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
   out_dir = s['out-dir']
   train_task, eval_task, tokens_per_step = _tasks(plan)
   vocab = plan.tokenizer.vocab_size
-  loop = JadeLoop(
-    ginconf.fresh_model(vocab),
-    [train_task],
-    eval_model=reformer.reformer_lm(vocab, 'eval', directed=ginconf.lsh()),
-    eval_tasks=[eval_task],
-    output_dir=out_dir if cluster.chief else None,
-    checkpoint_at=lambda step: (
-      step % s['checkpoint-every'] == 0 or step == total
-    ),
-    permanent_checkpoint_at=lambda step: False,
-    eval_at=lambda step: (
-      step == start + 1 or step % s['eval-every'] == 0 or step == total
-    ),
-    random_seed=s['seed'],
-    progress=progress,
-    tokens_per_step=tokens_per_step,
-    loss_chunk_size=ginconf.output_loss(),
-    signals=StopSignals(),
-    keep_checkpoints=s['keep-checkpoints'],
-    tokens_before=(
-      (checkpoints.read_manifest(out_dir) or {}).get('tokens', 0)
-      if cluster.chief
-      else 0
-    ),
-    init_text=init_text,
-    ranges=reformer.position_ranges(plan.gin.max_len),
-    log_every=s['log-every'],
-    accumulate=s['accumulate-steps'],
-    cluster=cluster,
-  )
+  with _checked_checkpoint(plan, cluster):
+    loop = JadeLoop(
+      ginconf.fresh_model(vocab),
+      [train_task],
+      eval_model=reformer.reformer_lm(vocab, 'eval', directed=ginconf.lsh()),
+      eval_tasks=[eval_task],
+      output_dir=out_dir if cluster.chief else None,
+      checkpoint_at=lambda step: (
+        step % s['checkpoint-every'] == 0 or step == total
+      ),
+      permanent_checkpoint_at=lambda step: False,
+      eval_at=lambda step: (
+        step == start + 1 or step % s['eval-every'] == 0 or step == total
+      ),
+      random_seed=s['seed'],
+      progress=progress,
+      tokens_per_step=tokens_per_step,
+      loss_chunk_size=ginconf.output_loss(),
+      signals=StopSignals(),
+      keep_checkpoints=s['keep-checkpoints'],
+      tokens_before=(
+        (checkpoints.read_manifest(out_dir) or {}).get('tokens', 0)
+        if cluster.chief
+        else 0
+      ),
+      init_text=init_text,
+      ranges=reformer.position_ranges(plan.gin.max_len),
+      log_every=s['log-every'],
+      accumulate=s['accumulate-steps'],
+      cluster=cluster,
+    )
   fine = plan.finetune
   if fine is not None and fine.source is not None:
     _start_from(loop, fine.source)
@@ -280,6 +282,20 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
     f'{start + 1}..{total}; TensorBoard: tensorboard --logdir {out_dir}'
   )
   return loop
+
+
+@contextlib.contextmanager
+def _checked_checkpoint(plan, cluster):
+  """Around Trax's loading of the checkpoint (the Loop's constructor): the
+  files it reads are those whose checksums were checked, read from the
+  bytes that were (`files.pinned`), and a weights or slots file may hold
+  at most what this model needs (Adam keeps two slots a weight)."""
+  limit = 2 * preflight.weight_file_bytes(plan.gin, plan.tokenizer.vocab_size)
+  checked = {}
+  if plan.start_step and cluster.chief:
+    checkpoints.verify(plan.settings['out-dir'], keep=checked)
+  with safe_pickle.weights_limit(limit), files.pinned(checked):
+    yield
 
 
 def _add_samples(loop: JadeLoop, plan, cluster, progress: Progress, log):

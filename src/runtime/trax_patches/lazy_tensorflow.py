@@ -32,6 +32,8 @@ import sys
 import time
 import types
 
+from src.core import files
+
 
 def _hide_accelerators_from_tensorflow(tf):
   try:
@@ -117,7 +119,9 @@ class _LocalGFileType:
   def GFile(path, mode='r'):  # noqa: N802 (TensorFlow's name)
     if _is_local(path):
       if any(c in mode for c in 'wax+'):
-        return _open_no_link(path, mode)
+        # Trax writes checkpoints to a fixed name (`<file>._tmp_`): a link
+        # planted there is replaced, never written through.
+        return files.open_for_write(path, mode)
       return open(path, mode)  # noqa: SIM115 (the caller closes it)
     return _real_gfile().GFile(path, mode)
 
@@ -163,19 +167,6 @@ class _LocalGFileType:
 
 
 _LocalGFile = _LocalGFileType()
-
-
-def _open_no_link(path: str, mode: str):
-  """`open(path, mode)` for writing that never writes through a link:
-  Trax writes checkpoints to a fixed name (`<file>._tmp_`), and a link
-  planted there must not redirect the write (it fails instead)."""
-  flags = os.O_WRONLY | os.O_CREAT | getattr(os, 'O_NOFOLLOW', 0)
-  if '+' in mode:
-    flags = (flags & ~os.O_WRONLY) | os.O_RDWR
-  flags |= os.O_APPEND if 'a' in mode else os.O_TRUNC
-  if 'x' in mode:
-    flags |= os.O_EXCL
-  return os.fdopen(os.open(path, flags, 0o666), mode.replace('x', 'w'))
 
 
 def _set_seed_if_loaded(seed):
