@@ -294,3 +294,17 @@ def test_associative_recall_answers_are_the_values_stated_before():
       assert 64 <= seq[at] < duplication.VOCAB
       assert stated[seq[at - 1]] == seq[at]  # The key before it, stated.
     assert sorted(seq[answers - 1]) == sorted(stated)  # Each asked once.
+
+
+@pytest.mark.slow
+def test_hostile_smoke(tmp_path):
+  result = subprocess.run(
+    [sys.executable, 'bench/hostile.py', str(tmp_path / 'work'), '--smoke'],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+  assert 'outside the out-dir after the resumes: unchanged' in result.stdout
+  assert 'Traceback' not in result.stdout

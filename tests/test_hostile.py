@@ -661,3 +661,22 @@ def test_what_is_parsed_is_what_was_hashed(exported, tmp_path, monkeypatch):
   monkeypatch.setattr(checkpoints, 'verify_export', verify_then_swap)
   model = modelfolder.load(folder, 'model-dir', 'copy it again')
   assert model.kind == 'export' and model.step == exported['info']['step']
+
+
+def test_a_run_saved_big_endian_is_converted_and_scores_the_same(
+  tiny_run, copy_of
+):
+  from src.inference import scoring
+
+  from .conftest import DATA
+
+  out = copy_of(tiny_run['out'])
+  before = scoring.evaluate(out, DATA, show_progress=False)['loss']
+  path = os.path.join(out, 'model.weights.npy.gz')
+  arrays = safe_pickle.read_weights_file(path)
+  with gzip.open(path, 'wb') as f:
+    for a in arrays:
+      np.save(f, a.astype(a.dtype.newbyteorder('>')))
+  shutil.rmtree(os.path.join(out, 'checkpoints'))
+  checkpoints.seal(out, 4)
+  assert scoring.evaluate(out, DATA, show_progress=False)['loss'] == before

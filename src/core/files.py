@@ -159,9 +159,11 @@ def open_regular(path: str, limit: int, fix: str = _FOLDER_FIX):
 def read_regular(path: str, limit: int) -> bytes:
   """The bytes of `path` (see `open_regular`)."""
   with open_regular(path, limit) as f:
-    data = f.read(limit + 1)
-  if len(data) > limit:  # Grew while we read it.
-    raise UserError(f'{path}: more than {_size_text(limit)}; copy it again')
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    data = f.read(size + 1)  # Never a buffer of the limit for a small file.
+  if len(data) > size:  # Grew while we read it.
+    raise UserError(f'{path}: changed while it was read; copy it again')
   return data
 
 

@@ -211,7 +211,11 @@ def read_pickle(path: str, gzipped: bool = True):
   with files.open_regular(path, MAX_PICKLE_BYTES) as raw:
     try:
       with gzip.GzipFile(fileobj=raw) as f:
-        data = f.read(MAX_PICKLE_BYTES + 1)
+        pieces, size = [], 0
+        while size <= MAX_PICKLE_BYTES and (piece := f.read(1 << 24)):
+          pieces.append(piece)
+          size += len(piece)
+        data = b''.join(pieces)
     except (OSError, EOFError, zlib.error) as e:
       raise UserError(
         f'{path}: damaged ({e}); delete it to start over, or '

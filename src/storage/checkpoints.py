@@ -163,8 +163,8 @@ def _safetensors_header(data: bytes, n: int) -> None:
       raise ValueError(f'{name} is not an object')
     dtype, shape = entry.get('dtype'), entry.get('shape')
     offsets = entry.get('data_offsets')
-    if dtype not in _DTYPE_BYTES:
-      raise ValueError(f'{name} has dtype {dtype!r}; an export holds F32')
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+      raise ValueError(f'{name} has dtype {dtype!r:.20}; an export holds F32')
     if not (
       isinstance(shape, list)
       and len(shape) <= 8

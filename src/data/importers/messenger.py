@@ -152,7 +152,8 @@ def _kind(text: str, sender: str) -> str | None:
 
 def _load(path: str) -> dict:
   with open_input(path) as f:
-    data = f.read(MAX_FILE + 1)
+    size = os.fstat(f.fileno()).st_size
+    data = f.read(min(size, MAX_FILE) + 1)
   if len(data) > MAX_FILE:
     raise UserError(
       f'{path}: more than {MAX_FILE // files.MB} MB, which no Meta message '
