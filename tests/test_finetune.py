@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 
 import jax
@@ -63,6 +64,8 @@ def test_export_holds_weights_only_and_reports_its_size(exported, tiny_run):
     'model.gin',
     'export.json',
     'README.md',
+    'curves.json',
+    'loss.png',
   }
   info = json.load(open(os.path.join(exported['dir'], 'export.json')))
   assert info['step'] == 4 and info['context_length'] == 128
@@ -241,3 +244,126 @@ def test_set_weights_names_a_shape_mismatch(exported):
   setup = finetune.load(exported['dir']).setup  # Parses its model.gin.
   with pytest.raises(UserError, match=r'weight array 0 has shape \(299, 32\)'):
     finetune.check_shapes('x', setup, 300, flat)
+
+
+# ---- The curves of an export (issue 44).
+
+
+def test_export_carries_curves_a_picture_and_front_matter(exported):
+  from src.storage import curves
+
+  folder = exported['dir']
+  scalars = curves.read(os.path.join(folder, 'curves.json'))
+  assert scalars['run'] == 'out'
+  assert scalars['eval']['metrics/loss'][-1][0] == 4  # Held-out, by step.
+  assert scalars['train']['training/learning_rate']
+  assert not any('sample' in tag for tag in scalars['train'])  # No texts.
+  png = open(os.path.join(folder, 'loss.png'), 'rb').read()
+  assert png.startswith(b'\x89PNG\r\n\x1a\n') and len(png) > 5000
+  card = open(os.path.join(folder, 'README.md')).read()
+  head, front, body = card.split('---\n', 2)
+  assert head == '' and 'library_name: jade-v8' in front
+  assert 'context_length: 128' in front and '- reformer' in front
+  assert '![Training and held-out loss by step](loss.png)' in body
+  assert '| held-out loss | ' in body
+  listed = json.load(open(os.path.join(folder, 'export.json')))['files']
+  assert {'curves.json', 'loss.png'} <= set(listed)
+
+
+def test_card_front_matter_escapes_what_the_user_named():
+  text = export.front_matter(
+    {
+      'context_length': 512,
+      'datasets': ['mine\n---\nlicense: evil', 'a "b"'],
+      'license': 'mit',
+      'base_model': 'x: y',
+    }
+  )
+  lines = text.splitlines()
+  assert lines[0] == lines[-1] == '---' and lines.count('---') == 2
+  assert '- "mine --- license: evil"' in lines and '- "a \\"b\\""' in lines
+  assert 'base_model: "x: y"' in lines and 'license: "mit"' in lines
+
+
+def test_finetuned_run_shows_the_pretrained_curves_beside_its_own(
+  finetuned, exported
+):
+  folder = os.path.join(finetuned['out'], 'pretrained-model')
+  assert any(
+    'curves of model (the pretrained run)' in x for x in finetuned['log']
+  )
+  for part, tag in (
+    ('train', 'training/learning_rate'),
+    ('eval', 'metrics/loss'),
+  ):
+    acc = event_accumulator.EventAccumulator(os.path.join(folder, part))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars(tag)]
+    assert steps and steps[-1] == 4, (part, tag, steps)
+  # The run's own curves are beside them.
+  assert os.path.isdir(os.path.join(finetuned['out'], 'train'))
+
+
+def _crafted(exported, tmp_path, change):
+  folder = str(tmp_path / 'model')
+  shutil.copytree(exported['dir'], folder)
+  change(folder)
+  return folder
+
+
+def _reseal(folder, name):
+  meta_path = os.path.join(folder, 'export.json')
+  meta = json.load(open(meta_path))
+  data = open(os.path.join(folder, name), 'rb').read()
+  meta['files'][name] = {
+    'size': len(data),
+    'sha256': hashlib.sha256(data).hexdigest(),
+  }
+  json.dump(meta, open(meta_path, 'w'))
+
+
+def _malformed(folder):
+  with open(os.path.join(folder, 'curves.json'), 'w') as f:
+    json.dump({'format': 'jade-v8-curves', 'train': {'loss': [[1, 'x']]}}, f)
+  _reseal(folder, 'curves.json')
+
+
+def _huge(folder):
+  meta_path = os.path.join(folder, 'export.json')
+  meta = json.load(open(meta_path))
+  meta['files']['curves.json']['size'] = 1 << 34
+  json.dump(meta, open(meta_path, 'w'))
+  os.truncate(os.path.join(folder, 'curves.json'), 1 << 34)
+
+
+def _link(folder):
+  os.remove(os.path.join(folder, 'curves.json'))
+  os.symlink('/etc/passwd', os.path.join(folder, 'curves.json'))
+
+
+def _picture_link(folder):
+  os.remove(os.path.join(folder, 'loss.png'))
+  os.symlink('/dev/zero', os.path.join(folder, 'loss.png'))
+
+
+@pytest.mark.parametrize(
+  'change, match',
+  [
+    (_malformed, 'curves.json: damaged .*bad point.*model itself is fine'),
+    (_huge, 'curves.json: left out .*more than such a file holds'),
+    (_link, 'curves.json: left out .*not a regular file'),
+    (_picture_link, 'loss.png: left out .*not a regular file'),
+  ],
+)
+def test_crafted_curves_are_one_line_and_the_model_loads(
+  exported, tmp_path, capsys, change, match
+):
+  from src.storage import modelfolder
+
+  folder = _crafted(exported, tmp_path, change)
+  model = modelfolder.load(folder, 'model-dir', 'copy it again')
+  assert model.kind == 'export'
+  assert (model.curves is None) == (change is not _picture_link)
+  err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+  assert len(err) == 1, err
+  assert re.search(match, err[0]), err[0]

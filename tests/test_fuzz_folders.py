@@ -142,6 +142,8 @@ def _outside_untouched(tmp_path, before):
       'tokenizer.json',
       'model.gin',
       'tokenizer.model',
+      'curves.json',
+      'loss.png',
     ]
   ),
   edit=_edits,

@@ -285,6 +285,8 @@ def run_repl(session: ChatSession, interactive: bool, stdin=None):
       'Type a message (end a line with \\ to go on to the next); /help '
       'lists commands, Ctrl-D leaves.'
     )
+    if d.curves:
+      session._say(f'(how it trained: {d.curves})')
   while True:
     try:
       line = read_message(interactive, stdin)

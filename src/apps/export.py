@@ -22,11 +22,31 @@ def main(argv=None):
     default=None,
     help='export the kept checkpoint of this step (default: the latest)',
   )
+  parser.add_argument(
+    '--dataset',
+    action='append',
+    default=[],
+    metavar='NAME',
+    help='a dataset the model was trained on, for the model card (repeat '
+    'for several)',
+  )
+  parser.add_argument(
+    '--license',
+    default=None,
+    metavar='ID',
+    help='the license of the weights for the model card (e.g. apache-2.0)',
+  )
   args = parser.parse_args(argv)
   runtime.bootstrap()  # Before Trax is imported (by src.storage.export).
   from src.storage import export
 
-  export.export(args.run_dir, args.out_dir, args.step)
+  export.export(
+    args.run_dir,
+    args.out_dir,
+    args.step,
+    datasets=tuple(args.dataset),
+    license=args.license,
+  )
   return 0
 
 

@@ -497,6 +497,9 @@ class Server:
       'context_length': d.max_len,
       'vocab_size': d.tokenizer.vocab_size,
       'step': d.step,
+      # Where the model's training curves are (a picture and scalars in
+      # the model folder, or its TensorBoard logs), or None.
+      'curves': getattr(d, 'curves', None),
     }
 
   async def models(self, request):
@@ -623,6 +626,8 @@ def serve(
     f'tokens) on {where}: chat page {where}/, API {where}/v1'
     + ('' if api_key else ' (no API key)')
   )
+  if getattr(decoder, 'curves', None):
+    log(f'how it trained: {decoder.curves}')
   if host not in ('127.0.0.1', 'localhost', '::1'):
     log(
       f'note: {host} is reachable from other machines; anyone who can '

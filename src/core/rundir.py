@@ -25,3 +25,8 @@ EVAL_EVENTS = 'eval'
 EXPORT_META = 'export.json'
 EXPORT_WEIGHTS = 'model.safetensors'
 MODEL_CARD = 'README.md'
+# An export's curves (src/storage/curves.py): scalars and their picture.
+CURVES = 'curves.json'
+CURVES_PICTURE = 'loss.png'
+# A fine-tune run's copy of its pretrained model's curves: PREFIX + name.
+PRETRAINED_CURVES = 'pretrained-'

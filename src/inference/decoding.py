@@ -20,7 +20,7 @@ from src.core.errors import UserError
 from src.data import tokenizer
 from src.model import ginconf, reformer
 from src.runtime.trax_patches import fast_lsh
-from src.storage import checkpoints, modelfolder
+from src.storage import checkpoints, curves, modelfolder
 
 MODEL_DIR_FIX = (
   'point --model-dir (or "eval": {"model-dir": ...} in config.json) at a '
@@ -148,6 +148,7 @@ class Decoder:
         )
     self.tokenizer = tok
     self.step = step
+    self.curves = None  # Where the model's training curves are, in words.
     self._turned = _turned_weights(predict_model, lsh, local)
     self.weights = predict_model.weights
     self._fresh_state = jax.tree_util.tree_map(np.asarray, predict_model.state)
@@ -176,7 +177,9 @@ class Decoder:
     if n_hashes is not None:
       bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
     setup, tok, layer, step = load_run(model_dir, 'predict', bindings)
-    return cls(layer, setup.max_len, tok, step)
+    decoder = cls(layer, setup.max_len, tok, step)
+    decoder.curves = curves.where(model_dir)
+    return decoder
 
   @property
   def weights(self):

@@ -193,6 +193,15 @@ def _safetensors_header(data: bytes, n: int) -> None:
     raise ValueError('its arrays do not cover the file exactly')
 
 
+# Files of an export the model does not need, with their largest size: a
+# damaged one is left out with a note, and the model still loads.
+OPTIONAL = {
+  rundir.MODEL_CARD: files.MB,
+  rundir.CURVES: 4 * files.MB,
+  rundir.CURVES_PICTURE: 4 * files.MB,
+}
+
+
 def verify_export(
   folder: str,
   meta: dict | None = None,
@@ -214,7 +223,11 @@ def verify_export(
         'download the model again'
       )
   limit = safe_pickle.memory_available()
-  others = sum(w['size'] for n, w in listing.items() if n != EXPORT_WEIGHTS)
+  others = sum(
+    w['size']
+    for n, w in listing.items()
+    if n != EXPORT_WEIGHTS and n not in OPTIONAL
+  )
   if others > min(limit, 256 * files.MB):
     raise UserError(
       f'{os.path.join(folder, EXPORT_META)}: lists {others / 2**20:.0f} MB '
@@ -233,6 +246,18 @@ def verify_export(
     if part != 'all' and (name == EXPORT_WEIGHTS) != (part == 'weights'):
       continue
     path = os.path.join(folder, name)
+    if name in OPTIONAL:
+      if want['size'] > OPTIONAL[name]:
+        problem = f'{want["size"]} bytes, more than such a file holds'
+      else:
+        problem = _check_file(path, want, keep=contents)
+      if problem:
+        print(
+          f'note: {path}: left out ({problem}); the model itself is fine',
+          file=sys.stderr,
+        )
+        contents.pop(path, None)
+      continue
     problem = _check_file(path, want, keep=contents)
     if problem:
       raise UserError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import shutil
@@ -27,7 +28,7 @@ from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
 from src.model import ginconf, reformer
-from src.storage import checkpoints, modelfolder
+from src.storage import checkpoints, curves, modelfolder
 
 PACKAGES = ('trax', 'jax', 'jaxlib', 'sentencepiece', 'safetensors', 'numpy')
 
@@ -51,6 +52,47 @@ def _last_eval(meta: dict) -> tuple[int, float] | None:
     return int(step), float(loss)
   except (KeyError, IndexError, TypeError, ValueError, AttributeError):
     return None
+
+
+def _base_model(run_dir: str) -> str | None:
+  """The name of the model a fine-tuned run started from (its init.json),
+  else None."""
+  path = os.path.join(run_dir, rundir.INIT)
+  try:
+    record = files.read_json(path)
+    return os.path.basename(os.path.normpath(str(record['path'])))
+  except (OSError, UserError, KeyError, TypeError, ValueError):
+    return None
+
+
+def _yaml(value) -> str:
+  """`value` as a YAML scalar that cannot break out of its line: a JSON
+  string (a valid YAML double-quoted scalar), control characters
+  escaped."""
+  return json.dumps(''.join(c if c.isprintable() else ' ' for c in str(value)))
+
+
+def front_matter(info: dict) -> str:
+  """Hugging Face-style metadata for the top of the model card."""
+  lines = ['---', 'library_name: jade-v8']
+  if info.get('license'):
+    lines.append(f'license: {_yaml(info["license"])}')
+  lines += [
+    'pipeline_tag: text-generation',
+    'tags:',
+    '- jade-v8',
+    '- reformer',
+    '- trax',
+    '- conversational',
+    '- long-context',
+  ]
+  if info.get('base_model'):
+    lines.append(f'base_model: {_yaml(info["base_model"])}')
+  if info.get('datasets'):
+    lines.append('datasets:')
+    lines += [f'- {_yaml(d)}' for d in info['datasets']]
+  lines += [f'context_length: {int(info["context_length"])}', '---', '']
+  return '\n'.join(lines)
 
 
 def _run_settings(run_dir: str) -> dict:
@@ -109,8 +151,20 @@ def _choose(run_dir: str, step: int | None) -> str:
   )
 
 
-def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
+def export(
+  run_dir: str,
+  out_dir: str,
+  step: int | None = None,
+  log=print,
+  datasets: tuple[str, ...] = (),
+  license: str | None = None,  # noqa: A002 (the card's word)
+):
   """Writes the export of `run_dir` (see the module docstring).
+
+  Args:
+    datasets: Names of the data the model was trained on, for the card's
+      metadata (the user's words; nothing is read from them).
+    license: The card's license identifier (e.g. "apache-2.0").
 
   Returns:
     The export's metadata (`export.json`).
@@ -158,7 +212,11 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
     ),
     'weights_sha256': checkpoints.weights_digest(flat),
     'versions': _versions(),
+    'base_model': _base_model(run_dir),
+    'datasets': list(datasets),
+    'license': license,
   }
+  scalars = curves.collect(run_dir)
   parent = os.path.dirname(os.path.abspath(out_dir))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(out_dir)}.')
@@ -179,8 +237,16 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
         f'# Model settings of {os.path.basename(os.path.normpath(run_dir))} '
         f'at step {step} (read as data; see README.md).\n' + model.gin_text
       )
+    if scalars:
+      with open(os.path.join(tmp, curves.CURVES), 'w', encoding='utf-8') as f:
+        json.dump(scalars, f, separators=(',', ':'))
+      curves.plot(
+        scalars,
+        os.path.join(tmp, curves.PICTURE),
+        f'{os.path.basename(os.path.normpath(out_dir))}: loss by step',
+      )
     with open(os.path.join(tmp, rundir.MODEL_CARD), 'w', encoding='utf-8') as f:
-      f.write(model_card(info, setup, out_dir))
+      f.write(model_card(info, setup, out_dir, scalars))
     info['files'] = {
       name: {
         'size': os.path.getsize(os.path.join(tmp, name)),
@@ -205,8 +271,31 @@ def export(run_dir: str, out_dir: str, step: int | None = None, log=print):
   return info
 
 
-def model_card(info: dict, setup, out_dir: str) -> str:
-  """The export's README.md."""
+def _curves_text(scalars: dict | None) -> str:
+  """The card's section on how the model trained."""
+  if not scalars:
+    return ''
+  rows = '\n'.join(
+    f'| {what} | {value} |' for what, value in curves.final_rows(scalars)
+  )
+  return f"""
+## How it trained
+
+![Training and held-out loss by step]({curves.PICTURE})
+
+| final figure | value |
+|---|---|
+{rows}
+
+`{curves.CURVES}` holds every scalar the run logged (TensorBoard's loss,
+accuracy, learning rate, tokens per second). A run fine-tuned from this
+folder writes them into its out-dir, so `tensorboard --logdir runs/mine`
+shows this run beside yours.
+"""
+
+
+def model_card(info: dict, setup, out_dir: str, scalars=None) -> str:
+  """The export's README.md: front matter, then the card."""
   loss = info['held_out_loss']
   quality = (
     f'held-out loss {loss:.3f} nats/token (perplexity '
@@ -216,7 +305,9 @@ def model_card(info: dict, setup, out_dir: str) -> str:
   )
   tokens = info['tokens_trained_on']
   m, a = setup.model, setup.attention
-  return f"""# Jade V8 model: {os.path.basename(os.path.normpath(out_dir))}
+  return (
+    front_matter(info)
+    + f"""# Jade V8 model: {os.path.basename(os.path.normpath(out_dir))}
 
 A ReformerLM chat model exported from a Jade V8 training run at step
 {info['step']}.
@@ -224,8 +315,8 @@ A ReformerLM chat model exported from a Jade V8 training run at step
 | | |
 |---|---|
 | trained on | `{_md_code(info['trained_on'])}` ({
-    f'{tokens:,} tokens with loss' if tokens else 'token count not recorded'
-  }) |
+      f'{tokens:,} tokens with loss' if tokens else 'token count not recorded'
+    }) |
 | quality | {quality} |
 | context | {info['context_length']} tokens |
 | model | {m['n_layers']} layers, d_model {m['d_model']}, d_ff {m['d_ff']}, \
@@ -233,7 +324,7 @@ A ReformerLM chat model exported from a Jade V8 training run at step
 | weights | {info['n_weights']:,} ({info['n_arrays']} arrays) |
 | vocabulary | {info['vocab_size']} sentencepiece pieces |
 | markers | `{'`, `'.join(_md_code(m, 40) for m in info['markers'])}` |
-
+{_curves_text(scalars)}
 ## Chat with it
 
     python evaluate.py --model-dir {out_dir}
@@ -256,4 +347,7 @@ optimizer and schedule come from `gin/finetune.gin`.
   value` lines of known settings are accepted).
 - `export.json`: step, sizes, package versions and the SHA-256 of every
   file; Jade V8 checks every file against it before loading any.
+- `curves.json`, `loss.png` (when the run logged curves): its scalars and
+  their picture; a damaged one is left out with a note.
 """
+  )

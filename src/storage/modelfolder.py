@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import chatformat, tokenizer
 from src.model import ginconf, preflight
-from src.storage import checkpoints
+from src.storage import checkpoints, curves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,8 @@ class ModelFolder:
     gin_path: That `model.gin`.
     setup: The parsed settings (`gin_text` plus the caller's bindings;
       they are also the current gin state).
+    curves: An export's `curves.json`, checked (`src.storage.curves`);
+      None for a run folder (its event files hold them) or without.
   """
 
   path: str
@@ -53,6 +56,7 @@ class ModelFolder:
   gin_text: str
   gin_path: str
   setup: ginconf.GinSetup
+  curves: dict | None = None
 
   @functools.cached_property
   def digest(self) -> str:
@@ -97,10 +101,25 @@ def load(
     # parsed is the bytes that were checked.
     meta, contents = checkpoints.verify_export(path, part='rest')
     with files.pinned(contents):
-      return _load(
+      model = _load(
         path, 'export', what, bindings, checkpoint, check_memory, meta
       )
+    return dataclasses.replace(model, curves=_export_curves(path, contents))
   return _load(path, 'run', what, bindings, checkpoint, check_memory, None)
+
+
+def _export_curves(path: str, contents: dict) -> dict | None:
+  """An export's checked `curves.json`, or None (absent or damaged: a note
+  says so; the model is fine without it)."""
+  file = os.path.join(path, rundir.CURVES)
+  data = contents.get(file)
+  if data is None:
+    return None
+  try:
+    return curves.parse(data, file)
+  except UserError as e:
+    print(f'note: {e}', file=sys.stderr)
+    return None
 
 
 def _load(path, kind, what, bindings, checkpoint, check_memory, export_meta):

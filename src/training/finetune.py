@@ -205,3 +205,30 @@ def record(out_dir: str, source: modelfolder.ModelFolder):
     (json.dumps(info, indent=2) + '\n').encode(),
   )
   return info
+
+
+def copy_curves(
+  out_dir: str, source: modelfolder.ModelFolder, log
+) -> str | None:
+  """Writes the pretrained model's curves into the new run's out-dir as
+  TensorBoard event files (`pretrained-NAME/`), so TensorBoard shows both
+  runs side by side; returns that folder, or None when the source has no
+  curves. An export's come from its checked `curves.json`, a run folder's
+  from its event files."""
+  from src.storage import curves
+
+  scalars = source.curves
+  if scalars is None and source.kind == 'run':
+    scalars = curves.collect(source.path)
+  if not scalars:
+    return None
+  name = os.path.basename(os.path.normpath(source.path)) or 'model'
+  folder = os.path.join(out_dir, rundir.PRETRAINED_CURVES + name)
+  if os.path.lexists(folder):
+    return folder
+  curves.to_tensorboard(scalars, folder)
+  log(
+    f'curves of {name} (the pretrained run) are in {folder}: tensorboard '
+    f'--logdir {out_dir} shows them beside this run'
+  )
+  return folder

@@ -178,6 +178,8 @@ def _write_run_files(plan: run_plan.RunPlan, cluster, log) -> str | None:
     )
   if fine is not None and fine.source is not None:
     finetune.record(out_dir, fine.source)
+    if cluster.chief:
+      finetune.copy_curves(out_dir, fine.source, log)
     init_text = f'fine-tuned from {fine.source.describe()}'
     log(
       f'{init_text}: its tokenizer, model settings and weights; optimizer '
