@@ -38,22 +38,9 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MICRO = (
-  'ReformerLM.max_len = 128',
-  'ReformerLM.pos_axial_shape = (8, 16)',
-  'ReformerLM.d_model = 32',
-  'ReformerLM.d_ff = 64',
-  'ReformerLM.pos_d_axial_embs = (16, 16)',
-  'LSHSelfAttention.chunk_len = 16',
-  'LSHSelfAttention.n_buckets = 8',
-  'LSHSelfAttention.predict_mem_len = 128',
-  'LSHSelfAttention.predict_drop_len = 32',
-  'SelfAttention.predict_mem_len = 128',
-  'SelfAttention.predict_drop_len = 32',
-)
+from bench.common import MICRO, ROOT  # noqa: E402
 
 
 def child(argv: list[str]) -> tuple[int, float, str]:

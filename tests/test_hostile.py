@@ -119,6 +119,21 @@ def _run_child(code: str, limit_mb: int):
   )
 
 
+def _line_in_child(call: str, limit_mb: int) -> str:
+  """The UserError line of `safe_pickle.<call>` run in a process capped at
+  `limit_mb` of address space (it must not run out)."""
+  code = (
+    'from src.core import safe_pickle\n'
+    'try:\n'
+    f'  {call}\n'
+    'except UserError as e:\n'
+    '  print(e)\n'
+  )
+  result = _run_child(code, limit_mb)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return result.stdout
+
+
 def test_a_gzip_bomb_checkpoint_is_refused_in_bounded_memory(tmp_path):
   bomb = tmp_path / 'model.pkl.gz'
   packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip framing.
@@ -128,16 +143,8 @@ def test_a_gzip_bomb_checkpoint_is_refused_in_bounded_memory(tmp_path):
       f.write(packer.compress(zeros))
     f.write(packer.flush())
   assert bomb.stat().st_size < 1 << 20
-  code = (
-    'from src.core import safe_pickle\n'
-    'try:\n'
-    f'  safe_pickle.read_pickle({str(bomb)!r})\n'
-    'except UserError as e:\n'
-    '  print(e)\n'
-  )
-  result = _run_child(code, 700)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert 'decompresses to more than 256 MB' in result.stdout
+  line = _line_in_child(f'safe_pickle.read_pickle({str(bomb)!r})', 700)
+  assert 'decompresses to more than 256 MB' in line
 
 
 def test_a_pickled_huge_array_is_refused_before_allocation():
@@ -523,16 +530,8 @@ def test_a_weights_stream_claiming_more_than_it_holds_stays_bounded(tmp_path):
     header = b"{'descr': '|u1', 'fortran_order': False, 'shape': %s, }" % shape
     _npy_stream(path, header, zeros=300 << 20)
     assert path.stat().st_size < 1 << 20
-    code = (
-      'from src.core import safe_pickle\n'
-      'try:\n'
-      f'  safe_pickle.read_weights_file({str(path)!r}, 64 << 20)\n'
-      'except UserError as e:\n'
-      '  print(e)\n'
-    )
-    result = _run_child(code, 700)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert 'model.weights.npy.gz: damaged' in result.stdout
+    call = f'safe_pickle.read_weights_file({str(path)!r}, 64 << 20)'
+    assert 'model.weights.npy.gz: damaged' in _line_in_child(call, 700)
 
 
 def test_big_endian_weights_are_converted(tmp_path):

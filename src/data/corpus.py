@@ -37,7 +37,7 @@ import zlib
 
 import numpy as np
 
-from src.core import files, rundir
+from src.core import bars, files, rundir
 from src.core.errors import UserError
 from src.data import chatformat, tokenizer
 
@@ -289,26 +289,13 @@ def _read_meta(folder: str) -> tuple[dict | None, str]:
   return meta, ''
 
 
-def _progress(total: int, desc: str):
-  from tqdm import tqdm
-
-  return tqdm(
-    total=total,
-    unit='B',
-    unit_scale=True,
-    desc=desc,
-    disable=not sys.stderr.isatty() or total < PARALLEL_MIN_BYTES,
-    leave=False,
-  )
-
-
 def _build(folder, scanned, tok, parse_kwargs, workers, key, log):
   """Tokenizes every piece into `folder` (a temporary folder)."""
   dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
   ends, n_tokens, n_turns, warnings = [], 0, 0, []
   crc = {'tokens.bin': 0, 'roles.bin': 0}
   t0 = time.time()
-  bar = _progress(scanned.n_bytes, 'tokenizing')
+  bar = bars.byte_bar(scanned.n_bytes, 'tokenizing', PARALLEL_MIN_BYTES)
   with (
     open(os.path.join(folder, 'tokens.bin'), 'wb') as ftok,
     open(os.path.join(folder, 'roles.bin'), 'wb') as frole,

@@ -24,11 +24,10 @@ import io
 import math
 import os
 import re
-import sys
 import tempfile
 import unicodedata
 
-from src.core import files
+from src.core import bars, files
 from src.core.errors import UserError
 from src.data.importers import wording
 from src.data.importers.base import (
@@ -233,16 +232,7 @@ class _Counted(io.RawIOBase):
 def progress(binary, total: int, desc: str):
   """`binary` (an open binary file of `total` bytes) read through a
   progress bar on stderr, shown for big exports on a terminal."""
-  from tqdm import tqdm
-
-  bar = tqdm(
-    total=total,
-    unit='B',
-    unit_scale=True,
-    desc=desc,
-    disable=not sys.stderr.isatty() or total < PROGRESS_MIN_BYTES,
-    leave=False,
-  )
+  bar = bars.byte_bar(total, desc, PROGRESS_MIN_BYTES)
   with bar:
     if bar.disable:
       yield binary

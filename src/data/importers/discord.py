@@ -19,22 +19,16 @@ import datetime
 import os
 import re
 
-from src.data.importers import jsonstream
-from src.data.importers.chatlog import (
-  Chat,
-  Drop,
-  Message,
-  Source,
-  open_input,
-  progress,
-)
+from src.data.importers import chatlog, jsonstream
 
 _EMOJI = re.compile(r'<a?:(\w{1,64}):\d{1,24}>')
 
 
-def sources(inputs: list[str]) -> list[Source]:
+def sources(inputs: list[str]) -> list[chatlog.Source]:
   return [
-    Source((p,), os.path.splitext(os.path.basename(os.path.normpath(p)))[0])
+    chatlog.Source(
+      (p,), os.path.splitext(os.path.basename(os.path.normpath(p)))[0]
+    )
     for p in inputs
   ]
 
@@ -54,20 +48,20 @@ def _time(value) -> float | None:
 def item(message, where: str):
   """The `Message` or `Drop` for one exported message object."""
   if not isinstance(message, dict):
-    return Drop('unreadable')
+    return chatlog.Drop('unreadable')
   if message.get('type', 'Default') not in ('Default', 'Reply'):
-    return Drop('system notice')
+    return chatlog.Drop('system notice')
   content = message.get('content')
   if not isinstance(content, str) or not content.strip():
-    return Drop('media')
+    return chatlog.Drop('media')
   author = message.get('author')
   author = author if isinstance(author, dict) else {}
   name = author.get('name') if isinstance(author.get('name'), str) else ''
   nick = author.get('nickname')
   nick = nick if isinstance(nick, str) and nick else name
   if not nick:
-    return Drop('unreadable')
-  return Message(
+    return chatlog.Drop('unreadable')
+  return chatlog.Message(
     where,
     _time(message.get('timestamp')),
     nick,
@@ -76,19 +70,19 @@ def item(message, where: str):
   )
 
 
-def items(source: Source, warn):
+def items(source: chatlog.Source, warn):
   del warn
   (path,) = source.paths
   n = 0
   with (
-    open_input(path) as raw,
-    progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
+    chatlog.open_input(path) as raw,
+    chatlog.progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
   ):
     for _prefix, value in jsonstream.objects(
       f, path, {'messages.item'}, {'messages'}
     ):
       if value is None:
-        yield Chat(source.name)
+        yield chatlog.Chat(source.name)
       else:
         yield item(value, f'{path}[{n}]')
         n += 1

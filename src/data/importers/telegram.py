@@ -21,15 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 
-from src.data.importers import jsonstream
-from src.data.importers.chatlog import (
-  Chat,
-  Drop,
-  Message,
-  Source,
-  open_input,
-  progress,
-)
+from src.data.importers import chatlog, jsonstream
 
 _CHATS = ('chats.list.item', 'left_chats.list.item')
 _WANTED = {'messages.item'} | {c + '.messages.item' for c in _CHATS}
@@ -49,7 +41,7 @@ _MEDIA_KEYS = (
 )
 
 
-def sources(inputs: list[str]) -> list[Source]:
+def sources(inputs: list[str]) -> list[chatlog.Source]:
   """Each input is one export; `result.json` takes its folder's name."""
   out = []
   for path in inputs:
@@ -58,7 +50,7 @@ def sources(inputs: list[str]) -> list[Source]:
     if name == 'result':
       folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
       name = folder or 'telegram'
-    out.append(Source((path,), name))
+    out.append(chatlog.Source((path,), name))
   return out
 
 
@@ -96,19 +88,19 @@ def _time(message: dict) -> float | None:
 def item(message, where: str):
   """The `Message` or `Drop` for one exported message object."""
   if not isinstance(message, dict):
-    return Drop('unreadable')
+    return chatlog.Drop('unreadable')
   if message.get('type') != 'message':
-    return Drop('system notice')
+    return chatlog.Drop('system notice')
   if message.get('forwarded_from') is not None:
-    return Drop('forwarded')
+    return chatlog.Drop('forwarded')
   text = _text(message.get('text'))
   if not text.strip():
     media = any(k in message for k in _MEDIA_KEYS)
-    return Drop('media' if media else 'empty')
+    return chatlog.Drop('media' if media else 'empty')
   sender = message.get('from')
   sender = sender if isinstance(sender, str) and sender else 'Deleted Account'
   alias = message.get('from_id')
-  return Message(
+  return chatlog.Message(
     where,
     _time(message),
     sender,
@@ -117,21 +109,21 @@ def item(message, where: str):
   )
 
 
-def items(source: Source, warn):
+def items(source: chatlog.Source, warn):
   """Yields `Chat` per chat, then its messages' items, as they stream."""
   del warn
   (path,) = source.paths
   name = source.name
   n = 0
   with (
-    open_input(path) as raw,
-    progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
+    chatlog.open_input(path) as raw,
+    chatlog.progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
   ):
     for prefix, value in jsonstream.objects(f, path, _WANTED, _MARKS):
       if prefix.endswith('.name'):
         name = str(value)
       elif prefix.endswith('messages') and value is None:
-        yield Chat(name)
+        yield chatlog.Chat(name)
       else:
         yield item(value, f'{path}[{n}]')
         n += 1

@@ -31,15 +31,7 @@ import re
 import zipfile
 
 from src.core.errors import UserError
-from src.data.importers import wording
-from src.data.importers.chatlog import (
-  Chat,
-  Drop,
-  Message,
-  Source,
-  open_input,
-  progress,
-)
+from src.data.importers import chatlog, wording
 
 # A line longer than this (characters) is left out: no chat line is.
 MAX_LINE = 1 << 20
@@ -74,14 +66,14 @@ _NOT_EXPORT = (
 )
 
 
-def sources(inputs: list[str]) -> list[Source]:
+def sources(inputs: list[str]) -> list[chatlog.Source]:
   """Each input (a .txt or .zip export) is one chat."""
   out = []
   for path in inputs:
     name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
     if name in ('_chat', ''):
       name = 'whatsapp'
-    out.append(Source((path,), name))
+    out.append(chatlog.Source((path,), name))
   return out
 
 
@@ -128,7 +120,7 @@ class _Lines:
     self.path, self.desc = path, desc
 
   def __iter__(self):
-    with open_input(self.path) as raw:
+    with chatlog.open_input(self.path) as raw:
       if zipfile.is_zipfile(raw):
         raw.seek(0)
         try:
@@ -136,7 +128,7 @@ class _Lines:
             info = _member(zf, self.path)
             with (
               zf.open(info) as member,
-              progress(member, info.file_size, self.desc) as f,
+              chatlog.progress(member, info.file_size, self.desc) as f,
             ):
               yield from self._read(f, f'{self.path}:{info.filename}')
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as e:
@@ -146,7 +138,7 @@ class _Lines:
         return
       raw.seek(0)
       size = os.fstat(raw.fileno()).st_size
-      with progress(raw, size, self.desc) as f:
+      with chatlog.progress(raw, size, self.desc) as f:
         yield from self._read(f, self.path)
 
   @staticmethod
@@ -252,28 +244,28 @@ def _finish(current):
   where, time, sender, lines, app = current
   text = '\n'.join(lines)
   if sender is None:
-    return Drop('system notice')
+    return chatlog.Drop('system notice')
   if app:  # iOS marks what the app wrote with U+200E.
     kind = wording.kind(text)
     if kind is None and wording.CALL_LOG.match(text.strip(wording.MARKS)):
       kind = 'call'
-    return Drop(kind or 'system notice')
+    return chatlog.Drop(kind or 'system notice')
   text = wording.strip_edited(text)
   kind = wording.kind(text)
   if kind:
-    return Drop(kind)
+    return chatlog.Drop(kind)
   if not text.strip(wording.MARKS + ' '):
-    return Drop('empty')
-  return Message(where, time, sender, text)
+    return chatlog.Drop('empty')
+  return chatlog.Message(where, time, sender, text)
 
 
-def items(source: Source, warn):
+def items(source: chatlog.Source, warn):
   """Yields `Chat`, then a `Message` or `Drop` per message, in file
   order."""
   (path,) = source.paths
   layout, order = _order(path)
   pattern = IOS if layout == 'ios' else ANDROID
-  yield Chat(source.name)
+  yield chatlog.Chat(source.name)
   current = None  # [where, time, sender, lines, app]
   too_long = 0
   for no, where, line in _Lines(path, 'converting'):
@@ -291,7 +283,7 @@ def items(source: Source, warn):
             f'{current[0]}: left out: a message of over '
             f'{4 * MAX_LINE} characters'
           )
-          yield Drop('too long')
+          yield chatlog.Drop('too long')
           current = None
       continue
     if current is not None:
