@@ -23,6 +23,7 @@ from .conftest import (
   DATA,
   ROOT,
   finetune_settings,
+  reseal_export,
 )
 
 
@@ -311,21 +312,10 @@ def _crafted(exported, tmp_path, change):
   return folder
 
 
-def _reseal(folder, name):
-  meta_path = os.path.join(folder, 'export.json')
-  meta = json.load(open(meta_path))
-  data = open(os.path.join(folder, name), 'rb').read()
-  meta['files'][name] = {
-    'size': len(data),
-    'sha256': hashlib.sha256(data).hexdigest(),
-  }
-  json.dump(meta, open(meta_path, 'w'))
-
-
 def _malformed(folder):
   with open(os.path.join(folder, 'curves.json'), 'w') as f:
     json.dump({'format': 'jade-v8-curves', 'train': {'loss': [[1, 'x']]}}, f)
-  _reseal(folder, 'curves.json')
+  reseal_export(folder, 'curves.json')
 
 
 def _huge(folder):

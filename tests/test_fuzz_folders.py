@@ -7,7 +7,6 @@ bounded allocation, and write nothing outside the folder."""
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import os
 import shutil
@@ -21,6 +20,8 @@ from hypothesis import strategies as st
 from src.core import safe_pickle
 from src.core.errors import UserError
 from src.storage import checkpoints, modelfolder
+
+from .conftest import reseal_export
 
 # Mutations tried per target (three targets); the suite's bounded time.
 EXAMPLES = 60
@@ -79,18 +80,6 @@ def _edit(data: bytes, edit) -> bytes:
   if kind == 'insert':
     return data[:at] + arg + data[at:]
   return data[:at] + arg + data[at + len(arg) :]
-
-
-def _reseal_export(folder: str, name: str):
-  path = os.path.join(folder, 'export.json')
-  meta = json.load(open(path))
-  if isinstance(meta.get('files'), dict) and name in meta['files']:
-    data = open(os.path.join(folder, name), 'rb').read()
-    meta['files'][name] = {
-      'size': len(data),
-      'sha256': hashlib.sha256(data).hexdigest(),
-    }
-    json.dump(meta, open(path, 'w'))
 
 
 def _bounded(load):
@@ -156,7 +145,7 @@ def test_fuzz_an_export(pristine, tmp_path_factory, name, edit, reseal):
   data = open(path, 'rb').read()
   open(path, 'wb').write(_edit(data, edit))
   if reseal and name != 'export.json':
-    _reseal_export(folder, name)
+    reseal_export(folder, name)
   _bounded(lambda: modelfolder.load(folder, 'model-dir', 'copy it again'))
   _outside_untouched(tmp_path, ['export'])
 
@@ -182,7 +171,7 @@ def test_fuzz_safetensors_header_fields(
     header[first][field] = value
   text = json.dumps(header).encode()
   open(path, 'wb').write(struct.pack('<Q', len(text)) + text + data[8 + n :])
-  _reseal_export(folder, 'model.safetensors')
+  reseal_export(folder, 'model.safetensors')
   _bounded(lambda: modelfolder.load(folder, 'model-dir', 'copy it again'))
 
 

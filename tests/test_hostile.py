@@ -5,7 +5,6 @@ folders). Each test is one crafted folder or file."""
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import json
 import os
@@ -26,7 +25,13 @@ from src.inference import decoding
 from src.storage import checkpoints, export
 from src.training import trainer
 
-from .conftest import MICRO, ROOT, finetune_settings, train_settings
+from .conftest import (
+  MICRO,
+  ROOT,
+  finetune_settings,
+  reseal_export,
+  train_settings,
+)
 
 
 @pytest.fixture
@@ -225,19 +230,6 @@ def test_text_from_a_tokenizer_is_shown_as_text(trained_tokenizer):
   assert tok.decode(tok.encode('Hello there')) == 'Hello there'
 
 
-def _resign(folder, name):
-  """Updates export.json's entry of `name` (a crafted export that is
-  consistent with its own listing)."""
-  meta_path = os.path.join(folder, 'export.json')
-  meta = json.load(open(meta_path))
-  data = open(os.path.join(folder, name), 'rb').read()
-  meta['files'][name] = {
-    'size': len(data),
-    'sha256': hashlib.sha256(data).hexdigest(),
-  }
-  json.dump(meta, open(meta_path, 'w'))
-
-
 @pytest.mark.parametrize('dtype', ['BF16', 'F8_E4M3'])
 def test_export_weights_of_another_dtype_are_one_line(
   exported, tmp_path, dtype
@@ -253,7 +245,7 @@ def test_export_weights_of_another_dtype_are_one_line(
   text = json.dumps(header).encode()
   with open(path, 'wb') as f:
     f.write(struct.pack('<Q', len(text)) + text + data[8 + n :])
-  _resign(folder, 'model.safetensors')
+  reseal_export(folder, 'model.safetensors')
   with pytest.raises(UserError, match=f"dtype '{dtype}'"):
     decoding.load_run(folder, 'eval')
 
@@ -318,7 +310,7 @@ def test_bad_gin_in_a_model_folder_is_one_line_from_evaluate(
   shutil.copytree(exported['dir'], folder)
   gin_path = folder / 'model.gin'
   gin_path.write_text(gin_path.read_text() + '\nReformerLM.n_layers = 99999\n')
-  _resign(str(folder), 'model.gin')
+  reseal_export(str(folder), 'model.gin')
   result = subprocess.run(
     [
       sys.executable,
@@ -598,7 +590,7 @@ def _rewrite_header(folder, change):
   text = json.dumps(header).encode()
   with open(path, 'wb') as f:
     f.write(struct.pack('<Q', len(text)) + text + data[8 + n :])
-  _resign(folder, 'model.safetensors')
+  reseal_export(folder, 'model.safetensors')
 
 
 @pytest.mark.parametrize(

@@ -41,9 +41,10 @@ def _thin(points: list, limit: int = MAX_POINTS) -> list:
   return [points[int(i * step)] for i in range(limit - 1)] + [points[-1]]
 
 
-def collect(run_dir: str) -> dict | None:
+def collect(run_dir: str, until: int | None = None) -> dict | None:
   """The scalars of a run's TensorBoard event files (`run_dir/train`,
-  `run_dir/eval`), or None if it logged none."""
+  `run_dir/eval`) up to step `until` (default all), or None if it logged
+  none."""
   from tensorboard.backend.event_processing import event_accumulator as ea
 
   parts = {}
@@ -59,7 +60,9 @@ def collect(run_dir: str) -> dict | None:
     for tag in sorted(acc.Tags().get('scalars', []))[:MAX_TAGS]:
       points = {}
       for event in acc.Scalars(tag):
-        if math.isfinite(event.value):
+        if math.isfinite(event.value) and (
+          until is None or event.step <= until
+        ):
           points[int(event.step)] = float(f'{event.value:.6g}')
       if points:
         tags[tag] = _thin(sorted([s, v] for s, v in points.items()))
@@ -198,8 +201,15 @@ def final_rows(curves: dict) -> list[tuple[str, str]]:
     points = curves.get(part, {}).get(tag)
     if points:
       step, value = points[-1]
-      rows.append((what, f'{value:.4g} at step {step}'))
+      shown = f'{value:,.0f}' if abs(value) >= 1000 else f'{value:.4g}'
+      rows.append((what, f'{shown} at step {step}'))
   return rows
+
+
+def last_eval(curves: dict | None) -> tuple[int, float] | None:
+  """(step, held-out loss) of the last evaluation the curves hold."""
+  points = (curves or {}).get('eval', {}).get('metrics/loss')
+  return (int(points[-1][0]), float(points[-1][1])) if points else None
 
 
 def where(model_dir: str) -> str | None:

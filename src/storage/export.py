@@ -191,7 +191,15 @@ def export(
     for w in flat
   ]
   manifest = checkpoints.read_manifest(folder) or {}
+  scalars = curves.collect(run_dir, until=step)
+  # The last evaluation at or before the exported step: the curves hold
+  # the final one, which the checkpoint's history (saved first) may not.
+  logged = curves.last_eval(scalars)
   evaluated = _last_eval(meta)
+  if (
+    logged and logged[0] <= step and (not evaluated or logged[0] > evaluated[0])
+  ):
+    evaluated = logged
   settings = _run_settings(run_dir)
   info = {
     'format': checkpoints.EXPORT_FORMAT,
@@ -216,7 +224,6 @@ def export(
     'datasets': list(datasets),
     'license': license,
   }
-  scalars = curves.collect(run_dir)
   parent = os.path.dirname(os.path.abspath(out_dir))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(out_dir)}.')
