@@ -31,32 +31,6 @@ def run_parser(doc: str):
   return parser
 
 
-# gin/tiny.gin made micro, so that a step takes a few milliseconds: the
-# tests' model (tests/conftest.py) and the smoke runs of bench/hostile.py.
-MICRO = (
-  'ReformerLM.max_len = 128',
-  'ReformerLM.pos_axial_shape = (8, 16)',
-  'ReformerLM.d_model = 32',
-  'ReformerLM.d_ff = 64',
-  'ReformerLM.pos_d_axial_embs = (16, 16)',
-  'LSHSelfAttention.chunk_len = 16',
-  'LSHSelfAttention.n_buckets = 8',
-  # One hash round (tiny.gin: 2) halves the LSH block's cost in the many
-  # short runs; 2 rounds are trained by test_model's copy tests and
-  # decoded by test_fast_lsh.
-  'LSHSelfAttention.n_hashes = 1',
-  'LSHSelfAttention.predict_mem_len = 128',
-  'LSHSelfAttention.predict_drop_len = 32',
-  'SelfAttention.predict_mem_len = 128',
-  'SelfAttention.predict_drop_len = 32',
-  'lr_schedule.warmup_steps = 2',
-  # Random feed-forward outputs, as Trax starts them: the short shared runs
-  # are compared token by token (decoder vs forward), which needs every
-  # branch to add something. The shipped zero start: test_model.
-  'residual.zero_feed_forward = False',
-)
-
-
 # The training-speed benchmark model (bench/train_speed.py, kernels.py).
 VOCAB, D, D_FF, LAYERS, HEADS, D_HEAD, CHUNK = 500, 256, 1024, 4, 4, 64, 64
 

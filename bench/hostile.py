@@ -2,7 +2,7 @@
 
   python bench/hostile.py [WORK_DIR] [--smoke]
 
-Trains a small run (the sample data, `gin/tiny.gin` made micro, 4 steps)
+Trains a small run (the sample data, `gin/tiny.gin`, 4 steps)
 and exports it, then crafts from them the folders of the hostile-folder
 probes and runs the real command on each in a child process (its peak
 resident memory from `ru_maxrss`), against the same command on the
@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import MICRO, ROOT  # noqa: E402
+from bench.common import ROOT  # noqa: E402
 
 
 def child(argv: list[str]) -> tuple[int, float, str]:
@@ -113,7 +113,6 @@ def main(argv=None):
   os.makedirs(work)
   run, exp = os.path.join(work, 'run'), os.path.join(work, 'export')
   py = sys.executable
-  binds = [x for b in MICRO for x in ('--bind', b)]
   train = [
     py,
     'train.py',
@@ -129,7 +128,6 @@ def main(argv=None):
     '2',
     '--checkpoint-every',
     '2',
-    *binds,
   ]
   status, _, line = child(train + ['--out-dir', run, '--steps', '4'])
   if status:

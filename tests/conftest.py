@@ -11,7 +11,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import MICRO  # noqa: E402,F401 (the tests' model)
 from src import runtime  # noqa: E402
 
 runtime.bootstrap()  # XLA flags, quiet logs, Trax patches: once, first.
@@ -21,6 +20,29 @@ from src.data import chatformat, tokenizer  # noqa: E402
 
 DATA = os.path.join(ROOT, 'data', 'examples')
 TINY_GIN = os.path.join(ROOT, 'gin', 'tiny.gin')
+# Binds the tiny model even smaller so each step is a few milliseconds.
+MICRO = (
+  'ReformerLM.max_len = 128',
+  'ReformerLM.pos_axial_shape = (8, 16)',
+  'ReformerLM.d_model = 32',
+  'ReformerLM.d_ff = 64',
+  'ReformerLM.pos_d_axial_embs = (16, 16)',
+  'LSHSelfAttention.chunk_len = 16',
+  'LSHSelfAttention.n_buckets = 8',
+  # One hash round (tiny.gin: 2) halves the LSH block's cost in the many
+  # short runs; 2 rounds are trained by test_model's copy tests and
+  # decoded by test_fast_lsh.
+  'LSHSelfAttention.n_hashes = 1',
+  'LSHSelfAttention.predict_mem_len = 128',
+  'LSHSelfAttention.predict_drop_len = 32',
+  'SelfAttention.predict_mem_len = 128',
+  'SelfAttention.predict_drop_len = 32',
+  'lr_schedule.warmup_steps = 2',
+  # Random feed-forward outputs, as Trax starts them: the short shared runs
+  # are compared token by token (decoder vs forward), which needs every
+  # branch to add something. The shipped zero start: test_model.
+  'residual.zero_feed_forward = False',
+)
 
 # LSH attention made exact for MICRO's 128-token window: two chunks of 64
 # and the chunk before, one hash round, so every earlier position is in
