@@ -12,6 +12,7 @@ python evaluate.py --serve              # OpenAI-compatible API and a chat
 
 import argparse
 import dataclasses
+import os
 import sys
 
 
@@ -50,6 +51,19 @@ def parse_args(argv=None):
     '--api-key',
     default=None,
     help='require "Authorization: Bearer KEY" (also JADE_API_KEY)',
+  )
+  serve.add_argument(
+    '--allow-origin',
+    action='append',
+    default=[],
+    metavar='ORIGIN',
+    help='let web pages of ORIGIN (e.g. https://example.org) call the API; '
+    'other pages are refused (403)',
+  )
+  serve.add_argument(
+    '--open-without-key',
+    action='store_true',
+    help='allow a non-loopback --host without --api-key',
   )
   serve.add_argument(
     '--max-queue',
@@ -107,20 +121,23 @@ def main(argv=None):
     from src.core.errors import UserError
 
     raise UserError('--port must be 1-65535 and --max-queue 0 or more')
-  decoder = decoding.Decoder.load(model_dir, n_hashes=args.n_hashes)
   if args.serve:
-    import os
-
     from src.apps import serve
 
+    api_key = args.api_key or os.environ.get('JADE_API_KEY')
+    serve.check_host(args.host, api_key, args.open_without_key)
+  decoder = decoding.Decoder.load(model_dir, n_hashes=args.n_hashes)
+  if args.serve:
     serve.serve(
       decoder,
       os.path.basename(os.path.normpath(model_dir)),
       host=args.host,
       port=args.port,
-      api_key=args.api_key or os.environ.get('JADE_API_KEY'),
+      api_key=api_key,
       max_queue=args.max_queue,
       defaults=sampler,
+      allow_origins=tuple(args.allow_origin),
+      open_without_key=args.open_without_key,
     )
     return 0
   session = chat.ChatSession(decoder, sampler)

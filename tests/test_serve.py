@@ -400,3 +400,215 @@ def test_the_page_chats_in_chromium(server, tmp_path):
     assert whole['choices'][0]['message']['content'] == reply.text.strip()
   finally:
     driver.quit()
+
+
+# ---- A server that can be left running (issue 42, first part).
+
+
+def _raw(server, request: bytes, timeout=30) -> tuple[int, bytes]:
+  """Sends raw HTTP bytes; `(status, body)` of the answer."""
+  with socket.create_connection(('127.0.0.1', server['port']), timeout) as s:
+    s.sendall(request)
+    data = b''
+    while chunk := s.recv(65536):
+      data += chunk
+  head, _, body = data.partition(b'\r\n\r\n')
+  return int(head.split()[1]), body
+
+
+def _post(server, body: bytes, headers: dict | None = None):
+  headers = {
+    'Host': f'127.0.0.1:{server["port"]}',
+    'Authorization': f'Bearer {KEY}',
+    'Content-Type': 'application/json',
+    'Content-Length': str(len(body)),
+    'Connection': 'close',
+    **(headers or {}),
+  }
+  lines = ''.join(f'{k}: {v}\r\n' for k, v in headers.items() if v is not None)
+  return _raw(
+    server,
+    f'POST /v1/chat/completions HTTP/1.1\r\n{lines}\r\n'.encode() + body,
+  )
+
+
+@pytest.mark.parametrize(
+  'body, param',
+  [
+    (b'[' * 100_000 + b']' * 100_000, None),  # RecursionError before.
+    (
+      b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": '
+      + b'9' * 5000
+      + b'}',
+      None,
+    ),  # ValueError before.
+    (
+      b'{"messages": [{"role": ["user"], "content": "Hi"}]}',
+      'messages[0].role',
+    ),
+    (
+      b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1e300}',
+      'max_tokens',
+    ),
+  ],
+  ids=['deep', 'digits', 'role-list', 'huge-float'],
+)
+def test_odd_bodies_get_an_error_in_openai_shape(server, body, param):
+  status, data = _post(server, body)
+  assert status == 400, data[:300]
+  err = json.loads(data)['error']
+  assert err['message'] and err['param'] == param
+
+
+def test_a_tiny_temperature_is_greedy_not_nan(server):
+  body = {
+    'messages': [{'role': 'user', 'content': 'Hello!'}],
+    'max_tokens': 8,
+    'seed': 1,
+  }
+  greedy = call(server, '/v1/chat/completions', {**body, 'temperature': 0})
+  tiny = call(server, '/v1/chat/completions', {**body, 'temperature': 5e-324})
+  assert tiny[0] == greedy[0] == 200
+  text = tiny[1]['choices'][0]['message']['content']
+  assert text == greedy[1]['choices'][0]['message']['content']
+
+
+def test_idle_sockets_lock_no_one_out(server):
+  idle = [
+    socket.create_connection(('127.0.0.1', server['port']), 10)
+    for _ in range(40)
+  ]
+  try:
+    status, body, _ = call(
+      server,
+      '/v1/chat/completions',
+      {'messages': [{'role': 'user', 'content': 'Hi'}], 'max_tokens': 4},
+    )
+    assert (
+      status == 200 and body['choices'][0]['message']['content'] is not None
+    )
+    # An idle connection that sends nothing is closed by the server.
+    idle[0].settimeout(30)
+    assert idle[0].recv(1) == b''
+  finally:
+    for s in idle:
+      s.close()
+
+
+@pytest.mark.parametrize(
+  'headers, status',
+  [
+    ({'Origin': 'https://evil.example'}, 403),
+    ({'Host': 'rebound.example:80'}, 403),
+    ({'Origin': None}, 200),  # No Origin: not a browser's cross-site call.
+    ({'Authorization': f'bearer {KEY}'}, 200),  # Any case of the scheme.
+  ],
+)
+def test_foreign_origins_and_hosts_are_refused(server, headers, status):
+  body = json.dumps(
+    {'messages': [{'role': 'user', 'content': 'Hi'}], 'max_tokens': 2}
+  ).encode()
+  got, data = _post(server, body, headers)
+  assert got == status, data[:300]
+  if status == 403:
+    assert json.loads(data)['error']['type'] == 'permission_error'
+
+
+def test_the_page_itself_may_call_the_api(server):
+  origin = f'http://127.0.0.1:{server["port"]}'
+  body = json.dumps(
+    {'messages': [{'role': 'user', 'content': 'Hi'}], 'max_tokens': 2}
+  ).encode()
+  assert _post(server, body, {'Origin': origin})[0] == 200
+
+
+def test_a_huge_message_is_refused_before_it_is_tokenized(server):
+  body = {'messages': [{'role': 'user', 'content': 'word ' * 800_000}]}
+  started = time.time()
+  status, err, _ = call(server, '/v1/chat/completions', body)
+  assert status == 400 and '4,000,000 characters' in err['error']['message']
+  assert time.time() - started < 30  # Bounded work (never asserted tight).
+
+
+def test_a_long_conversation_is_trimmed_from_its_newest_turns(server):
+  messages = []
+  for i in range(2047):
+    messages.append(
+      {'role': 'user' if i % 2 == 0 else 'assistant', 'content': 'x ' * 495}
+    )
+  messages.append({'role': 'user', 'content': 'Hi'})
+  status, body, headers = call(
+    server, '/v1/chat/completions', {'messages': messages, 'max_tokens': 4}
+  )
+  assert status == 200
+  assert int(headers['X-Jade-Dropped-Turns']) >= 2040
+
+
+def test_a_full_queue_refuses_a_stream_before_its_200(decoder):
+  from starlette.testclient import TestClient
+
+  from src.apps import serve
+
+  server = serve.Server(decoder, 'out', None, 0)
+
+  async def busy():
+    await server._turn()  # The model is answering; no one may wait.
+
+  asyncio.run(busy())
+  with TestClient(server.app(), base_url='http://127.0.0.1:8000') as http:
+    r = http.post(
+      '/v1/chat/completions',
+      json={'messages': [{'role': 'user', 'content': 'Hi'}], 'stream': True},
+    )
+  assert r.status_code == 503 and r.json()['error']['type'] == 'server_busy'
+
+
+def test_a_stalled_upload_does_not_hold_shutdown(tiny_run):
+  port = _free_port()
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      'evaluate.py',
+      '--serve',
+      '--model-dir',
+      tiny_run['out'],
+      '--port',
+      str(port),
+    ],
+    cwd=ROOT,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  try:
+    deadline = time.time() + 300
+    while True:
+      try:
+        socket.create_connection(('127.0.0.1', port), 1).close()
+        break
+      except OSError:
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.5)
+    stalled = socket.create_connection(('127.0.0.1', port), 10)
+    stalled.sendall(
+      f'POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n'
+      'Content-Length: 100000\r\n\r\n{"mes'.encode()
+    )
+    time.sleep(1)
+    started = time.time()
+    proc.terminate()
+    proc.wait(20)
+    assert time.time() - started < 15
+    stalled.close()
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+
+
+def test_a_public_host_needs_a_key_or_an_explicit_yes(tiny_run, capsys):
+  import evaluate
+  from src.apps.cli import run_main
+
+  args = ['--model-dir', tiny_run['out'], '--serve', '--host', '0.0.0.0']
+  assert run_main(lambda: evaluate.main(args)) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and '--open-without-key' in err[0]

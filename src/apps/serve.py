@@ -23,6 +23,12 @@ request that repeats it and adds a user message (what chat clients send
 each turn) feeds only the new message (prefix reuse); any other is read
 again as one block. A client that disconnects stops its generation at the
 next token.
+
+What it takes from a client is bounded: connections that send no request
+are closed after IDLE_SECONDS, a body must arrive within BODY_SECONDS,
+a conversation is tokenized only as far as it fits, every error (however
+odd the input) has OpenAI's shape, and pages of other origins and foreign
+Host names (DNS rebinding) are refused with 403.
 """
 
 from __future__ import annotations
@@ -46,8 +52,19 @@ from src.inference.decoding import Decoder
 PAGE = os.path.join(os.path.dirname(__file__), 'web', 'index.html')
 MAX_BODY = 4 * 1024 * 1024  # Bytes of one request body.
 MAX_MESSAGES = 4096
+BODY_SECONDS = 30  # A request body must arrive within this.
+IDLE_SECONDS = 10  # A connection must send its request within this.
+# Characters one token stands for at most (sentencepiece's pieces are up
+# to 16, the markers are single tokens of about 20): a text longer than
+# this times a room cannot fit in it, and is not tokenized to find out.
+MAX_PIECE_CHARS = 64
 ROLES = {'user': chatformat.USER, 'assistant': chatformat.AI}
 DROPPED_ROLES = ('system', 'developer')
+LOOPBACK_NAMES = {'localhost', '127.0.0.1', '::1'}
+
+
+def _loopback(host: str) -> bool:
+  return host.strip('[]').lower() in LOOPBACK_NAMES
 
 
 class ApiError(Exception):
@@ -90,11 +107,16 @@ def _number(body: dict, name: str, kind, default):
   value = body.get(name)
   if value is None:
     return default
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-  if kind is int:
-    ok = ok and float(value).is_integer()
+  ok = (
+    isinstance(value, (int, float))
+    and not isinstance(value, bool)
+    and abs(value) < 2**53  # A 5000-digit integer is no setting.
+  )
+  if ok and kind is int:
+    ok = float(value).is_integer()
   if not ok:
-    raise ApiError(400, f'{name} must be a number, not {value!r}', name)
+    shown = repr(value)[:40]
+    raise ApiError(400, f'{name} must be a number, not {shown}', name)
   return kind(value)
 
 
@@ -143,10 +165,10 @@ def parse_job(
     if role in DROPPED_ROLES:
       dropped += 1
       continue
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
       raise ApiError(
         400,
-        f'role {role!r} is not supported (user, assistant, system)',
+        f'role {str(role)[:40]!r} is not supported (user, assistant, system)',
         f'messages[{i}].role',
       )
     messages.append((ROLES[role], _content(m, i)))
@@ -224,6 +246,21 @@ class Slot:
       ids = [self.tok.ai_start_id] + ids + [self.tok.ai_end_id]
     return generate.Turn(role, text, ids)
 
+  def _fitting(self, earlier, needed: int) -> list[generate.Turn]:
+    """The newest of `earlier` that can fit beside `needed` tokens, each
+    tokenized once, newest first until the context is full: a long
+    conversation costs what fits, not what was sent (a message of more
+    characters than MAX_PIECE_CHARS times the room is never tokenized)."""
+    room = self.context.budget() - needed
+    turns: list[generate.Turn] = []
+    for role, content in reversed(earlier):
+      if room <= 0 or len(content) > MAX_PIECE_CHARS * (room + 2):
+        break
+      turn = self._turn(role, content)
+      room -= len(turn.ids)
+      turns.append(turn)
+    return turns[::-1]
+
   def prepare(self, job: Job):
     """Makes the context hold `job`'s conversation up to its last message
     and asks that one.
@@ -234,8 +271,16 @@ class Slot:
       how many old turns were dropped to make room.
     """
     earlier, (_, last) = job.messages[:-1], job.messages[-1]
-    _, last_ids = self.context.user_ids(last)
     room = self.context.room(job.settings.max_new_tokens)
+    if len(last) > MAX_PIECE_CHARS * (room + 2):  # Never tokenized.
+      raise ApiError(
+        400,
+        f'the last message is {len(last):,} characters, more than the '
+        f'context of {self.decoder.max_len} tokens can hold besides a reply '
+        f'of max_tokens={job.settings.max_new_tokens}',
+        'messages',
+      )
+    _, last_ids = self.context.user_ids(last)
     if not last_ids:
       raise ApiError(400, 'the last message is empty', 'messages')
     if len(last_ids) > room:
@@ -250,10 +295,8 @@ class Slot:
       reused, trimmed = self.context.used(), 0  # Only the last is new.
     else:
       reused = 0
-      turns = self.context.keep_last(
-        [self._turn(r, c) for r, c in earlier],
-        len(last_ids) + 2 + job.settings.max_new_tokens,
-      )
+      needed = len(last_ids) + 2 + job.settings.max_new_tokens
+      turns = self.context.keep_last(self._fitting(earlier, needed), needed)
       trimmed = len(earlier) - len(turns)
       self.context.reread(turns)
     before = len(self.context.turns)
@@ -343,8 +386,13 @@ class Server:
     api_key: str | None = None,
     max_queue: int = 16,
     defaults: sampling.SamplingSettings | None = None,
+    host: str = '127.0.0.1',
+    port: int = 8000,
+    allow_origins: tuple[str, ...] = (),
   ):
     self.slot = Slot(decoder)
+    self.host, self.port = host, port
+    self.allow_origins = {o.rstrip('/').lower() for o in allow_origins}
     self.defaults = defaults or sampling.SamplingSettings()
     self.model_id = model_id
     self.api_key = api_key
@@ -356,7 +404,9 @@ class Server:
 
   # ---- the model, one request at a time
 
-  async def _turn(self):
+  def _check_queue(self):
+    """A 503 when the model is busy and the queue full (checked before a
+    stream's 200 too)."""
     if self._lock is None:
       self._lock = asyncio.Lock()
     if self._lock.locked() and self.waiting >= self.max_queue:
@@ -365,6 +415,9 @@ class Server:
         f'the server is busy ({self.waiting} requests waiting; '
         f'--max-queue {self.max_queue}); try again shortly',
       )
+
+  async def _turn(self):
+    self._check_queue()
     self.waiting += 1
     try:
       await self._lock.acquire()
@@ -434,7 +487,7 @@ class Server:
     from starlette.applications import Starlette
     from starlette.routing import Route
 
-    return Starlette(
+    inner = Starlette(
       routes=[
         Route('/', self.page),
         Route('/health', self.health),
@@ -443,6 +496,20 @@ class Server:
       ],
       exception_handlers={404: self.not_found, 405: self.not_allowed},
     )
+
+    async def guarded(scope, receive, send):
+      """Every HTTP request passes the origin and host check first."""
+      if scope['type'] == 'http':
+        from starlette.requests import Request
+
+        try:
+          self._check_origin(Request(scope))
+        except ApiError as e:
+          await self._error(e)(scope, receive, send)
+          return
+      await inner(scope, receive, send)
+
+    return guarded
 
   @staticmethod
   def _error(e: ApiError):
@@ -461,11 +528,39 @@ class Server:
   def _check_key(self, request):
     if not self.api_key:
       return
-    given = request.headers.get('authorization', '')
-    want = f'Bearer {self.api_key}'
-    if not hmac.compare_digest(given.encode(), want.encode()):
+    scheme, _, given = request.headers.get('authorization', '').partition(' ')
+    if scheme.lower() != 'bearer' or not hmac.compare_digest(
+      given.strip().encode(), self.api_key.encode()
+    ):
       raise ApiError(
         401, 'wrong or missing API key (Authorization: Bearer KEY)'
+      )
+
+  def _check_origin(self, request):
+    """Refuses (403) a request from a web page of another origin (any page
+    could POST to a local server) and, on a loopback server, a Host that
+    is not a loopback name (DNS rebinding: another site's name pointed at
+    127.0.0.1)."""
+    host = request.headers.get('host', '')
+    name = host.rsplit(':', 1)[0] if not host.endswith(']') else host
+    name = name.strip('[]').lower()
+    if _loopback(self.host) and name not in LOOPBACK_NAMES:
+      raise ApiError(
+        403,
+        f'Host {host[:80]!r} is not this server (a loopback server answers '
+        'to localhost and 127.0.0.1 only)',
+        kind='permission_error',
+      )
+    origin = request.headers.get('origin')
+    if origin is None:
+      return
+    origin = origin.rstrip('/').lower()
+    if origin != f'http://{host}'.lower() and origin not in self.allow_origins:
+      raise ApiError(
+        403,
+        f'requests from the page {origin[:80]!r} are not allowed; start the '
+        'server with --allow-origin ORIGIN to allow them',
+        kind='permission_error',
       )
 
   async def page(self, request):
@@ -521,6 +616,12 @@ class Server:
         body = json.loads(data)
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f'the body is not JSON ({e})') from None
+      except RecursionError:
+        raise ApiError(400, 'the body is JSON nested too deeply') from None
+      except ValueError as e:  # A number of thousands of digits.
+        raise ApiError(
+          400, f'the body is not JSON we read ({e})'[:200]
+        ) from None
       job = parse_job(
         body, self.model_id, self.slot.decoder.max_len, self.defaults
       )
@@ -531,10 +632,11 @@ class Server:
         headers['X-Jade-Dropped-Turns'] = str(r['dropped_turns'])
         headers['X-Jade-Reused-Tokens'] = str(r['reused_tokens'])
         return JSONResponse(self._completion(ident, r), headers=headers)
+      self._check_queue()  # A full queue is a 503, not a 200 and an event.
     except ApiError as e:
       return self._error(e)
-    except UserError as e:
-      return self._error(ApiError(500, str(e)))
+    except Exception as e:  # Never a plain 500: OpenAI's shape, one line.
+      return self._error(_internal(e))
     return StreamingResponse(
       self._events(ident, job),
       media_type='text/event-stream',
@@ -579,9 +681,19 @@ class Server:
           yield self._chunk(ident, {}, value['finish_reason'], _usage(value))
     except ApiError as e:
       yield f'data: {json.dumps(e.body())}\n\n'
-    except UserError as e:
-      yield f'data: {json.dumps(ApiError(500, str(e)).body())}\n\n'
+    except Exception as e:  # The stream ends with an error and [DONE].
+      yield f'data: {json.dumps(_internal(e).body())}\n\n'
     yield 'data: [DONE]\n\n'
+
+
+def _internal(e: Exception) -> ApiError:
+  """A 500 in OpenAI's shape for what no check foresaw (a UserError's own
+  line, else the exception's name and a short message)."""
+  if isinstance(e, UserError):
+    return ApiError(500, str(e))
+  return ApiError(
+    500, f'the server could not answer ({type(e).__name__}: {str(e)[:160]})'
+  )
 
 
 def _usage(r: dict) -> dict:
@@ -593,17 +705,57 @@ def _usage(r: dict) -> dict:
 
 
 async def _read_body(request) -> bytes:
-  """The request body, refused above MAX_BODY bytes."""
+  """The request body, refused above MAX_BODY bytes or when it takes over
+  BODY_SECONDS to arrive (a stalled upload holds nothing for long)."""
   size = request.headers.get('content-length')
   if size is not None and size.isdigit() and int(size) > MAX_BODY:
     raise ApiError(400, f'the body is over {MAX_BODY >> 20} MB')
   chunks, total = [], 0
-  async for chunk in request.stream():
-    total += len(chunk)
-    if total > MAX_BODY:
-      raise ApiError(400, f'the body is over {MAX_BODY >> 20} MB')
-    chunks.append(chunk)
+  try:
+    async with asyncio.timeout(BODY_SECONDS):
+      async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY:
+          raise ApiError(400, f'the body is over {MAX_BODY >> 20} MB')
+        chunks.append(chunk)
+  except TimeoutError:
+    raise ApiError(
+      408, f'the body did not arrive within {BODY_SECONDS} s'
+    ) from None
   return b''.join(chunks)
+
+
+def _protocol():
+  """uvicorn's HTTP protocol, with connections that send no request
+  within IDLE_SECONDS closed (uvicorn times out only an idle connection
+  after a response): idle sockets cost nothing and lock no one out."""
+  from uvicorn.protocols.http.h11_impl import H11Protocol
+
+  class IdleTimeoutProtocol(H11Protocol):
+    def connection_made(self, transport):
+      super().connection_made(transport)
+      self._idle = self.loop.call_later(IDLE_SECONDS, self._close_if_idle)
+
+    def _close_if_idle(self):
+      if self.cycle is None and not self.transport.is_closing():
+        self.transport.close()
+
+    def connection_lost(self, exc):
+      self._idle.cancel()
+      super().connection_lost(exc)
+
+  return IdleTimeoutProtocol
+
+
+def check_host(host: str, api_key: str | None, open_without_key: bool):
+  """Refuses to listen beyond loopback without an API key unless the user
+  said so (`--open-without-key`)."""
+  if not _loopback(host) and not api_key and not open_without_key:
+    raise UserError(
+      f'--host {host} makes the model reachable from other machines; set '
+      '--api-key KEY (or JADE_API_KEY), or pass --open-without-key to let '
+      'anyone who can reach it use it'
+    )
 
 
 def serve(
@@ -615,11 +767,17 @@ def serve(
   max_queue: int = 16,
   defaults: sampling.SamplingSettings | None = None,
   log=print,
+  allow_origins: tuple[str, ...] = (),
+  open_without_key: bool = False,
 ):
-  """Serves until interrupted (Ctrl-C)."""
+  """Serves until interrupted (Ctrl-C, SIGTERM: streams are cut within
+  a few seconds)."""
   import uvicorn
 
-  server = Server(decoder, model_id, api_key, max_queue, defaults)
+  check_host(host, api_key, open_without_key)
+  server = Server(
+    decoder, model_id, api_key, max_queue, defaults, host, port, allow_origins
+  )
   where = f'http://{host}:{port}'
   log(
     f'serving {model_id} (step {decoder.step}, context {decoder.max_len} '
@@ -628,7 +786,7 @@ def serve(
   )
   if getattr(decoder, 'curves', None):
     log(f'how it trained: {decoder.curves}')
-  if host not in ('127.0.0.1', 'localhost', '::1'):
+  if not _loopback(host):
     log(
       f'note: {host} is reachable from other machines; anyone who can '
       'reach it can use the model' + ('' if api_key else ' (set --api-key)')
@@ -638,6 +796,7 @@ def serve(
     host=host,
     port=port,
     log_level='warning',
-    limit_concurrency=max_queue + 16,
+    http=_protocol(),
     timeout_keep_alive=5,
+    timeout_graceful_shutdown=3,
   )

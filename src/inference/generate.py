@@ -110,8 +110,9 @@ class Context:
     """The last of `turns` that leave room for `needed` more tokens in a
     context, starting on a user turn where there are several."""
     kept = list(turns)
-    while kept and len(self.ids(kept)) + needed > self.budget():
-      kept.pop(0)
+    total = sum(len(t.ids) for t in kept)  # Each turn counted once.
+    while kept and total + needed > self.budget():
+      total -= len(kept.pop(0).ids)
     while kept and kept[0].role != chatformat.USER and len(kept) > 1:
       kept.pop(0)  # Start the kept context on a user turn.
     return kept

@@ -14,13 +14,18 @@ import numpy as np
 
 from src.core.errors import UserError
 
+# Below this a temperature is greedy: dividing logits by 5e-324 gives
+# infinities and NaN probabilities.
+MIN_TEMPERATURE = 1e-4
+
 
 @dataclasses.dataclass
 class SamplingSettings:
   """Sampling controls (also settable with `/set NAME VALUE` in the REPL).
 
   Attributes:
-    temperature: Divides the logits; 0 picks the most likely token.
+    temperature: Divides the logits; 0 (or below MIN_TEMPERATURE, where
+      dividing overflows) picks the most likely token.
     top_k: Keep only the k most likely tokens (0 = all).
     top_p: Keep the smallest set of tokens whose probability reaches p.
     repetition_penalty: Divide positive logits (multiply negative ones) of
@@ -147,7 +152,7 @@ def next_token(
   window = settings.repetition_window
   recent = list(recent)[-window:] if window else []
   logits = apply_repetition_penalty(logits, recent, settings.repetition_penalty)
-  if settings.temperature == 0:
+  if settings.temperature < MIN_TEMPERATURE:  # Tinier ones overflow.
     return int(np.argmax(logits))
   logits = filter_logits(
     logits / settings.temperature, settings.top_k, settings.top_p
