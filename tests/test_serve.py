@@ -157,9 +157,9 @@ def test_a_follow_up_reuses_the_conversation(server):
     {'role': 'user', 'content': 'And then?'},
   ]
   again = api.chat.completions.with_raw_response.create(
-    model='out', messages=messages, temperature=0, max_tokens=8
+    model='out', messages=messages, temperature=0.7, max_tokens=8
   )
-  assert int(again.headers['x-jade-reused-tokens']) > 0
+  assert int(again.headers['x-jade-reused-tokens']) > 0  # Unseeded.
   # Another conversation is read again from the start.
   other = api.chat.completions.with_raw_response.create(
     model='out',
@@ -612,3 +612,61 @@ def test_a_public_host_needs_a_key_or_an_explicit_yes(tiny_run, capsys):
   assert run_main(lambda: evaluate.main(args)) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and '--open-without-key' in err[0]
+
+
+def _reply(server, messages, **settings):
+  """`(reply text, reused tokens)` of one request."""
+  status, body, headers = call(
+    server,
+    '/v1/chat/completions',
+    {'messages': messages, 'max_tokens': 12, **settings},
+  )
+  assert status == 200, body
+  return (
+    body['choices'][0]['message']['content'],
+    int(headers['X-Jade-Reused-Tokens']),
+  )
+
+
+@pytest.mark.parametrize(
+  'settings',
+  [
+    {'temperature': 0},
+    {'temperature': 0.9, 'seed': 7},
+    {'temperature': 0, 'stop': ['e']},  # Hidden tokens after the stop.
+  ],
+  ids=['greedy', 'seeded', 'stop'],
+)
+def test_a_follow_up_is_answered_as_a_fresh_server_would(server, settings):
+  first = [{'role': 'user', 'content': 'Hello!'}]
+  answer, _ = _reply(server, first, **settings)
+  follow = first + [
+    {'role': 'assistant', 'content': answer},
+    {'role': 'user', 'content': 'What is your name?'},
+  ]
+  warm, _ = _reply(server, follow, **settings)
+  # The same request after another conversation: read from the start.
+  _reply(server, [{'role': 'user', 'content': 'Good morning'}])
+  fresh, reused = _reply(server, follow, **settings)
+  assert reused == 0
+  assert warm == fresh
+
+
+def test_reuse_gives_the_fresh_reads_logits_bit_for_bit(decoder):
+  import numpy as np
+
+  from src.apps import serve
+
+  slot = serve.Slot(decoder)
+  turn = slot._turn
+  earlier = [turn('user', 'Hello'), turn('ai', 'Hi there')]
+  more = earlier + [turn('user', 'How are you?'), turn('ai', 'Fine, thanks')]
+  slot.context.reread(earlier)
+  assert slot._reuse(more, exact=True) > 0
+  reused = slot.context.ask('And you?', 8)
+  slot.context.reread(more)  # What a fresh server reads.
+  fresh = slot.context.ask('And you?', 8)
+  np.testing.assert_array_equal(reused, fresh)
+  # A kept state that is not a prefix is never extended.
+  slot.context.reread([turn('user', 'Something else')])
+  assert slot._reuse(more, exact=True) == 0

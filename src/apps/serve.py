@@ -228,16 +228,23 @@ def parse_job(
 class Slot:
   """The model and the one conversation it has read.
 
-  `conversation` is the whole conversation as the client knows it (the
-  `(role, content)` of each message it sent and each reply it got), so a
-  follow-up request (the same messages plus a new one) is recognized and
-  only the new message fed; the context may hold only its last turns.
+  A reply that must be reproducible (temperature 0, or a seed) is computed
+  from the state a fresh server would read: the request is tokenized as
+  its text reads, and the kept state is extended only when its tokens are
+  a prefix of that and extending gives exactly the fresh read's state
+  (`_reuse`); else the conversation is read again. So such a follow-up's
+  reply is the one a fresh server gives, and a reply the model generated
+  in pieces its text does not tokenize to (or cut by a stop string) is
+  read again. Unseeded sampling, which no one can reproduce, reuses the
+  kept state whenever the client's conversation is the one it read.
   """
 
   def __init__(self, decoder: Decoder):
     self.decoder = decoder
     self.tok = decoder.tokenizer
     self.context = generate.Context(decoder)
+    # The conversation as the client knows it (each message it sent, each
+    # reply as it saw it), for the reuse of unseeded sampling.
     self.conversation: list[tuple[str, str]] = []
 
   def _turn(self, role: str, content: str) -> generate.Turn:
@@ -291,20 +298,42 @@ class Slot:
         f'reply of max_tokens={job.settings.max_new_tokens}',
         'messages',
       )
-    if self.conversation and earlier == self.conversation:
-      reused, trimmed = self.context.used(), 0  # Only the last is new.
+    needed = len(last_ids) + 2 + job.settings.max_new_tokens
+    turns = self.context.keep_last(self._fitting(earlier, needed), needed)
+    dropped = len(earlier) - len(turns)
+    # A reply that must be reproducible (greedy, or seeded) is computed
+    # exactly as a fresh read would; unseeded sampling reuses any prefix.
+    exact = (
+      job.seed is not None
+      or job.settings.temperature < sampling.MIN_TEMPERATURE
+    )
+    if not exact and self.conversation and earlier == self.conversation:
+      reused, dropped = self.context.used(), 0  # The text is what it read.
     else:
-      reused = 0
-      needed = len(last_ids) + 2 + job.settings.max_new_tokens
-      turns = self.context.keep_last(self._fitting(earlier, needed), needed)
-      trimmed = len(earlier) - len(turns)
-      self.context.reread(turns)
-    before = len(self.context.turns)
+      reused = self._reuse(turns, exact)
+      if not reused:
+        self.context.reread(turns)
     logits = self.context.ask(last, job.settings.max_new_tokens)
-    kept = len(self.context.turns) - 1
-    dropped = trimmed + before - kept
     self.conversation = list(earlier) + [(chatformat.USER, last)]
     return logits, reused, dropped
+
+  def _reuse(self, turns: list[generate.Turn], exact: bool) -> int:
+    """Extends the kept state to `turns` when its tokens are a prefix of
+    theirs (as the request's text tokenizes) and, if `exact`, when that
+    gives exactly the state a fresh read would (both read the same block
+    at position 0; past MIN_BLOCK tokens a follow-up that crosses a block
+    is read again); returns the tokens reused, 0 when it cannot."""
+    have, want = self.context.ids(), self.context.ids(turns)
+    if not have or not turns or want[: len(have)] != have:
+      return 0
+    first = 1 + len(generate.START) + len(want)  # A fresh read's first feed.
+    if exact and self.decoder.block_part(first) != self.decoder.block_read:
+      return 0
+    reused = self.context.used()
+    self.context.turns = list(turns)
+    if len(want) > len(have):
+      self.decoder.feed(want[len(have) :])
+    return reused
 
   def run(self, job: Job, cancel: threading.Event, emit=None) -> dict:
     """Generates the reply of `job` (in a worker thread).

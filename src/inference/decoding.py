@@ -232,6 +232,13 @@ class Decoder:
     """Forgets the conversation: a fresh state, position 0."""
     self.state = jax.tree_util.tree_map(jax.numpy.asarray, self._fresh_state)
     self.position = 0
+    self.block_read = 0  # Tokens the state read as one block at position 0.
+
+  def block_part(self, n: int) -> int:
+    """How many of `n` tokens fed at position 0 (the pad included) are
+    read as one block (see `feed`); the rest go one at a time. A state
+    equals a fresh read only if both read the same block."""
+    return (n // self.block) * self.block if n >= self.min_block else 0
 
   def _step(self, token_id: int):
     token = np.array([[token_id]], np.int32)
@@ -271,10 +278,9 @@ class Decoder:
         f'{self.max_len}'
       )
     logits = None
-    n_block = 0
-    if self.position == 0 and len(ids) >= self.min_block:
-      n_block = (len(ids) // self.block) * self.block
+    n_block = self.block_part(len(ids)) if self.position == 0 else 0
     if n_block:
+      self.block_read = n_block
       tokens = np.asarray(ids[:n_block], np.int32)[None, :]
       logits, self.state = self._block_fn(
         self.weights, self.state, tokens, self._rng
