@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import http.client
 import json
 import os
@@ -295,8 +296,11 @@ def test_cancel_stops_at_the_next_token(decoder):
   # Nothing was generated after the piece that was sent.
   assert len(emitted) == 1 and result['text'] == emitted[0]
   assert result['completion_tokens'] < 64
-  # The slot is usable after a cancelled reply, and reuses it.
+  # The slot is usable after a cancelled reply, and reuses it (unseeded
+  # sampling reuses what it read; a greedy reply is read as a fresh
+  # server reads it: test_a_follow_up_is_answered_as_a_fresh_server_would).
   job.messages += [('ai', result['text']), ('user', 'Go on')]
+  job.settings = dataclasses.replace(job.settings, temperature=0.7)
   again = slot.run(job, threading.Event())
   assert again['reused_tokens'] > 0
 
@@ -670,3 +674,74 @@ def test_reuse_gives_the_fresh_reads_logits_bit_for_bit(decoder):
   # A kept state that is not a prefix is never extended.
   slot.context.reread([turn('user', 'Something else')])
   assert slot._reuse(more, exact=True) == 0
+
+
+def test_fuzzed_requests_get_a_reply_or_an_openai_error(decoder):
+  """Random bodies over the request schema (every field a random JSON
+  value, messages of random roles and contents): never a plain 500."""
+  from hypothesis import HealthCheck, given, settings
+  from hypothesis import strategies as st
+  from starlette.testclient import TestClient
+
+  from src.apps import serve
+
+  scalar = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**30), 10**30)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20)
+  )
+  value = st.recursive(
+    scalar,
+    lambda inner: (
+      st.lists(inner, max_size=3)
+      | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=6,
+  )
+  message = st.fixed_dictionaries(
+    {
+      'role': st.sampled_from(['user', 'assistant', 'system', 'tool']) | value,
+      'content': st.text(max_size=40) | value,
+    }
+  )
+  fields = st.fixed_dictionaries(
+    {},
+    optional={
+      'messages': st.lists(message, min_size=0, max_size=4) | value,
+      'temperature': value,
+      'top_p': value,
+      'top_k': value,
+      'max_tokens': st.integers(-5, 100) | value,
+      'stop': value,
+      'seed': value,
+      'stream': st.booleans() | value,
+      'n': value,
+      'model': st.just('out') | value,
+    },
+  )
+  server = serve.Server(decoder, 'out', None, 4)
+  http = TestClient(server.app(), base_url='http://127.0.0.1:8000')
+
+  @settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+  )
+  @given(body=fields)
+  def check(body):
+    r = http.post(
+      '/v1/chat/completions',
+      content=json.dumps(body),  # NaN and Infinity too, as Python writes.
+      headers={'Content-Type': 'application/json'},
+    )
+    assert r.status_code in (200, 400, 404), (r.status_code, r.text[:300])
+    if r.status_code != 200:
+      assert set(r.json()['error']) == {'message', 'type', 'param', 'code'}
+    elif body.get('stream') is True:
+      assert r.text.rstrip().endswith('data: [DONE]')
+      assert '"error"' not in r.text, r.text[-300:]
+
+  check()

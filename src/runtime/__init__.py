@@ -12,14 +12,16 @@ _DONE: list[bool] = []
 
 def bootstrap():
   """Once per process: XLA's CPU flags (`xla`), library noise silenced
-  (`quiet`), then Trax imported and patched (`trax_patches`). Later calls
-  do nothing. Call it before JAX starts its backend."""
+  (`quiet`), JAX's compilation cache in the user's cache folder (`xla`),
+  then Trax imported and patched (`trax_patches`). Later calls do nothing.
+  Call it before JAX starts its backend."""
   if _DONE:
     return
   from src.runtime import quiet, trax_patches, xla
 
   xla.configure()
   quiet.silence_libraries()
+  xla.compile_cache()
   trax_patches.install()
   quiet.silence_loggers()
   _DONE.append(True)
