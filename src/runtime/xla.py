@@ -38,8 +38,9 @@ def configure():
   os.environ['XLA_FLAGS'] = flags
 
 
-# Compilations shorter than this are not worth a file.
-MIN_COMPILE_SECONDS = 0.2
+# Compilations shorter than this are not kept (all are: the many small
+# ones of a start add up to seconds).
+MIN_COMPILE_SECONDS = 0.0
 
 
 def cache_folder() -> str | None:
