@@ -32,29 +32,33 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _serve(run: str, port: int, out, *flags) -> subprocess.Popen:
+  """`python evaluate.py --serve` of `run` on 127.0.0.1:`port`."""
+  return subprocess.Popen(
+    [
+      sys.executable,
+      'evaluate.py',
+      '--serve',
+      '--model-dir',
+      run,
+      '--port',
+      str(port),
+      *flags,
+    ],
+    cwd=ROOT,
+    stdout=out,
+    stderr=subprocess.STDOUT,
+  )
+
+
 @pytest.fixture(scope='module')
 def server(tiny_run, tmp_path_factory):
   """`python evaluate.py --serve` on the shared tiny run, on 127.0.0.1."""
   port = _free_port()
   log = tmp_path_factory.mktemp('serve') / 'server.log'
   with open(log, 'w') as out:
-    proc = subprocess.Popen(
-      [
-        sys.executable,
-        'evaluate.py',
-        '--serve',
-        '--model-dir',
-        tiny_run['out'],
-        '--port',
-        str(port),
-        '--api-key',
-        KEY,
-        '--max-queue',
-        '8',
-      ],
-      cwd=ROOT,
-      stdout=out,
-      stderr=subprocess.STDOUT,
+    proc = _serve(
+      tiny_run['out'], port, out, '--api-key', KEY, '--max-queue', '8'
     )
   base = f'http://127.0.0.1:{port}'
   deadline = time.time() + 300
@@ -569,20 +573,7 @@ def test_a_full_queue_refuses_a_stream_before_its_200(decoder):
 
 def test_a_stalled_upload_does_not_hold_shutdown(tiny_run):
   port = _free_port()
-  proc = subprocess.Popen(
-    [
-      sys.executable,
-      'evaluate.py',
-      '--serve',
-      '--model-dir',
-      tiny_run['out'],
-      '--port',
-      str(port),
-    ],
-    cwd=ROOT,
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.DEVNULL,
-  )
+  proc = _serve(tiny_run['out'], port, subprocess.DEVNULL)
   try:
     deadline = time.time() + 300
     while True:
