@@ -87,7 +87,32 @@ def skip(sources: list[str], names: str) -> list[str]:
   return kept
 
 
-def main(argv=None):
+def _chat_options(parser: argparse.ArgumentParser):
+  """The options of the chat exports (whatsapp, telegram, ...)."""
+  parser.add_argument(
+    '--ai',
+    action='append',
+    default=[],
+    metavar='NAME',
+    help='chat exports: whose messages become AI lines (the name as the '
+    'export writes it; repeat for several names); everyone else is the user',
+  )
+  parser.add_argument(
+    '--names',
+    action='store_true',
+    help='chat exports: user lines start with the speaker ("Sam: hi"), for '
+    'group chats',
+  )
+  parser.add_argument(
+    '--redact',
+    action='store_true',
+    help='chat exports: e-mail addresses, phone numbers and URLs become '
+    '<email>, <phone>, <url>',
+  )
+
+
+def _parser() -> argparse.ArgumentParser:
+  """The command line (see the module docstring)."""
   parser = argparse.ArgumentParser(
     prog='python -m src.apps.convert', description=__doc__.split('\n')[0]
   )
@@ -142,26 +167,12 @@ def main(argv=None):
     'bare number is seconds) or never; default 5s for subtitles, 6h for '
     'chat exports',
   )
-  parser.add_argument(
-    '--ai',
-    action='append',
-    default=[],
-    metavar='NAME',
-    help='chat exports: whose messages become AI lines (the name as the '
-    'export writes it; repeat for several names); everyone else is the user',
-  )
-  parser.add_argument(
-    '--names',
-    action='store_true',
-    help='chat exports: user lines start with the speaker ("Sam: hi"), for '
-    'group chats',
-  )
-  parser.add_argument(
-    '--redact',
-    action='store_true',
-    help='chat exports: e-mail addresses, phone numbers and URLs become '
-    '<email>, <phone>, <url>',
-  )
+  _chat_options(parser)
+  return parser
+
+
+def main(argv=None):
+  parser = _parser()
   args = parser.parse_args(argv)
   if args.format in CHATS:
     return _convert_chats(args)

@@ -202,6 +202,21 @@ OPTIONAL = {
 }
 
 
+def _check_optional(path: str, want: dict, most: int, contents: dict):
+  """Checks a file the model does not need (see OPTIONAL) into `contents`;
+  a damaged one is left out with one note."""
+  if want['size'] > most:
+    problem = f'{want["size"]} bytes, more than such a file holds'
+  else:
+    problem = _check_file(path, want, keep=contents)
+  if problem:
+    print(
+      f'note: {path}: left out ({problem}); the model itself is fine',
+      file=sys.stderr,
+    )
+    contents.pop(path, None)
+
+
 def verify_export(
   folder: str,
   meta: dict | None = None,
@@ -247,16 +262,7 @@ def verify_export(
       continue
     path = os.path.join(folder, name)
     if name in OPTIONAL:
-      if want['size'] > OPTIONAL[name]:
-        problem = f'{want["size"]} bytes, more than such a file holds'
-      else:
-        problem = _check_file(path, want, keep=contents)
-      if problem:
-        print(
-          f'note: {path}: left out ({problem}); the model itself is fine',
-          file=sys.stderr,
-        )
-        contents.pop(path, None)
+      _check_optional(path, want, OPTIONAL[name], contents)
       continue
     problem = _check_file(path, want, keep=contents)
     if problem:

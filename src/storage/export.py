@@ -169,8 +169,6 @@ def export(
   Returns:
     The export's metadata (`export.json`).
   """
-  from safetensors.numpy import save_file
-
   if os.path.lexists(out_dir):
     what = 'is a link' if os.path.islink(out_dir) else 'exists'
     raise UserError(f'{out_dir} {what}; choose a new folder for the export')
@@ -182,29 +180,49 @@ def export(
     checkpoint=folder,
     check_memory=False,
   )
-  tok, setup, flat, step = model.tok, model.setup, model.flat, model.step
-  meta = checkpoints.read_meta(folder) or {}
   # bfloat16 weights are stored as float32 (exact), so any reader can
   # load them.
   flat = [
     np.asarray(w, np.float32) if w.dtype.name == 'bfloat16' else np.asarray(w)
-    for w in flat
+    for w in model.flat
   ]
+  scalars = curves.collect(run_dir, until=model.step)
+  info = _info(run_dir, folder, model, flat, scalars)
+  info.update(datasets=list(datasets), license=license)
+  parent = os.path.dirname(os.path.abspath(out_dir))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(out_dir)}.')
+  try:
+    _write(tmp, run_dir, out_dir, model, flat, info, scalars)
+    os.replace(tmp, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  run_size = _folder_size(folder, checkpoints.checkpoint_files(folder))
+  size = _folder_size(out_dir)
+  log(
+    f'exported step {model.step} of {run_dir} to {out_dir}: '
+    f'{size / 1e6:.2f} MB (the checkpoint is {run_size / 1e6:.2f} MB with '
+    'optimizer slots); '
+    f'{info["n_weights"]:,} weights'
+  )
+  return info
+
+
+def _info(run_dir: str, folder: str, model, flat, scalars) -> dict:
+  """`export.json`'s facts (the file listing is added once written)."""
+  step, tok = model.step, model.tok
   manifest = checkpoints.read_manifest(folder) or {}
-  scalars = curves.collect(run_dir, until=step)
-  # The last evaluation at or before the exported step: the curves hold
-  # the final one, which the checkpoint's history (saved first) may not.
+  # The last evaluation: the curves hold the final one, which the
+  # checkpoint's history (saved first) may not.
   logged = curves.last_eval(scalars)
-  evaluated = _last_eval(meta)
-  if (
-    logged and logged[0] <= step and (not evaluated or logged[0] > evaluated[0])
-  ):
+  evaluated = _last_eval(checkpoints.read_meta(folder) or {})
+  if logged and (not evaluated or logged[0] > evaluated[0]):
     evaluated = logged
-  settings = _run_settings(run_dir)
-  info = {
+  return {
     'format': checkpoints.EXPORT_FORMAT,
     'step': int(step),
-    'context_length': setup.max_len,
+    'context_length': model.setup.max_len,
     'vocab_size': tok.vocab_size,
     'markers': tok.markers.all(),
     'n_weights': int(sum(w.size for w in flat)),
@@ -213,7 +231,7 @@ def export(
     'held_out_loss': evaluated and evaluated[1],
     'held_out_perplexity': evaluated and reformer.perplexity(evaluated[1]),
     'held_out_step': evaluated and evaluated[0],
-    'trained_on': settings.get('data'),
+    'trained_on': _run_settings(run_dir).get('data'),
     'exported_from': os.path.abspath(run_dir),
     'exported_at': datetime.datetime.now(datetime.UTC).isoformat(
       timespec='seconds'
@@ -221,61 +239,49 @@ def export(
     'weights_sha256': checkpoints.weights_digest(flat),
     'versions': _versions(),
     'base_model': _base_model(run_dir),
-    'datasets': list(datasets),
-    'license': license,
   }
-  parent = os.path.dirname(os.path.abspath(out_dir))
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(out_dir)}.')
-  try:
-    save_file(
-      {checkpoints.weight_key(i): w for i, w in enumerate(flat)},
-      os.path.join(tmp, checkpoints.EXPORT_WEIGHTS),
-      metadata={'format': checkpoints.EXPORT_FORMAT, 'step': str(step)},
-    )
-    for name in (tokenizer.MODEL_FILE, tokenizer.INFO_FILE):
-      data = files.read_regular(
-        os.path.join(run_dir, name), tokenizer.MAX_BYTES
-      )
-      with open(os.path.join(tmp, name), 'wb') as f:
-        f.write(data)
-    with open(os.path.join(tmp, ginconf.MODEL_GIN), 'w', encoding='utf-8') as f:
-      f.write(
-        f'# Model settings of {os.path.basename(os.path.normpath(run_dir))} '
-        f'at step {step} (read as data; see README.md).\n' + model.gin_text
-      )
-    if scalars:
-      with open(os.path.join(tmp, curves.CURVES), 'w', encoding='utf-8') as f:
-        json.dump(scalars, f, separators=(',', ':'))
-      curves.plot(
-        scalars,
-        os.path.join(tmp, curves.PICTURE),
-        f'{os.path.basename(os.path.normpath(out_dir))}: loss by step',
-      )
-    with open(os.path.join(tmp, rundir.MODEL_CARD), 'w', encoding='utf-8') as f:
-      f.write(model_card(info, setup, out_dir, scalars))
-    info['files'] = {
-      name: {
-        'size': os.path.getsize(os.path.join(tmp, name)),
-        'sha256': checkpoints._sha256(os.path.join(tmp, name)),
-      }
-      for name in sorted(os.listdir(tmp))
-    }
-    checkpoints._write_json(os.path.join(tmp, checkpoints.EXPORT_META), info)
-    for name in os.listdir(tmp):  # Readable by others: it is for sharing.
-      os.chmod(os.path.join(tmp, name), 0o644)
-    os.replace(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  run_size = _folder_size(folder, checkpoints.checkpoint_files(folder))
-  size = _folder_size(out_dir)
-  log(
-    f'exported step {step} of {run_dir} to {out_dir}: {size / 1e6:.2f} MB '
-    f'(the checkpoint is {run_size / 1e6:.2f} MB with optimizer slots); '
-    f'{info["n_weights"]:,} weights'
+
+
+def _write(tmp, run_dir, out_dir, model, flat, info, scalars):
+  """Writes the export's files into the folder `tmp`, `export.json` last
+  (every file listed with its size and SHA-256)."""
+  from safetensors.numpy import save_file
+
+  step = model.step
+  save_file(
+    {checkpoints.weight_key(i): w for i, w in enumerate(flat)},
+    os.path.join(tmp, checkpoints.EXPORT_WEIGHTS),
+    metadata={'format': checkpoints.EXPORT_FORMAT, 'step': str(step)},
   )
-  return info
+  for name in (tokenizer.MODEL_FILE, tokenizer.INFO_FILE):
+    data = files.read_regular(os.path.join(run_dir, name), tokenizer.MAX_BYTES)
+    with open(os.path.join(tmp, name), 'wb') as f:
+      f.write(data)
+  with open(os.path.join(tmp, ginconf.MODEL_GIN), 'w', encoding='utf-8') as f:
+    f.write(
+      f'# Model settings of {os.path.basename(os.path.normpath(run_dir))} '
+      f'at step {step} (read as data; see README.md).\n' + model.gin_text
+    )
+  if scalars:
+    with open(os.path.join(tmp, curves.CURVES), 'w', encoding='utf-8') as f:
+      json.dump(scalars, f, separators=(',', ':'))
+    curves.plot(
+      scalars,
+      os.path.join(tmp, curves.PICTURE),
+      f'{os.path.basename(os.path.normpath(out_dir))}: loss by step',
+    )
+  with open(os.path.join(tmp, rundir.MODEL_CARD), 'w', encoding='utf-8') as f:
+    f.write(model_card(info, model.setup, out_dir, scalars))
+  info['files'] = {
+    name: {
+      'size': os.path.getsize(os.path.join(tmp, name)),
+      'sha256': checkpoints._sha256(os.path.join(tmp, name)),
+    }
+    for name in sorted(os.listdir(tmp))
+  }
+  checkpoints._write_json(os.path.join(tmp, checkpoints.EXPORT_META), info)
+  for name in os.listdir(tmp):  # Readable by others: it is for sharing.
+    os.chmod(os.path.join(tmp, name), 0o644)
 
 
 def _curves_text(scalars: dict | None) -> str:

@@ -389,19 +389,7 @@ def convert(
   `sources(inputs) -> [Source]` and `items(source, warn) -> iterator`).
   Writes `out_dir/<name>.txt` for each, all or none; returns the report."""
   sources = module.sources(inputs)
-  names = collections.Counter()
-  targets = []
-  for source in sources:
-    names[source.name] += 1
-    name = source.name + (
-      f'-{names[source.name]}' if names[source.name] > 1 else ''
-    )
-    target = os.path.join(out_dir, name + '.txt')
-    if os.path.lexists(target):
-      raise UserError(
-        f'{target} exists; choose another output folder (nothing was written)'
-      )
-    targets.append(target)
+  targets = _targets(sources, out_dir)
   created = not os.path.isdir(out_dir)
   os.makedirs(out_dir, exist_ok=True)
   total = ChatReport()
@@ -415,29 +403,7 @@ def convert(
       report = ChatReport()
       with os.fdopen(fd, 'w', encoding='utf-8', newline='\n') as f:
         write_chat(module.items(source, warn), f, opts, report, warn)
-      if not report.messages:
-        raise UserError(
-          f'{source.shown}: no message a person wrote was found '
-          f'({report.summary()}); is it the right export?'
-        )
-      if not opts.ai:
-        raise UserError(
-          f'{source.shown}: say whose messages the model learns to write '
-          f'with --ai NAME; the participants are {_participants(report)}'
-        )
-      if not report.ai_messages:
-        raise UserError(
-          f'{source.shown}: --ai {" / ".join(opts.ai)} matches no one; the '
-          f'participants are {_participants(report)}'
-        )
-      if not report.conversations:
-        raise UserError(
-          f'{source.shown}: no conversation could be kept '
-          f'({report.summary(opts.ai)})'
-          + (
-            '' if opts.trim else '; --trim keeps those that end on a user turn'
-          )
-        )
+      _check_report(source, report, opts)
       total.add(report)
     for tmp, target in zip(staged, targets):
       _place(tmp, target)
@@ -449,6 +415,52 @@ def convert(
       os.rmdir(out_dir)
     raise
   return total
+
+
+def _targets(sources: list[Source], out_dir: str) -> list[str]:
+  """`out_dir/<name>.txt` for each source (a repeated name numbered),
+  none of which may exist."""
+  names = collections.Counter()
+  targets = []
+  for source in sources:
+    names[source.name] += 1
+    n = names[source.name]
+    target = os.path.join(
+      out_dir, source.name + (f'-{n}' if n > 1 else '') + '.txt'
+    )
+    if os.path.lexists(target):
+      raise UserError(
+        f'{target} exists; choose another output folder (nothing was written)'
+      )
+    targets.append(target)
+  return targets
+
+
+def _check_report(source: Source, report: ChatReport, opts: ChatOptions):
+  """One line for an export that gives nothing to train on: no one wrote
+  in it, no `--ai` or one matching no one (the participants listed), or
+  no conversation kept."""
+  if not report.messages:
+    raise UserError(
+      f'{source.shown}: no message a person wrote was found '
+      f'({report.summary()}); is it the right export?'
+    )
+  if not opts.ai:
+    raise UserError(
+      f'{source.shown}: say whose messages the model learns to write '
+      f'with --ai NAME; the participants are {_participants(report)}'
+    )
+  if not report.ai_messages:
+    raise UserError(
+      f'{source.shown}: --ai {" / ".join(opts.ai)} matches no one; the '
+      f'participants are {_participants(report)}'
+    )
+  if not report.conversations:
+    trim = '' if opts.trim else '; --trim keeps those that end on a user turn'
+    raise UserError(
+      f'{source.shown}: no conversation could be kept '
+      f'({report.summary(opts.ai)}){trim}'
+    )
 
 
 def _place(tmp: str, target: str):
