@@ -3,7 +3,7 @@
 Trax is never edited in site-packages; `install()` replaces the functions
 below once per process, before any model is built, and no other module of
 Jade V8 patches Trax. Each fix is documented in its module with the symptom
-it removes and is pinned by a test (mostly `tests/test_compat.py`) that
+it removes and is pinned by a test (mostly `tests/test_trax_patches.py`) that
 fails without it.
 
 - `lazy_tensorflow` (fixes 9, 10): TensorFlow stays unloaded until used.
