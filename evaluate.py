@@ -66,6 +66,14 @@ def parse_args(argv=None):
     help='allow a non-loopback --host without --api-key',
   )
   serve.add_argument(
+    '--slots',
+    type=int,
+    default=1,
+    help='conversations kept at once, each with its own decoder state: '
+    'alternating users feed only their new tokens (memory is stated at '
+    'start)',
+  )
+  serve.add_argument(
     '--max-queue',
     type=int,
     default=16,
@@ -117,10 +125,14 @@ def main(argv=None):
   fields = [f.name for f in dataclasses.fields(sampling.SamplingSettings)]
   sampler = sampling.SamplingSettings(**{k: getattr(args, k) for k in fields})
   sampler.check()
-  if args.serve and not (1 <= args.port < 65536 and args.max_queue >= 0):
+  if args.serve and not (
+    1 <= args.port < 65536 and args.max_queue >= 0 and 1 <= args.slots <= 64
+  ):
     from src.core.errors import UserError
 
-    raise UserError('--port must be 1-65535 and --max-queue 0 or more')
+    raise UserError(
+      '--port must be 1-65535, --max-queue 0 or more, --slots 1-64'
+    )
   if args.serve:
     from src.apps import serve
 
@@ -138,6 +150,7 @@ def main(argv=None):
       defaults=sampler,
       allow_origins=tuple(args.allow_origin),
       open_without_key=args.open_without_key,
+      slots=args.slots,
     )
     return 0
   session = chat.ChatSession(decoder, sampler)

@@ -736,3 +736,31 @@ def test_fuzzed_requests_get_a_reply_or_an_openai_error(decoder):
       assert '"error"' not in r.text, r.text[-300:]
 
   check()
+
+
+@pytest.mark.parametrize('slots', [1, 2])
+def test_slots_let_alternating_users_feed_only_their_new_tokens(decoder, slots):
+  from src.apps import serve
+  from src.inference import sampling
+
+  slot = serve.Slot(decoder, slots)
+  greedy = sampling.SamplingSettings(temperature=0, repetition_penalty=1.0)
+
+  def ask(messages):
+    job = serve.parse_job(
+      {'messages': messages, 'max_tokens': 6, 'temperature': 0.7},
+      'out',
+      decoder.max_len,
+      greedy,
+    )
+    return slot.run(job, threading.Event())
+
+  ann = [{'role': 'user', 'content': 'Hello! I am Ann.'}]
+  bob = [{'role': 'user', 'content': 'Good morning, Bob here.'}]
+  for who in (ann, bob):
+    who.append({'role': 'assistant', 'content': ask(who)['text']})
+    who.append({'role': 'user', 'content': 'And then?'})
+  # Ann's follow-up after Bob spoke: reused with 2 slots, read again with 1.
+  reused = ask(ann)['reused_tokens']
+  assert (reused > 0) == (slots == 2), reused
+  assert len(slot.parked) == slots - 1

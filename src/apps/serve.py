@@ -225,6 +225,17 @@ def parse_job(
   return Job(messages, settings, seed, stop, stream, dropped)
 
 
+@dataclasses.dataclass
+class _Parked:
+  """A conversation kept out of the decoder: its state and what it read."""
+
+  state: object  # The decoder's state (moved out, never copied).
+  position: int
+  block: int  # Tokens it read as one block at position 0.
+  turns: list  # The context's turns.
+  conversation: list  # The conversation as its client knows it.
+
+
 class Slot:
   """The model and the one conversation it has read.
 
@@ -239,13 +250,70 @@ class Slot:
   kept state whenever the client's conversation is the one it read.
   """
 
-  def __init__(self, decoder: Decoder):
+  def __init__(self, decoder: Decoder, slots: int = 1):
     self.decoder = decoder
     self.tok = decoder.tokenizer
     self.context = generate.Context(decoder)
     # The conversation as the client knows it (each message it sent, each
     # reply as it saw it), for the reuse of unseeded sampling.
     self.conversation: list[tuple[str, str]] = []
+    # Conversations kept besides the one in the decoder (`--slots` - 1),
+    # least recently used first: each holds its own decoder state.
+    self.slots = slots
+    self.parked: list[_Parked] = []
+
+  def _park(self):
+    """Moves the decoder's conversation into `parked` (its state is moved,
+    not copied: the decoder then starts a fresh one), dropping the least
+    recently used beyond `slots`."""
+    if self.context.used() and self.slots > 1:
+      d = self.decoder
+      self.parked.append(
+        _Parked(
+          d.state,
+          d.position,
+          d.block_read,
+          list(self.context.turns),
+          list(self.conversation),
+        )
+      )
+      del self.parked[: max(0, len(self.parked) - (self.slots - 1))]
+    self.reset()
+
+  def _unpark(self, kept: _Parked):
+    """Makes `kept` the decoder's conversation again (the current one
+    parked first)."""
+    self.parked.remove(kept)
+    self._park()
+    d = self.decoder
+    d.state, d.position, d.block_read = kept.state, kept.position, kept.block
+    self.context.turns = kept.turns
+    self.conversation = kept.conversation
+
+  def _choose(self, earlier, turns, exact: bool):
+    """Moves into the decoder the kept conversation this request can
+    reuse the most tokens of (the current one first on a tie); parks the
+    current one when another is better, or when none fits and it is not
+    empty."""
+
+    def gain(ids, block, conversation) -> int:
+      if not exact and conversation and earlier == conversation:
+        return len(ids) + 1
+      if self._extends(ids, block, turns, exact):
+        return len(ids)
+      return 0
+
+    mine = gain(self.context.ids(), self.decoder.block_read, self.conversation)
+    best, score = None, mine
+    for kept in self.parked:
+      ids = [i for t in kept.turns for i in t.ids]
+      g = gain(ids, kept.block, kept.conversation)
+      if g > score:
+        best, score = kept, g
+    if best is not None:
+      self._unpark(best)
+    elif not mine and self.slots > 1:
+      self._park()  # Keep it for its owner; this one starts afresh.
 
   def _turn(self, role: str, content: str) -> generate.Turn:
     text, ids = self.context.user_ids(content)
@@ -307,6 +375,7 @@ class Slot:
       job.seed is not None
       or job.settings.temperature < sampling.MIN_TEMPERATURE
     )
+    self._choose(earlier, turns, exact)
     if not exact and self.conversation and earlier == self.conversation:
       reused, dropped = self.context.used(), 0  # The text is what it read.
     else:
@@ -324,16 +393,22 @@ class Slot:
     at position 0; past MIN_BLOCK tokens a follow-up that crosses a block
     is read again); returns the tokens reused, 0 when it cannot."""
     have, want = self.context.ids(), self.context.ids(turns)
-    if not have or not turns or want[: len(have)] != have:
-      return 0
-    first = 1 + len(generate.START) + len(want)  # A fresh read's first feed.
-    if exact and self.decoder.block_part(first) != self.decoder.block_read:
+    if not self._extends(have, self.decoder.block_read, turns, exact):
       return 0
     reused = self.context.used()
     self.context.turns = list(turns)
     if len(want) > len(have):
       self.decoder.feed(want[len(have) :])
     return reused
+
+  def _extends(self, have: list[int], block: int, turns, exact) -> bool:
+    """Whether a state that read `have` (a block of `block` tokens at
+    position 0) can be extended to `turns` (see `_reuse`)."""
+    want = self.context.ids(turns)
+    if not have or not turns or want[: len(have)] != have:
+      return False
+    first = 1 + len(generate.START) + len(want)  # A fresh read's first feed.
+    return not exact or self.decoder.block_part(first) == block
 
   def run(self, job: Job, cancel: threading.Event, emit=None) -> dict:
     """Generates the reply of `job` (in a worker thread).
@@ -418,8 +493,9 @@ class Server:
     host: str = '127.0.0.1',
     port: int = 8000,
     allow_origins: tuple[str, ...] = (),
+    slots: int = 1,
   ):
-    self.slot = Slot(decoder)
+    self.slot = Slot(decoder, slots)
     self.host, self.port = host, port
     self.allow_origins = {o.rstrip('/').lower() for o in allow_origins}
     self.defaults = defaults or sampling.SamplingSettings()
@@ -776,6 +852,13 @@ def _protocol():
   return IdleTimeoutProtocol
 
 
+def state_bytes(decoder: Decoder) -> int:
+  """Bytes of one conversation's decoder state (what a slot keeps)."""
+  import jax
+
+  return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(decoder.state))
+
+
 def check_host(host: str, api_key: str | None, open_without_key: bool):
   """Refuses to listen beyond loopback without an API key unless the user
   said so (`--open-without-key`)."""
@@ -798,6 +881,7 @@ def serve(
   log=print,
   allow_origins: tuple[str, ...] = (),
   open_without_key: bool = False,
+  slots: int = 1,
 ):
   """Serves until interrupted (Ctrl-C, SIGTERM: streams are cut within
   a few seconds)."""
@@ -805,7 +889,15 @@ def serve(
 
   check_host(host, api_key, open_without_key)
   server = Server(
-    decoder, model_id, api_key, max_queue, defaults, host, port, allow_origins
+    decoder,
+    model_id,
+    api_key,
+    max_queue,
+    defaults,
+    host,
+    port,
+    allow_origins,
+    slots,
   )
   where = f'http://{host}:{port}'
   log(
@@ -815,6 +907,21 @@ def serve(
   )
   if getattr(decoder, 'curves', None):
     log(f'how it trained: {decoder.curves}')
+  if slots > 1:
+    import psutil
+
+    each = state_bytes(decoder)
+    free = psutil.virtual_memory().available
+    if (slots - 1) * each > free // 2:
+      raise UserError(
+        f'--slots {slots}: {slots - 1} kept conversations of '
+        f'{each / 2**20:.0f} MB each would take more than half the '
+        f'{free / 2**30:.1f} GB of memory available; use fewer slots'
+      )
+    log(
+      f'{slots} conversations kept at once, {each / 2**20:.1f} MB of decoder '
+      'state each'
+    )
   if not _loopback(host):
     log(
       f'note: {host} is reachable from other machines; anyone who can '
