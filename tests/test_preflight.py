@@ -76,6 +76,8 @@ def test_estimate_is_within_35_percent_of_measured_peak(
     capture_output=True,
     text=True,
     timeout=600,
+    # A cold start, as the estimate is: a cached compilation takes less.
+    env={**os.environ, 'JADE_COMPILE_CACHE': 'off'},
   )
   code, peak_kb = result.stdout.split()
   assert code == '0', result.stderr
