@@ -5,8 +5,11 @@ and latency under concurrent clients, and memory over many requests.
 
 1. Time to the first reply token of a follow-up turn after ~4k tokens of
    conversation (`src.apps.serve.Slot`, no HTTP): with prefix reuse (only
-   the new 20-token message is fed), without (the conversation read again
-   as one block), and one fresh one-token decoder step for scale. The model
+   the new 20-token message is fed; unseeded sampling), without (the
+   conversation read again as one block), greedy (the state a fresh server
+   reads: reused only when that is exact), one fresh one-token decoder
+   step for scale, and two users alternating follow-ups with 1 and 2
+   `--slots`. The model
    is the decode bench's shape (4 layers, d256, 4160-token context, random
    weights: speed does not depend on them) with the run's tokenizer.
 2. The run's model served over HTTP on 127.0.0.1 (uvicorn in this process):
@@ -68,34 +71,37 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
   new = ' '.join(words[3900:3920])
   defaults = sampling.SamplingSettings(temperature=0.0, max_new_tokens=1)
 
-  def job(messages):
+  def job(messages, exact=False):
+    """Unseeded sampling (the chat page's way: reuse what was read), or
+    greedy (`exact`: the state a fresh server reads)."""
     body = {
       'messages': [
         {'role': 'user' if r == chatformat.USER else 'assistant', 'content': c}
         for r, c in messages
       ],
       'max_tokens': 1,
-      'temperature': 0,
+      'temperature': 0 if exact else 0.8,
     }
     return serve.parse_job(body, 'bench', decoder.max_len, defaults)
 
-  slot.run(job(history), threading.Event())
-  # The follow-up a chat client sends: everything so far, the reply it
-  # got, and a new 20-token message.
-  follow = slot.conversation + [(chatformat.USER, new)]
-
-  def first_token(reuse: bool) -> tuple[float, dict]:
+  def first_token(reuse: bool, exact=False) -> tuple[float, dict]:
     slot.reset()
-    if reuse:  # The server answered the turn before.
-      slot.run(job(history), threading.Event())
+    slot.run(job(history, exact), threading.Event())
+    # The follow-up a chat client sends: everything so far, the reply it
+    # got, and a new 20-token message.
+    follow = slot.conversation + [(chatformat.USER, new)]
+    if not reuse:  # Another conversation came in between.
+      slot.reset()
     t0 = time.perf_counter()
-    r = slot.run(job(follow), threading.Event())
+    r = slot.run(job(follow, exact), threading.Event())
     return time.perf_counter() - t0, r
 
   first_token(True)  # Compile the block and step paths.
   first_token(False)
   reused = [first_token(True) for _ in range(repeats)]
   fresh = [first_token(False) for _ in range(repeats)]
+  exact = [first_token(True, exact=True) for _ in range(repeats)]
+  alternating = {n: _alternating(decoder, words, job, n) for n in (1, 2)}
   decoder.reset()
   decoder.feed([5])
   steps = []
@@ -108,8 +114,42 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
     'reused_tokens': reused[0][1]['reused_tokens'],
     'with_reuse_ms': 1000 * float(np.median([r[0] for r in reused])),
     'without_reuse_ms': 1000 * float(np.median([r[0] for r in fresh])),
+    'greedy_follow_up_ms': 1000 * float(np.median([r[0] for r in exact])),
+    'greedy_reused_tokens': exact[0][1]['reused_tokens'],
     'one_step_ms': 1000 * float(np.median(steps)),
+    'alternating_ms': {f'slots {n}': ms for n, ms in alternating.items()},
   }
+
+
+def _alternating(decoder, words, job, slots: int, turns: int = 4) -> float:
+  """Median first-token time of two users who alternate follow-ups, each
+  with ~1.9k tokens of history, on a server keeping `slots`
+  conversations."""
+  slot = serve.Slot(decoder, slots)
+  users = []
+  for u in range(2):
+    start = 2000 * u
+    users.append(
+      [
+        (
+          chatformat.USER if i % 2 == 0 else chatformat.AI,
+          ' '.join(words[start + 100 * i : start + 100 * i + 100]),
+        )
+        for i in range(19)
+      ]
+    )
+  times = []
+  for turn in range(turns):
+    for messages in users:
+      t0 = time.perf_counter()
+      r = slot.run(job(messages), threading.Event())
+      if turn:  # The first turn of each reads its history.
+        times.append(time.perf_counter() - t0)
+      messages += [
+        (chatformat.AI, r['text'] or '.'),
+        (chatformat.USER, ' '.join(words[3900 + 5 * turn : 3905 + 5 * turn])),
+      ]
+  return 1000 * float(np.median(times))
 
 
 def _post(port: int, body: dict) -> tuple[int, dict, float]:
