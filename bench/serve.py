@@ -17,6 +17,9 @@ and latency under concurrent clients, and memory over many requests.
    conversations (max_tokens 16, temperature 0.8, seeded): requests/s,
    reply tokens/s, p50/p95 latency, errors.
 3. The server's resident memory after 10 requests and after `--requests`.
+4. A soak: 100 clients at once beside 40 idle connections for
+   `--soak-seconds`: the answers by status (200 up to the queue, JSON 503
+   beyond it, never no answer) and the memory every 2 s.
 """
 
 from __future__ import annotations
@@ -177,8 +180,14 @@ def start_server(run_dir: str):
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
-  config = uvicorn.Config(
-    server.app(), host='127.0.0.1', port=port, log_level='warning'
+  config = uvicorn.Config(  # As `serve.serve` runs it.
+    server.app(),
+    host='127.0.0.1',
+    port=port,
+    log_level='warning',
+    http=serve._protocol(),
+    timeout_keep_alive=5,
+    timeout_graceful_shutdown=3,
   )
   http_server = uvicorn.Server(config)
   thread = threading.Thread(target=http_server.run, daemon=True)
@@ -221,11 +230,59 @@ def load(port: int, clients: int, per_client: int) -> dict:
   }
 
 
+def soak(port: int, clients: int = 100, seconds: float = 30.0) -> dict:
+  """Part 4: `clients` clients at once, each sending one-message
+  requests back to back for `seconds`, beside 40 idle connections; the
+  server's memory sampled every 2 s. Beyond the queue (64) the answer is
+  a JSON 503."""
+  process = psutil.Process()
+  idle = [socket.create_connection(('127.0.0.1', port)) for _ in range(40)]
+  stop = time.time() + seconds
+  counts: dict[int, int] = {}
+  lock = threading.Lock()
+
+  def client(c):
+    i = 0
+    while time.time() < stop:
+      body = {
+        'messages': [{'role': 'user', 'content': f'Hi {c}-{i}'}],
+        'max_tokens': 8,
+      }
+      try:
+        status = _post(port, body)[0]
+      except (OSError, ValueError):
+        status = 0  # No answer at all.
+      with lock:
+        counts[status] = counts.get(status, 0) + 1
+      i += 1
+
+  rss = []
+  threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+  for t in threads:
+    t.start()
+  while time.time() < stop:
+    rss.append(process.memory_info().rss / 2**20)
+    time.sleep(2)
+  for t in threads:
+    t.join()
+  for s in idle:
+    s.close()
+  return {
+    'clients': clients,
+    'seconds': seconds,
+    'answers': {str(k): v for k, v in sorted(counts.items())},
+    'rss_mb_first': rss[0],
+    'rss_mb_last': rss[-1],
+    'rss_mb_max': max(rss),
+  }
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('run', help='a trained model folder (runs/demo)')
   parser.add_argument('--requests', type=int, default=1000)
   parser.add_argument('--json', help='write the figures here')
+  parser.add_argument('--soak-seconds', type=float, default=30.0)
   args = parser.parse_args()
   found = {
     'machine': f'{platform.processor() or platform.machine()}, '
@@ -249,6 +306,8 @@ def main():
   print(
     json.dumps({k: v for k, v in found.items() if 'rss' in k or 'total' in k})
   )
+  found['soak'] = soak(port, seconds=args.soak_seconds)
+  print(json.dumps(found['soak']), flush=True)
   http_server.should_exit = True
   if args.json:
     with open(args.json, 'w') as f:
