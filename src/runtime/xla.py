@@ -62,7 +62,37 @@ def cache_folder() -> str | None:
   mine = not hasattr(os, 'getuid') or info.st_uid == os.getuid()
   if not stat.S_ISDIR(info.st_mode) or not mine or info.st_mode & 0o022:
     return None  # A link, someone else's or writable by others: unused.
-  return folder
+  # One subfolder per jaxlib and CPU: a home folder shared by machines, or
+  # a jaxlib changed in place, never meets programs built for another.
+  sub = os.path.join(folder, _machine_key())
+  try:
+    os.makedirs(sub, mode=0o700, exist_ok=True)
+  except OSError:
+    return None
+  return sub
+
+
+def _machine_key() -> str:
+  """jaxlib's version and a digest of this CPU's model and features."""
+  import hashlib
+  import importlib.metadata
+  import platform
+
+  try:
+    jaxlib = importlib.metadata.version('jaxlib')
+  except importlib.metadata.PackageNotFoundError:
+    jaxlib = 'unknown'
+  cpu = platform.machine() + platform.processor()
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8', errors='replace') as f:
+      for line in f:
+        if line.startswith(('model name', 'flags', 'Features')):
+          cpu += line
+        if line.strip() == '':
+          break  # The first processor says it all.
+  except OSError:
+    pass
+  return f'jaxlib-{jaxlib}-{hashlib.sha256(cpu.encode()).hexdigest()[:12]}'
 
 
 def compile_cache():
