@@ -61,6 +61,14 @@ def parse_args(argv=None):
     'other pages are refused (403)',
   )
   serve.add_argument(
+    '--allow-host',
+    action='append',
+    default=[],
+    metavar='NAME',
+    help='answer to this Host name too (a reverse proxy that forwards the '
+    "client's Host); other names get 403",
+  )
+  serve.add_argument(
     '--open-without-key',
     action='store_true',
     help='allow a non-loopback --host without --api-key',
@@ -151,6 +159,7 @@ def main(argv=None):
       allow_origins=tuple(args.allow_origin),
       open_without_key=args.open_without_key,
       slots=args.slots,
+      allow_hosts=tuple(args.allow_host),
     )
     return 0
   session = chat.ChatSession(decoder, sampler)

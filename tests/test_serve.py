@@ -764,3 +764,15 @@ def test_slots_let_alternating_users_feed_only_their_new_tokens(decoder, slots):
   reused = ask(ann)['reused_tokens']
   assert (reused > 0) == (slots == 2), reused
   assert len(slot.parked) == slots - 1
+
+
+def test_allow_host_admits_a_reverse_proxys_name(decoder):
+  from starlette.testclient import TestClient
+
+  from src.apps import serve
+
+  body = {'messages': [{'role': 'user', 'content': 'Hi'}], 'max_tokens': 2}
+  for allowed, status in (((), 403), (('chat.example.org',), 200)):
+    server = serve.Server(decoder, 'out', allow_hosts=allowed)
+    with TestClient(server.app(), base_url='https://chat.example.org') as c:
+      assert c.post('/v1/chat/completions', json=body).status_code == status

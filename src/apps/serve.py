@@ -494,10 +494,12 @@ class Server:
     port: int = 8000,
     allow_origins: tuple[str, ...] = (),
     slots: int = 1,
+    allow_hosts: tuple[str, ...] = (),
   ):
     self.slot = Slot(decoder, slots)
     self.host, self.port = host, port
     self.allow_origins = {o.rstrip('/').lower() for o in allow_origins}
+    self.allow_hosts = {h.strip('[]').lower() for h in allow_hosts}
     self.defaults = defaults or sampling.SamplingSettings()
     self.model_id = model_id
     self.api_key = api_key
@@ -649,11 +651,12 @@ class Server:
     host = request.headers.get('host', '')
     name = host.rsplit(':', 1)[0] if not host.endswith(']') else host
     name = name.strip('[]').lower()
-    if _loopback(self.host) and name not in LOOPBACK_NAMES:
+    known = name in LOOPBACK_NAMES or name in self.allow_hosts
+    if _loopback(self.host) and not known:
       raise ApiError(
         403,
         f'Host {host[:80]!r} is not this server (a loopback server answers '
-        'to localhost and 127.0.0.1 only)',
+        'to localhost and 127.0.0.1, and to names given with --allow-host)',
         kind='permission_error',
       )
     origin = request.headers.get('origin')
@@ -882,6 +885,7 @@ def serve(
   allow_origins: tuple[str, ...] = (),
   open_without_key: bool = False,
   slots: int = 1,
+  allow_hosts: tuple[str, ...] = (),
 ):
   """Serves until interrupted (Ctrl-C, SIGTERM: streams are cut within
   a few seconds)."""
@@ -898,6 +902,7 @@ def serve(
     port,
     allow_origins,
     slots,
+    allow_hosts,
   )
   where = f'http://{host}:{port}'
   log(
