@@ -674,3 +674,79 @@ def test_chat_import_bench_smoke(tmp_path):
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr
   assert '| convert whatsapp | 1 |' in result.stdout
   assert '| convert telegram | 1 |' in result.stdout
+
+
+def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
+  """Random exports in each format's shape (timestamps, names, notices,
+  odd bytes, JSON of random values): a conversion or one UserError line,
+  never another exception."""
+  from hypothesis import HealthCheck, given, settings
+  from hypothesis import strategies as st
+
+  header = st.sampled_from(
+    [
+      '12/03/2021, 14:22 - ',
+      '[12/03/21, 14:22:01] ',
+      f'{LRM}[3/14/21, 2:05:09{NNBSP}PM] ',
+      '2021-03-14, 18:05 - ',
+      '31/02/2021, 25:61 - ',
+      '',
+    ]
+  )
+  name = st.sampled_from(['Ana', 'Luis', '~ Kim', 'Ana: x', ''])
+  text = st.text(max_size=30) | st.sampled_from(
+    ['<Media omitted>', f'{LRM}image omitted', 'This message was deleted']
+  )
+  line = st.builds(lambda h, n, t: f'{h}{n}: {t}', header, name, text)
+  whatsapp = st.lists(line | st.text(max_size=20), max_size=12).map('\r\n'.join)
+  scalar = st.none() | st.booleans() | st.integers() | st.text(max_size=10)
+  value = st.recursive(
+    scalar,
+    lambda inner: (
+      st.lists(inner, max_size=3)
+      | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+  )
+  message = st.fixed_dictionaries(
+    {},
+    optional={
+      'type': st.sampled_from(['message', 'service', 'Default', 'Call'])
+      | value,
+      'from': name | value,
+      'author': st.fixed_dictionaries({'name': name}) | value,
+      'sender_name': name | value,
+      'text': text | value,
+      'content': text | value,
+      'date': st.just('2024-03-01T18:02:11') | value,
+      'timestamp': st.just('2024-03-01T18:02:11+00:00') | value,
+      'timestamp_ms': st.integers(0, 2**42) | value,
+    },
+  )
+  export = (
+    st.fixed_dictionaries({'messages': st.lists(message, max_size=6) | value})
+    | value
+  )
+  runs = iter(range(10**6))
+
+  @settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+  )
+  @given(
+    fmt=st.sampled_from(['whatsapp', 'telegram', 'discord', 'messenger']),
+    chat=whatsapp,
+    data=export,
+  )
+  def check(fmt, chat, data):
+    folder = tmp_path_factory.mktemp(f'fuzz{next(runs)}')
+    name = 'chat.txt' if fmt == 'whatsapp' else 'message_1.json'
+    content = chat if fmt == 'whatsapp' else json.dumps(data)
+    try:
+      run(folder, fmt, {name: content}, '--ai', 'Luis', '--trim')
+    except UserError as e:
+      assert '\n' not in str(e)
+
+  check()
