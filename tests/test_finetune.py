@@ -357,3 +357,16 @@ def test_crafted_curves_are_one_line_and_the_model_loads(
   err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
   assert len(err) == 1, err
   assert re.search(match, err[0]), err[0]
+
+
+def test_curves_of_a_run_with_a_fifo_or_link_are_left_out(
+  tiny_run, copy_of, capsys
+):
+  from src.storage import curves
+
+  run = copy_of(tiny_run['out'])
+  os.mkfifo(os.path.join(run, 'train', 'events.out.tfevents.0.fifo'))
+  os.symlink('/dev/zero', os.path.join(run, 'eval', 'events.out.tfevents.1.x'))
+  assert curves.collect(run) is None  # Never opened: no hang, no read.
+  err = capsys.readouterr().err
+  assert 'not a regular file' in err and 'is a link' in err

@@ -10,13 +10,15 @@ so `tensorboard --logdir runs/mine` shows both runs side by side.
 
 `curves.json` comes from someone else: it is read bounded (`MAX_BYTES`),
 never through a link, and checked field by field; a damaged one is one
-line and the model still loads.
+line and the model still loads. A run folder's event files are read only
+when none is a link or a special file.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 
 from src.core import files, rundir
 from src.core.errors import UserError
@@ -51,6 +53,14 @@ def collect(run_dir: str, until: int | None = None) -> dict | None:
   for part in PARTS:
     folder = os.path.join(run_dir, part)
     if not os.path.isdir(folder) or os.path.islink(folder):
+      continue
+    found = files.links_inside(folder)
+    if found:  # TensorBoard's reader would follow a link or block on a FIFO.
+      path, problem = found[0]
+      print(
+        f'note: {path} {problem}; the curves of {folder} are left out',
+        file=sys.stderr,
+      )
       continue
     acc = ea.EventAccumulator(
       folder, size_guidance={ea.SCALARS: 4 * MAX_POINTS}
