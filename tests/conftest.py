@@ -170,3 +170,18 @@ def reseal_export(folder, name):
     }
     with open(path, 'w') as f:
       json.dump(meta, f)
+
+
+def json_values(scalar, max_leaves=8, list_size=3, key_size=8):
+  """A hypothesis strategy: JSON-like values made of `scalar` (lists and
+  objects of them, nested), for fuzzing what reads untrusted JSON."""
+  from hypothesis import strategies as st
+
+  return st.recursive(
+    scalar,
+    lambda inner: (
+      st.lists(inner, max_size=list_size)
+      | st.dictionaries(st.text(max_size=key_size), inner, max_size=3)
+    ),
+    max_leaves=max_leaves,
+  )

@@ -12,6 +12,8 @@ from src.core.errors import UserError
 from src.data import chatformat
 from src.data.importers import chatlog
 
+from .conftest import json_values
+
 LRM, NNBSP = '\u200e', '\u202f'
 
 
@@ -700,14 +702,7 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
   line = st.builds(lambda h, n, t: f'{h}{n}: {t}', header, name, text)
   whatsapp = st.lists(line | st.text(max_size=20), max_size=12).map('\r\n'.join)
   scalar = st.none() | st.booleans() | st.integers() | st.text(max_size=10)
-  value = st.recursive(
-    scalar,
-    lambda inner: (
-      st.lists(inner, max_size=3)
-      | st.dictionaries(st.text(max_size=8), inner, max_size=3)
-    ),
-    max_leaves=8,
-  )
+  value = json_values(scalar)
   message = st.fixed_dictionaries(
     {},
     optional={

@@ -21,7 +21,7 @@ from src.core import safe_pickle
 from src.core.errors import UserError
 from src.storage import checkpoints, modelfolder
 
-from .conftest import reseal_export
+from .conftest import json_values, reseal_export
 
 # Mutations tried per target (three targets); the suite's bounded time.
 EXAMPLES = 60
@@ -52,17 +52,14 @@ _edits = st.one_of(
   ),
 )
 # JSON values to put in a header or listing field.
-_json = st.recursive(
+_json = json_values(
   st.none()
   | st.booleans()
   | st.integers(-(1 << 70), 1 << 70)
   | st.floats(allow_nan=False)
   | st.text(max_size=8),
-  lambda inner: (
-    st.lists(inner, max_size=4)
-    | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-  ),
-  max_leaves=8,
+  list_size=4,
+  key_size=6,
 )
 
 
