@@ -36,7 +36,7 @@ import argparse
 import sys
 
 from src.core.errors import UserError
-from src.data.importers import CHATS, FORMATS, base, chatlog
+from src.data.importers import CHATS, FORMATS, base, chatlog, subtitles
 from src.data.importers.base import Options, Report
 from src.data.importers.chatterbot import chatterbot_files
 from src.data.importers.to_messages import to_messages
@@ -187,7 +187,7 @@ def main(argv=None):
     report = to_messages(args.source[0], args.out)
     print(f'{args.format}: {report.summary()} -> {args.out}')
     return 0
-  gap = 5.0 if args.gap is None else chatlog.parse_gap(args.gap)
+  gap = subtitles.GAP if args.gap is None else chatlog.parse_gap(args.gap)
   sources = skip(FORMATS[args.format].sources(args.source), args.skip)
   total = Report()
   for source in sources:

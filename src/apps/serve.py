@@ -290,26 +290,30 @@ class Slot:
     self.context.turns = kept.turns
     self.conversation = kept.conversation
 
-  def _choose(self, earlier, turns, exact: bool):
-    """Moves into the decoder the kept conversation this request can
-    reuse the most tokens of (the current one first on a tie); parks the
-    current one when another is better, or when none fits and it is not
-    empty."""
+  def _take_text(self, earlier) -> bool:
+    """Makes the kept conversation whose client saw exactly `earlier` the
+    decoder's (the current one first); whether there is one."""
+    if self.conversation and earlier == self.conversation:
+      return True
+    for kept in self.parked:
+      if kept.conversation == earlier:
+        self._unpark(kept)
+        return True
+    return False
 
-    def gain(ids, block, conversation) -> int:
-      if not exact and conversation and earlier == conversation:
-        return len(ids) + 1
-      if self._extends(ids, block, turns, exact):
-        return len(ids)
-      return 0
-
-    mine = gain(self.context.ids(), self.decoder.block_read, self.conversation)
-    best, score = None, mine
+  def _choose(self, want: list[int], exact: bool):
+    """Moves into the decoder the kept conversation whose state extends to
+    the request's tokens `want` with the most tokens reused (the current
+    one first on a tie); parks the current one when another is better, or
+    when none fits and it is not empty."""
+    mine = self.context.ids()
+    if not self._extends(mine, self.decoder.block_read, want, exact):
+      mine = []
+    best, most = None, len(mine)
     for kept in self.parked:
       ids = [i for t in kept.turns for i in t.ids]
-      g = gain(ids, kept.block, kept.conversation)
-      if g > score:
-        best, score = kept, g
+      if len(ids) > most and self._extends(ids, kept.block, want, exact):
+        best, most = kept, len(ids)
     if best is not None:
       self._unpark(best)
     elif not mine and self.slots > 1:
@@ -366,34 +370,37 @@ class Slot:
         f'reply of max_tokens={job.settings.max_new_tokens}',
         'messages',
       )
-    needed = len(last_ids) + 2 + job.settings.max_new_tokens
-    turns = self.context.keep_last(self._fitting(earlier, needed), needed)
-    dropped = len(earlier) - len(turns)
     # A reply that must be reproducible (greedy, or seeded) is computed
-    # exactly as a fresh read would; unseeded sampling reuses any prefix.
+    # exactly as a fresh read would; unseeded sampling reuses a kept
+    # conversation whose text is the client's, without tokenizing it.
     exact = (
       job.seed is not None
       or job.settings.temperature < sampling.MIN_TEMPERATURE
     )
-    self._choose(earlier, turns, exact)
-    if not exact and self.conversation and earlier == self.conversation:
+    if not exact and self._take_text(earlier):
       reused, dropped = self.context.used(), 0  # The text is what it read.
     else:
-      reused = self._reuse(turns, exact)
+      needed = len(last_ids) + 2 + job.settings.max_new_tokens
+      turns = self.context.keep_last(self._fitting(earlier, needed), needed)
+      dropped = len(earlier) - len(turns)
+      want = self.context.ids(turns)
+      self._choose(want, exact)
+      reused = self._reuse(turns, want, exact)
       if not reused:
         self.context.reread(turns)
     logits = self.context.ask(last, job.settings.max_new_tokens)
     self.conversation = list(earlier) + [(chatformat.USER, last)]
     return logits, reused, dropped
 
-  def _reuse(self, turns: list[generate.Turn], exact: bool) -> int:
+  def _reuse(self, turns: list[generate.Turn], want, exact: bool) -> int:
     """Extends the kept state to `turns` when its tokens are a prefix of
     theirs (as the request's text tokenizes) and, if `exact`, when that
     gives exactly the state a fresh read would (both read the same block
     at position 0; past MIN_BLOCK tokens a follow-up that crosses a block
-    is read again); returns the tokens reused, 0 when it cannot."""
-    have, want = self.context.ids(), self.context.ids(turns)
-    if not self._extends(have, self.decoder.block_read, turns, exact):
+    is read again); `want`: the tokens of `turns`. Returns the tokens
+    reused, 0 when it cannot."""
+    have = self.context.ids()
+    if not self._extends(have, self.decoder.block_read, want, exact):
       return 0
     reused = self.context.used()
     self.context.turns = list(turns)
@@ -401,11 +408,10 @@ class Slot:
       self.decoder.feed(want[len(have) :])
     return reused
 
-  def _extends(self, have: list[int], block: int, turns, exact) -> bool:
+  def _extends(self, have: list[int], block: int, want, exact) -> bool:
     """Whether a state that read `have` (a block of `block` tokens at
-    position 0) can be extended to `turns` (see `_reuse`)."""
-    want = self.context.ids(turns)
-    if not have or not turns or want[: len(have)] != have:
+    position 0) can be extended to the tokens `want` (see `_reuse`)."""
+    if not have or not want or want[: len(have)] != have:
       return False
     first = 1 + len(generate.START) + len(want)  # A fresh read's first feed.
     return not exact or self.decoder.block_part(first) == block

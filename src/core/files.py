@@ -100,16 +100,6 @@ def pinned(contents: dict[str, bytes]):
       _PINNED.pop(key, None)
 
 
-def read_checked(path: str, size: int) -> bytes:
-  """The bytes of `path`, a regular file that must be `size` bytes, read
-  through one descriptor (see `open_regular`)."""
-  with open_regular(path, size) as f:
-    data = f.read(size + 1)
-  if len(data) != size:
-    raise UserError(f'{path}: changed while it was read; copy it again')
-  return data
-
-
 def _size_text(n: int) -> str:
   return f'{n / MB:.1f} MB' if n >= MB else f'{n} bytes'
 

@@ -62,11 +62,14 @@ def _elements(shape) -> int:
   return n
 
 
-def _bounded(shape):
-  if _elements(shape) > MAX_ARRAY_ELEMENTS:
+def _bounded(shape) -> int:
+  """The elements of `shape`, at most MAX_ARRAY_ELEMENTS."""
+  n = _elements(shape)
+  if n > MAX_ARRAY_ELEMENTS:
     raise pickle.UnpicklingError(
-      f'an array of {_elements(shape):,} elements, more than a checkpoint holds'
+      f'an array of {n:,} elements, more than a checkpoint holds'
     )
+  return n
 
 
 # The unpicklers loading now (innermost last): what they build is
@@ -77,9 +80,9 @@ _LOADING: list = []
 def _charge(shape, dtype) -> None:
   import numpy as np
 
-  _bounded(shape)
+  n = _bounded(shape)
   if _LOADING:
-    _LOADING[-1].spend(_elements(shape) * np.dtype(dtype).itemsize)
+    _LOADING[-1].spend(n * np.dtype(dtype).itemsize)
 
 
 class _NdarrayName:
@@ -169,12 +172,12 @@ def _setstate_bytes(state) -> int:
   shape, dtype, data = state[-4], state[-3], state[-1]
   if not isinstance(shape, tuple) or len(shape) > 32:
     raise pickle.UnpicklingError('an array shape that is not a tuple')
-  _bounded(shape)
+  n = _bounded(shape)
   if not isinstance(dtype, np.dtype) or dtype.hasobject or dtype.names:
     raise pickle.UnpicklingError('an array of objects or records')
   if dtype.byteorder == '>':
     raise pickle.UnpicklingError('a big-endian array')
-  nbytes = _elements(shape) * dtype.itemsize
+  nbytes = n * dtype.itemsize
   if not isinstance(data, (bytes, bytearray)) or len(data) != nbytes:
     raise pickle.UnpicklingError('array data of the wrong size')
   return nbytes

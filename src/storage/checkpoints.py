@@ -122,14 +122,11 @@ def _check_file(path: str, want: dict, keep: dict | None = None) -> str:
       f.seek(0)
       if size != want['size']:
         return f'{name} has {size} bytes, not {want["size"]}'
-      h, chunks = hashlib.sha256(), []
-      while block := f.read(1 << 22):
-        h.update(block)
-        if keep is not None:
-          chunks.append(block)
+      chunks = []
+      digest = _digest(f, chunks if keep is not None else None)
   except UserError:
     return f'{name} is not a regular file'
-  if h.hexdigest() != want['sha256']:
+  if digest != want['sha256']:
     return f'{name} does not match its checksum'
   if keep is not None:
     keep[path] = b''.join(chunks)
@@ -279,24 +276,17 @@ def read_export(folder: str, max_bytes: int | None = None):
   that were checked."""
   meta, contents = verify_export(folder, max_bytes=max_bytes)
   with files.pinned(contents):
-    return export_weights(folder, meta, max_bytes), meta
+    return export_weights(folder, meta), meta
 
 
-def export_weights(folder: str, meta: dict, max_bytes: int | None):
-  """The weights of an export already checked (`verify_export`; read under
-  `files.pinned` with what it returned)."""
+def export_weights(folder: str, meta: dict):
+  """The weights of an export already checked, their size bounded too
+  (`verify_export`; read under `files.pinned` with what it returned)."""
   from safetensors import SafetensorError
   from safetensors.numpy import load
 
   path = os.path.join(folder, EXPORT_WEIGHTS)
-  limit = max_bytes or safe_pickle.memory_available()
   size = meta['files'][EXPORT_WEIGHTS]['size']
-  if size > limit:
-    raise UserError(
-      f'{path}: {size / 2**20:.0f} MB, more than the '
-      f'{limit / 2**20:.0f} MB of weights its model.gin describes; the '
-      'export is damaged or not this model: download it again'
-    )
   n = int(meta['n_arrays'])
   try:
     data = files.read_regular(path, size)
@@ -470,12 +460,20 @@ def checkpoint_files(folder: str) -> list[str]:
   return [n for n in (CHECKPOINT, WEIGHTS) if n in names] + slots
 
 
-def _sha256(path: str) -> str:
+def _digest(f, chunks: list | None = None) -> str:
+  """SHA-256 of an open file read to its end; `chunks`, if given, gets
+  the bytes that were hashed."""
   h = hashlib.sha256()
-  with files.open_regular(path, 1 << 50) as f:
-    while block := f.read(1 << 22):
-      h.update(block)
+  while block := f.read(1 << 22):
+    h.update(block)
+    if chunks is not None:
+      chunks.append(block)
   return h.hexdigest()
+
+
+def _sha256(path: str) -> str:
+  with files.open_regular(path, 1 << 50) as f:
+    return _digest(f)
 
 
 def _write_json(path: str, obj):

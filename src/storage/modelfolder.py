@@ -144,7 +144,7 @@ def _load(path, kind, what, bindings, checkpoint, check_memory, export_meta):
   if export_meta is not None:
     _, weights = checkpoints.verify_export(path, export_meta, 'weights', limit)
     with files.pinned(weights):
-      flat = checkpoints.export_weights(path, export_meta, limit)
+      flat = checkpoints.export_weights(path, export_meta)
     step = export_meta['step']
   elif checkpoint is None:
     flat, step = checkpoints.read_weights(path, limit)

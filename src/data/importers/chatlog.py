@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import datetime
 import io
 import math
 import os
@@ -149,6 +150,20 @@ def parse_gap(text: str) -> float:
     )
   unit = {'': 1, 's': 1, 'm': 60, 'h': 3600, 'd': 86400}[m.group(2)]
   return float(m.group(1)) * unit
+
+
+def iso_seconds(value) -> float | None:
+  """Seconds of an ISO 8601 time (UTC when it names no zone), or None
+  when `value` is not one."""
+  if not isinstance(value, str):
+    return None
+  try:
+    when = datetime.datetime.fromisoformat(value)
+    if when.tzinfo is None:
+      when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
+  except (ValueError, OverflowError):
+    return None
 
 
 def _key(name: str) -> str:

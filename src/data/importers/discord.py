@@ -15,34 +15,17 @@ read as a stream.
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
 
 from src.data.importers import chatlog, jsonstream
+from src.data.importers.base import stem
 
 _EMOJI = re.compile(r'<a?:(\w{1,64}):\d{1,24}>')
 
 
 def sources(inputs: list[str]) -> list[chatlog.Source]:
-  return [
-    chatlog.Source(
-      (p,), os.path.splitext(os.path.basename(os.path.normpath(p)))[0]
-    )
-    for p in inputs
-  ]
-
-
-def _time(value) -> float | None:
-  if not isinstance(value, str):
-    return None
-  try:
-    when = datetime.datetime.fromisoformat(value)
-  except ValueError:
-    return None
-  if when.tzinfo is None:
-    when = when.replace(tzinfo=datetime.UTC)
-  return when.timestamp()
+  return [chatlog.Source((p,), stem(p)) for p in inputs]
 
 
 def item(message, where: str):
@@ -63,7 +46,7 @@ def item(message, where: str):
     return chatlog.Drop('unreadable')
   return chatlog.Message(
     where,
-    _time(message.get('timestamp')),
+    chatlog.iso_seconds(message.get('timestamp')),
     nick,
     _EMOJI.sub(r':\1:', content),
     name if name != nick else '',

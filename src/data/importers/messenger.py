@@ -27,6 +27,7 @@ import re
 
 from src.core import files
 from src.core.errors import UserError
+from src.data.importers.base import stem
 from src.data.importers.chatlog import Chat, Drop, Message, Source, open_input
 
 # Meta's files are split at about 10,000 messages (a few MB); a bigger
@@ -117,7 +118,7 @@ def sources(inputs: list[str]) -> list[Source]:
     if re.fullmatch(r'message_\d+\.json', base):
       folders[os.path.dirname(os.path.abspath(path))].append(path)
     else:
-      out.append(Source((path,), os.path.splitext(base)[0]))
+      out.append(Source((path,), stem(path)))
   for folder, paths in folders.items():
     paths.sort(key=lambda p: int(re.findall(r'\d+', os.path.basename(p))[0]))
     out.append(Source(tuple(paths), os.path.basename(folder) or 'messenger'))

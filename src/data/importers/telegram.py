@@ -18,10 +18,10 @@ photo's caption is its text and is kept. Forwarded messages are dropped
 
 from __future__ import annotations
 
-import datetime
 import os
 
 from src.data.importers import chatlog, jsonstream
+from src.data.importers.base import stem
 
 _CHATS = ('chats.list.item', 'left_chats.list.item')
 _WANTED = {'messages.item'} | {c + '.messages.item' for c in _CHATS}
@@ -45,8 +45,7 @@ def sources(inputs: list[str]) -> list[chatlog.Source]:
   """Each input is one export; `result.json` takes its folder's name."""
   out = []
   for path in inputs:
-    base = os.path.basename(os.path.normpath(path))
-    name = os.path.splitext(base)[0]
+    name = stem(path)
     if name == 'result':
       folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
       name = folder or 'telegram'
@@ -71,18 +70,12 @@ def _text(value) -> str:
 
 def _time(message: dict) -> float | None:
   unix = message.get('date_unixtime')
+  if unix is None:
+    return chatlog.iso_seconds(message.get('date'))
   try:
-    if unix is not None:
-      return float(unix)
-    date = message.get('date')
-    if isinstance(date, str):
-      when = datetime.datetime.fromisoformat(date)
-      if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.UTC)
-      return when.timestamp()
+    return float(unix)
   except (TypeError, ValueError, OverflowError):
     return None
-  return None
 
 
 def item(message, where: str):

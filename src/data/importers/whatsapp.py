@@ -32,6 +32,7 @@ import zipfile
 
 from src.core.errors import UserError
 from src.data.importers import chatlog, wording
+from src.data.importers.base import stem
 
 # A line longer than this (characters) is left out: no chat line is.
 MAX_LINE = 1 << 20
@@ -70,7 +71,7 @@ def sources(inputs: list[str]) -> list[chatlog.Source]:
   """Each input (a .txt or .zip export) is one chat."""
   out = []
   for path in inputs:
-    name = os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+    name = stem(path)
     if name in ('_chat', ''):
       name = 'whatsapp'
     out.append(chatlog.Source((path,), name))
