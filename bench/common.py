@@ -43,7 +43,8 @@ DECODE_BINDINGS = (
   'ReformerLM.n_layers = 4',
   # Two LSH and two local blocks in the shipped order. Issue 23's decoding
   # figures were measured with the same blocks, local first (same cost).
-  'ReformerLM.attention_type = [@LSHSelfAttention, @SelfAttention]',
+  'ReformerLM.attention_type = '
+  '[@DirectedLSHSelfAttention, @LocalSelfAttention]',
   'ReformerLM.n_heads = 4',
   'ReformerLM.d_attention_key = 64',
   'ReformerLM.d_attention_value = 64',
@@ -145,19 +146,19 @@ def to_text(conversations, markers, loss: str = 'ai') -> str:
 VARIANTS = {
   # The order shipped before "Local, LSH, local": LSH, then two local blocks.
   'lsh-first': [
-    'ReformerLM.attention_type = '
-    '[@LSHSelfAttention, @SelfAttention, @SelfAttention]',
+    'ReformerLM.attention_type = [@DirectedLSHSelfAttention, '
+    '@LocalSelfAttention, @LocalSelfAttention]',
   ],
   # Directed LSH in every block, no local blocks.
-  'lsh-only': ['ReformerLM.attention_type = @LSHSelfAttention'],
+  'lsh-only': ['ReformerLM.attention_type = @DirectedLSHSelfAttention'],
   # Trax's LSH (shared queries and keys only) in every block: the design
-  # before.
-  'lsh-shared': [
-    'ReformerLM.attention_type = @LSHSelfAttention',
-    'lsh.directed = False',
-  ],
+  # before (`FastLSHSelfAttention` computes exactly Trax's LSH).
+  'lsh-shared': ['ReformerLM.attention_type = @FastLSHSelfAttention'],
   # The shipped blocks with Trax's LSH.
-  'local-shared': ['lsh.directed = False'],
+  'local-shared': [
+    'ReformerLM.attention_type = [@LocalSelfAttention, '
+    '@FastLSHSelfAttention, @LocalSelfAttention]'
+  ],
 }
 
 

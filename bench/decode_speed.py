@@ -57,18 +57,19 @@ import trax  # noqa: E402
 from src.inference import decoding, scoring  # noqa: E402
 from src.inference.decoding import Decoder  # noqa: E402
 from src.model import ginconf, reformer  # noqa: E402
-from src.runtime.trax_patches import fast_lsh  # noqa: E402
 
 CONTEXT = common.DECODE_CONTEXT
 VOCAB = 500
 BINDINGS = common.DECODE_BINDINGS
 ATTENTION = {
   'lsh': (),  # common.DECODE_BINDINGS: LSH and local blocks in turns.
-  'lsh-only': ('ReformerLM.attention_type = @LSHSelfAttention',),
-  'lsh-shared': (  # Trax's LSH in every block.
-    'ReformerLM.attention_type = @LSHSelfAttention',
-    'lsh.directed = False',
+  'lsh-only': ('ReformerLM.attention_type = @DirectedLSHSelfAttention',),
+  'lsh-shared': (  # Trax's LSH (its computation, our speed) in every block.
+    'ReformerLM.attention_type = @FastLSHSelfAttention',
   ),
+  # Trax's own classes (its sorting step; no directed term, local blocks
+  # reading the whole memory): `--trax-sort`.
+  'trax': ('ReformerLM.attention_type = [@LSHSelfAttention, @SelfAttention]',),
 }
 CHOSEN = ['lsh']
 GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
@@ -77,7 +78,7 @@ GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
 def build(mode: str, length: int):
   extra = decoding.predict_bindings(4) if mode == 'predict' else []
   ginconf.parse(GIN, BINDINGS + ATTENTION[CHOSEN[0]] + tuple(extra))
-  layer = reformer.reformer_lm(VOCAB, mode, directed=ginconf.lsh())
+  layer = reformer.reformer_lm(VOCAB, mode)
   layer.rng = jax.random.PRNGKey(0)  # Same weights for both contenders.
   layer.init(trax.shapes.ShapeDtype((1, length), np.int32))
   return layer
@@ -167,7 +168,7 @@ def by_context(contexts, n_tokens, shape: str, vocab: int):
       ginconf.parse(
         gin_file, bindings + tuple(decoding.predict_bindings(heads))
       )
-      layer = reformer.reformer_lm(vocab, 'predict', directed=ginconf.lsh())
+      layer = reformer.reformer_lm(vocab, 'predict')
       layer.rng = jax.random.PRNGKey(0)
       layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
       decoder = Decoder(layer, max_len or setup.model['max_len'])
@@ -263,11 +264,11 @@ def main():
   }
   results['incremental'] = incremental(prefixes, args.tokens, prompt)
   if args.trax_sort:
-    fast_lsh.uninstall()
+    chosen, CHOSEN[0] = CHOSEN[0], 'trax'
     results['incremental_trax_sort'] = incremental(
       prefixes, args.tokens, prompt
     )
-    fast_lsh.install()
+    CHOSEN[0] = chosen
   results['naive'] = naive(prefixes, args.tokens, prompt)
   inc, nav = results['incremental'], results['naive']
   print(f'machine: {results["machine"]}; {results["versions"]}')

@@ -20,7 +20,7 @@ on the second half only:
   every block;
 - `lsh`: as shipped (gin/tiny.gin): a local block (`SelfAttention`
   within 32-token chunks and the chunk before), a directed LSH block
-  (`lsh.directed`), a local block. The second `w` is `length / 2`
+  (`DirectedLSHSelfAttention`), a local block. The second `w` is `length / 2`
   tokens after the first, beyond the local blocks' reach: only the LSH
   block can copy it;
 - `lsh-first`: the order shipped before (LSH, local, local);
@@ -96,13 +96,13 @@ VARIANTS = {
   'lsh-second': [
     *LOCAL,
     'ReformerLM.attention_type = '
-    '[@SelfAttention, @LSHSelfAttention, @SelfAttention]',
+    '[@LocalSelfAttention, @DirectedLSHSelfAttention, @LocalSelfAttention]',
   ],
   # LSH, local, LSH: the pattern of gin/reformer_32k.gin.
   'lsh-alternate': [
     *LOCAL,
-    'ReformerLM.attention_type = '
-    '[@LSHSelfAttention, @SelfAttention, @LSHSelfAttention]',
+    'ReformerLM.attention_type = [@DirectedLSHSelfAttention, '
+    '@LocalSelfAttention, @DirectedLSHSelfAttention]',
   ],
   # Trax's LSH (shared queries and keys only) in every block.
   'lsh-shared': common.VARIANTS['lsh-shared'],
@@ -198,7 +198,7 @@ def build(mode: str, bindings: list[str]):
     return trax.models.ReformerLM(VOCAB, mode=mode)
   if mode == 'train':
     return ginconf.fresh_model(VOCAB)
-  return reformer.reformer_lm(VOCAB, mode, directed=ginconf.lsh())
+  return reformer.reformer_lm(VOCAB, mode)
 
 
 def accuracy(layer, weights, data, n_batches: int) -> float:

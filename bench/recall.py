@@ -51,8 +51,7 @@ from bench.common import (  # noqa: E402
   to_text,
   train,
 )
-from src.analysis.lsh_views import in_view  # noqa: E402
-from src.runtime.trax_patches.lsh_buckets import recording_buckets  # noqa: E402
+from src.analysis.lsh_views import in_view, recording_buckets  # noqa: E402
 
 ACK = 'Okay, I will remember that.'
 

@@ -53,7 +53,7 @@ def build(context: int) -> Decoder:
     *decoding.predict_bindings(4),
   )
   ginconf.parse(GIN, bindings)
-  layer = reformer.reformer_lm(VOCAB, 'predict', directed=ginconf.lsh())
+  layer = reformer.reformer_lm(VOCAB, 'predict')
   layer.rng = jax.random.PRNGKey(0)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   return Decoder(layer, context)

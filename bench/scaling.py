@@ -46,7 +46,8 @@ MODELS = {
       'ReformerLM.d_model=256',
       'ReformerLM.d_ff=1024',
       'ReformerLM.n_layers=4',
-      'ReformerLM.attention_type=[@LSHSelfAttention, @SelfAttention]',
+      'ReformerLM.attention_type='
+      '[@DirectedLSHSelfAttention, @LocalSelfAttention]',
       'ReformerLM.n_heads=4',
       'ReformerLM.pos_d_axial_embs=(128,128)',
       'LSHSelfAttention.chunk_len=64',
@@ -171,7 +172,7 @@ def all_reduce_volume(vocab: int = 500) -> dict:
   from src.model import ginconf, reformer
 
   setup = ginconf.parse(os.path.join(ROOT, 'gin', 'reformer_32k.gin'))
-  layer = reformer.reformer_lm(vocab, 'train', directed=ginconf.lsh())
+  layer = reformer.reformer_lm(vocab, 'train')
   signature = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
   shapes = jax.tree_util.tree_leaves(
     layer.weights_and_state_signature(signature, unsafe=True)[0]

@@ -59,7 +59,7 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
   tok = tokenizer.load(run_dir)
   binds = common.DECODE_BINDINGS + tuple(decoding.predict_bindings(4))
   ginconf.parse(GIN, binds)
-  layer = reformer.reformer_lm(tok.vocab_size, 'predict', directed=True)
+  layer = reformer.reformer_lm(tok.vocab_size, 'predict')
   layer.rng = jax.random.PRNGKey(0)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   decoder = decoding.Decoder(layer, common.DECODE_CONTEXT, tok)

@@ -111,8 +111,8 @@ def run_jade(length, steps, vocab, with_eval=False, binds=()):
     f'ReformerLM.d_model = {D}',
     f'ReformerLM.d_ff = {D_FF}',
     f'ReformerLM.n_layers = {LAYERS}',
-    'ReformerLM.attention_type = @LSHSelfAttention',  # As the peer's.
-    'lsh.directed = False',  # The peer's LSH: shared queries/keys only.
+    # As the peer's: LSH in every block, shared queries/keys only.
+    'ReformerLM.attention_type = @FastLSHSelfAttention',
     f'ReformerLM.n_heads = {HEADS}',
     f'ReformerLM.d_attention_key = {D_HEAD}',
     f'ReformerLM.d_attention_value = {D_HEAD}',

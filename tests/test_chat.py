@@ -47,9 +47,7 @@ def exact_decoder(out, bindings=()):
     (*EXACT_LSH, *bindings),
   )
   tok = tokenizer.load(out)
-  predict = reformer.reformer_lm(
-    tok.vocab_size, 'predict', directed=ginconf.lsh()
-  )
+  predict = reformer.reformer_lm(tok.vocab_size, 'predict')
   one = trax.shapes.ShapeDtype((1, 1), np.int32)
   checkpoints.load_weights(out, predict, one)
   return decoding.Decoder(predict, 128, tok)
@@ -68,9 +66,7 @@ def test_greedy_incremental_equals_full_forward(tiny_run):
   out = tiny_run['out']
   inc_decoder = exact_decoder(out)
   tok = inc_decoder.tokenizer
-  full_model = reformer.reformer_lm(
-    tok.vocab_size, 'eval', directed=ginconf.lsh()
-  )
+  full_model = reformer.reformer_lm(tok.vocab_size, 'eval')
   checkpoints.load_weights(
     out, full_model, trax.shapes.ShapeDtype((1, 128), np.int32)
   )
@@ -285,7 +281,7 @@ def test_perplexity_is_exp_of_mean_token_loss(tiny_run):
   tok = tokenizer.load(out)
   stream = tok.encode_conversations(chatformat.read_file(path))
   ginconf.parse(os.path.join(out, 'model.gin'))
-  layer = reformer.reformer_lm(tok.vocab_size, 'eval', directed=ginconf.lsh())
+  layer = reformer.reformer_lm(tok.vocab_size, 'eval')
   checkpoints.load_weights(
     out, layer, trax.shapes.ShapeDtype((1, 128), np.int32)
   )
@@ -459,9 +455,9 @@ def test_local_blocks_read_their_training_window_while_chatting():
       *EXACT_LSH,
     ),
   )
-  full_model = reformer.reformer_lm(300, 'eval', directed=True)
+  full_model = reformer.reformer_lm(300, 'eval')
   full_model.init(trax.shapes.ShapeDtype((1, 128), np.int32))
-  predict = reformer.reformer_lm(300, 'predict', directed=True)
+  predict = reformer.reformer_lm(300, 'predict')
   predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   predict.weights = full_model.weights
   d = decoding.Decoder(predict, 128)

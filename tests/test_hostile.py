@@ -387,7 +387,7 @@ def test_weights_files_claiming_more_than_the_model_are_refused(
     ),
     (
       'ReformerLM.attention_type = @trax.layers.Relu',
-      'attention_type = @Relu must be @SelfAttention',
+      'attention_type = @Relu must be @LocalSelfAttention',
     ),
     (
       'LSHSelfAttention.predict_mem_len = 10000000000',

@@ -84,9 +84,7 @@ def test_a_mixed_model_must_have_local_blocks_and_whole_cycles():
 def test_axial_positions_are_really_axial():
   """Without pos_type='axial' Trax builds a full max_len x d_model table."""
   ginconf.parse(TINY_GIN)
-  axial = reformer.count_params(
-    reformer.init_model(500, 'train', 512, directed=ginconf.lsh())
-  )
+  axial = reformer.count_params(reformer.init_model(500, 'train', 512))
   # Three blocks as Trax counts them (469,108 weights), then what is our
   # own: the two local blocks' keys (128 x 32 per head, 2 heads, each) and
   # the LSH block's directed projections (twice that).
@@ -94,9 +92,7 @@ def test_axial_positions_are_really_axial():
   ginconf.parse(
     TINY_GIN, ('ReformerLM.pos_type = None', 'ReformerLM.pos_axial_shape = ()')
   )
-  full = reformer.count_params(
-    reformer.init_model(500, 'train', 512, directed=ginconf.lsh())
-  )
+  full = reformer.count_params(reformer.init_model(500, 'train', 512))
   # The full table replaces the two axial tables (16x64 and 32x64).
   assert full - axial == 512 * 128 - (16 * 64 + 32 * 64)
   with pytest.raises(UserError, match='add "ReformerLM.pos_type = \'axial\'"'):
@@ -108,10 +104,9 @@ def _axial_and_token_std(lm):
   found = {}
   for layer in reformer.all_layers(lm):
     if isinstance(layer, (tl.AxialPositionalEncoding, tl.Embedding)):
-      found.setdefault(type(layer).__name__, layer.weights)
-  axial = np.concatenate(
-    [np.ravel(w) for w in found['AxialPositionalEncoding']]
-  )
+      kind = 'Embedding' if isinstance(layer, tl.Embedding) else 'axial'
+      found.setdefault(kind, layer.weights)
+  axial = np.concatenate([np.ravel(w) for w in found['axial']])
   return float(np.std(axial)), float(np.std(found['Embedding']))
 
 
@@ -131,9 +126,7 @@ def test_axial_positions_start_at_the_token_scale():
   lm.init(tl.ShapeDtype((1, 512), np.int32))
   axial, token = _axial_and_token_std(lm)
   assert abs(axial / token - 4.0) < 0.4
-  lm = reformer.reformer_lm(
-    500, 'train', directed=ginconf.lsh()
-  )  # Trax's own start.
+  lm = reformer.reformer_lm(500, 'train')  # Trax's own start.
   lm.init(tl.ShapeDtype((1, 512), np.int32))
   assert abs(_axial_and_token_std(lm)[0] - 1.0) < 0.1
   with pytest.raises(UserError, match='must be above 0'):
@@ -144,11 +137,11 @@ def test_axial_positions_start_at_the_token_scale():
 def _branch_output_sums(lm) -> tuple[list, list, list]:
   """Per block: the sum of |weights| of the attention's output projection
   (and of its query projection), and of the feed-forward's last kernel."""
-  from src.runtime.trax_patches import fast_lsh
+  from src.model import attention as layers
 
   attention, dense = reformer.branch_outputs(lm)
   out = [
-    float(np.abs(a.weights[fast_lsh.output_index(a)]).sum()) for a in attention
+    float(np.abs(a.weights[layers.output_index(a)]).sum()) for a in attention
   ]
   query = [float(np.abs(a.weights[0]).sum()) for a in attention]
   ff = [float(np.abs(d.weights[0]).sum()) for d in dense]
@@ -193,9 +186,7 @@ def test_bucket_count_is_fixed_and_equal_in_train_and_predict():
     ginconf.parse(TINY_GIN, ('LSHSelfAttention.n_buckets = None',))
   ginconf.parse(TINY_GIN)
   for mode in ('train', 'eval', 'predict'):
-    layers = reformer.lsh_layers(
-      reformer.reformer_lm(300, mode, directed=ginconf.lsh())
-    )
+    layers = reformer.lsh_layers(reformer.reformer_lm(300, mode))
     assert len(layers) == 1  # The second block (the first is local).
     assert [layer._n_buckets for layer in layers] == [16], mode
 
@@ -255,7 +246,7 @@ def test_one_training_step_per_gin_file(gin_file, bindings):
       return loss, stats
 
   loop = RecordingLoop(
-    reformer.reformer_lm(vocab, 'train', directed=ginconf.lsh()),
+    reformer.reformer_lm(vocab, 'train'),
     [task],
     output_dir=None,
     random_seed=0,
@@ -315,7 +306,7 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
 
 def test_chunked_model_shares_the_models_weights():
   setup = ginconf.parse(TINY_GIN)
-  m = reformer.init_model(40, 'train', setup.max_len, directed=ginconf.lsh())
+  m = reformer.init_model(40, 'train', setup.max_len)
   fused = reformer.chunked_model(m, 16)
   assert fused is not None
   # weights[0] has the model's structure (what Trax's Loop hands to eval).
@@ -409,9 +400,7 @@ def test_training_hit_counts_cover_every_micro_batch():
     ),
   )
   vocab, length = 40, 512
-  m = reformer.init_model(
-    vocab, 'train', length, batch=2, directed=ginconf.lsh()
-  )
+  m = reformer.init_model(vocab, 'train', length, batch=2)
   rng = np.random.default_rng(0)
   inputs = jnp.asarray(rng.integers(1, vocab, (2, length)), jnp.int32)
   guess = np.asarray(m(inputs)).argmax(-1)
@@ -480,7 +469,7 @@ def _copy_accuracy(bindings, steps, task, length=64, vocab=32, seed=0):
   loop = training.Loop(lm, [train], output_dir=None, random_seed=seed)
   loop.run(steps)
   ginconf.parse(TINY_GIN, tuple(bindings))
-  ev = reformer.reformer_lm(vocab, 'eval', directed=ginconf.lsh())
+  ev = reformer.reformer_lm(vocab, 'eval')
   ev.init(trax.shapes.ShapeDtype((8, length), np.int32))
   x, y, w = next(task(np.random.default_rng(seed + 1), length, vocab))
   logits, _ = ev.pure_fn(x, lm.weights, ev.state, ev.rng)
@@ -522,8 +511,8 @@ def test_the_lsh_block_learns_to_find_a_far_copy():
   (91.4%, 93.6% at 1500), and the LSH block last never does
   (BENCHMARKS.md, "LSH first", "Local, LSH, local")."""
   far = MICRO_COPY + [
-    'ReformerLM.attention_type = '
-    '[@LSHSelfAttention, @SelfAttention, @SelfAttention]',
+    'ReformerLM.attention_type = [@DirectedLSHSelfAttention, '
+    '@LocalSelfAttention, @LocalSelfAttention]',
     'SelfAttention.chunk_len = 8',
     'LSHSelfAttention.chunk_len = 8',
     'LSHSelfAttention.n_buckets = 8',

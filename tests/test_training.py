@@ -520,7 +520,7 @@ def test_the_training_step_is_compiled_once(caplog):
   from .conftest import TINY_GIN
 
   length = ginconf.parse(TINY_GIN, MICRO).max_len
-  m = reformer.init_model(40, 'train', length, directed=ginconf.lsh())
+  m = reformer.init_model(40, 'train', length)
   fused = reformer.chunked_model(m, 32)
   optimizer = trax.optimizers.Adam(0.001)
   optimizer.tree_init(fused.weights)

@@ -44,10 +44,9 @@ def test_all_fixes_applied_once():
     'all_reduce_one_local_device',
     'safe_checkpoint_reading',
     'loop_logs_to_absl',
-    'fast_lsh',
   ]
   trax_patches.install()
-  assert len(trax_patches.APPLIED) == 13
+  assert len(trax_patches.APPLIED) == 12
 
 
 def test_fast_trax_import_assert_shape_skips_inspect_stack(monkeypatch):
@@ -106,7 +105,7 @@ def test_stop_gradient_keeps_python_numbers_static():
 def test_lsh_predict_mode_decodes():
   """One-token LSH steps use both fixes above (cond and stop_gradient)."""
   ginconf.parse(TINY_GIN, MICRO)
-  predict = reformer.init_model(50, 'predict', 128, directed=ginconf.lsh())
+  predict = reformer.init_model(50, 'predict', 128)
   predict.weights = jax.tree_util.tree_map(jnp.asarray, predict.weights)
   token = np.zeros((1, 1), np.int32)
   for _ in range(3):

@@ -28,6 +28,13 @@ import tokenize
 from src.core.errors import UserError
 
 _ATTENTION = {'LSHSelfAttention', 'SelfAttention', 'PureLSHSelfAttention'}
+# Jade V8's attention classes (src/model/attention.py): referenced, never
+# bound (their settings keep Trax's names).
+_OUR_ATTENTION = {
+  'LocalSelfAttention',
+  'FastLSHSelfAttention',
+  'DirectedLSHSelfAttention',
+}
 _OPTIMIZERS = {'Adam', 'Adafactor', 'SGD', 'Momentum', 'RMSProp', 'SM3'}
 ACTIVATIONS = frozenset(
   {
@@ -50,7 +57,7 @@ CONFIGURABLES = frozenset(
     'optimizer',
     'output_loss',
     'positions',
-    'lsh',
+    'lsh',  # lsh.directed: model.gin files saved before the classes.
     'residual',
   }
   | _ATTENTION
@@ -58,7 +65,7 @@ CONFIGURABLES = frozenset(
 )
 # Classes a value may reference with `@` (each also with its module
 # prefix): activations, attention layers, optimizers.
-REFERENCES = frozenset(ACTIVATIONS | _ATTENTION | _OPTIMIZERS)
+REFERENCES = frozenset(ACTIVATIONS | _ATTENTION | _OUR_ATTENTION | _OPTIMIZERS)
 PREFIXES = ('', 'trax.models.', 'trax.layers.', 'trax.optimizers.', 'jade.')
 
 _FIX = 'a gin file here may only bind settings (see gin/tiny.gin)'

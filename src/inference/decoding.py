@@ -18,8 +18,7 @@ import trax
 
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import ginconf, reformer
-from src.runtime.trax_patches import fast_lsh
+from src.model import attention, decode_cache, ginconf, reformer
 from src.storage import checkpoints, curves, modelfolder
 
 MODEL_DIR_FIX = (
@@ -78,9 +77,7 @@ def load_run(model_dir: str, mode: str, bindings=()):
     ginconf.add_bindings(
       predict_bindings(setup.model['n_heads']) + attention_bindings(setup)
     )
-  layer = reformer.reformer_lm(
-    model.tok.vocab_size, mode, directed=setup.directed
-  )
+  layer = reformer.reformer_lm(model.tok.vocab_size, mode)
   length = 1 if mode == 'predict' else setup.max_len
   signature = trax.shapes.ShapeDtype((1, length), np.int32)
   checkpoints.set_weights(model_dir, layer, signature, model.flat)
@@ -106,7 +103,7 @@ def _turned_weights(model, lsh, local) -> list[bool]:
       if w.ndim == 3 and w.shape[1] > w.shape[2]:  # Not the output's.
         turned.add(id(w))
   for layer in lsh:
-    if len(layer.weights) == 5:  # Directed: (w_q, w_v, w_o, w_a, w_b).
+    if isinstance(layer, attention.DirectedLSHSelfAttention):  # w_a.
       turned.add(id(layer.weights[3]))
   return [id(w) in turned for w in jax.tree_util.tree_leaves(model.weights)]
 
@@ -138,8 +135,8 @@ class Decoder:
     lsh = reformer.lsh_layers(predict_model)
     local = reformer.local_layers(predict_model)
     for layer in lsh + local:
-      # feed() never lets the context outgrow the memory (see fast_lsh).
-      setattr(layer, fast_lsh.NO_ROLL, True)
+      # feed() never lets the context outgrow the memory.
+      decode_cache.never_roll(layer)
       if layer._predict_mem_len < max_len:
         name = type(layer).__name__
         raise UserError(

@@ -3,14 +3,19 @@
 Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
 `trax.optimizers.Adam`, ...) and ours, registered here:
 
+- the attention classes of `src.model.attention` (`@LocalSelfAttention`,
+  `@DirectedLSHSelfAttention`, `@FastLSHSelfAttention` in
+  `ReformerLM.attention_type`); their settings keep Trax's names
+  (`SelfAttention.chunk_len`, `LSHSelfAttention.n_hashes`).
+
 - `lr_schedule`: warmup then rsqrt / cosine / linear / constant decay
   (`src.model.reformer.lr_schedule`; `total_steps` comes from the run settings).
 - `optimizer.kind`: which Trax optimizer class to use.
 - `output_loss.chunk_size`: positions whose logits exist at once.
 - `positions.axial_init_scale`: how large the axial position embeddings
   start, relative to the token embeddings.
-- `lsh.directed`: LSH attention scores with a directed term as well
-  (`src.model.reformer.lsh`, `src.runtime.trax_patches.fast_lsh`).
+- `lsh.directed` is gone: a model.gin saved before the classes is read
+  through `translate_legacy`.
 - `residual.zero_feed_forward`, `residual.zero_attention`: each block's
   feed-forward output (attention output) starts at zero
   (`src.model.reformer.residual`).
@@ -32,7 +37,7 @@ import gin
 from src.config import safegin
 from src.core import files, rundir
 from src.core.errors import UserError
-from src.model import reformer
+from src.model import attention, reformer
 
 lr_schedule = gin.external_configurable(
   reformer.lr_schedule, module='jade', denylist=['total_steps']
@@ -40,7 +45,12 @@ lr_schedule = gin.external_configurable(
 optimizer = gin.external_configurable(reformer.optimizer, module='jade')
 output_loss = gin.external_configurable(reformer.output_loss, module='jade')
 positions = gin.external_configurable(reformer.positions, module='jade')
-lsh = gin.external_configurable(reformer.lsh, module='jade')
+for _cls in (
+  attention.LocalSelfAttention,
+  attention.FastLSHSelfAttention,
+  attention.DirectedLSHSelfAttention,
+):
+  gin.external_configurable(_cls, module='jade', denylist=['mode'])
 residual = gin.external_configurable(reformer.residual, module='jade')
 
 MODEL_GIN = rundir.MODEL_GIN  # The run's bindings, saved in out-dir.
@@ -63,8 +73,8 @@ class GinSetup:
       cycles through the blocks).
     local: Settings of the `SelfAttention` blocks of a mixed model (a list
       of local and LSH attention), else None.
-    directed: `lsh.directed`: the LSH layers have a directed score term
-      (and its weights); pass it to `model.reformer_lm`.
+    directed: the LSH layers have a directed score term (and its weights:
+      `DirectedLSHSelfAttention`).
   """
 
   path: str
@@ -133,9 +143,47 @@ def _parse(text: str, where: str, line_numbers: bool = True):
 # Configurables that define the model's weights and computation (a
 # pretrained model's settings); the rest (optimizer, schedule, chunked
 # loss) belong to a training run.
-MODEL_CONFIGURABLES = frozenset(
-  {'ReformerLM', 'lsh', 'jade.lsh'} | safegin._ATTENTION
-)  # lsh.directed changes the weights.
+MODEL_CONFIGURABLES = frozenset({'ReformerLM'} | safegin._ATTENTION)
+
+_LEGACY_DIRECTED = re.compile(
+  r'^[ \t]*(?:jade\.)?lsh\.directed[ \t]*=[ \t]*(\w+)[^\n]*(?:\n|$)', re.M
+)
+
+
+def translate_legacy(text: str, directed: str | None = None) -> str:
+  """Gin text written before the attention classes, in today's names.
+
+  Until then, a model named Trax's classes (`@SelfAttention`,
+  `@LSHSelfAttention`) and `lsh.directed = True|False`, and Jade V8 changed
+  Trax's classes in place. A text that binds `lsh.directed` (or, with
+  `directed` given, 'True' or 'False': a binding in another text read with
+  it) gets `@LocalSelfAttention` for `@SelfAttention` and
+  `@DirectedLSHSelfAttention` (directed) or `@FastLSHSelfAttention` for
+  `@LSHSelfAttention`, and loses the `lsh.directed` binding (and its
+  section header, in a saved model.gin): the same layers, weights and
+  outputs. Any other text is returned as it is.
+  """
+  found = _LEGACY_DIRECTED.findall(text)
+  directed = found[-1] if found else directed
+  if directed is None:
+    return text
+  lsh = (
+    '@DirectedLSHSelfAttention'
+    if directed == 'True'
+    else '@FastLSHSelfAttention'
+  )
+  text = _LEGACY_DIRECTED.sub('', text)
+  text = re.sub(r'# Parameters for lsh:\n# =+\n\n?', '', text)
+  text = re.sub(r'@(?:trax\.layers\.)?LSHSelfAttention\b', lsh, text)
+  return re.sub(
+    r'@(?:trax\.layers\.)?SelfAttention\b', '@LocalSelfAttention', text
+  )
+
+
+def _legacy_directed(texts) -> str | None:
+  """The last `lsh.directed` value bound in `texts` (in reading order)."""
+  found = [v for t in texts for v in _LEGACY_DIRECTED.findall(t)]
+  return found[-1] if found else None
 
 
 def model_bindings(text: str, where: str) -> str:
@@ -161,7 +209,7 @@ def read_saved(path: str) -> str:
     raise UserError(
       f'{path}: cannot be read ({_one_line(e)}); copy the folder again'
     ) from None
-  return text.replace('\r\n', '\n').replace('\r', '\n')
+  return translate_legacy(text.replace('\r\n', '\n').replace('\r', '\n'))
 
 
 def parse(
@@ -206,9 +254,15 @@ def parse_text(
   safegin.check(text, path)
   for binding in bindings:
     safegin.check(binding, '--bind')
+  directed = _legacy_directed(
+    ([base[0]] if base else []) + [text] + list(bindings)
+  )
+  text = translate_legacy(text, directed)
+  bindings = tuple(translate_legacy(b, directed) for b in bindings)
   gin.clear_config()
   if base is not None:
     safegin.check(*base)
+    base = (translate_legacy(base[0], directed), base[1])
     _parse(*base)
   _parse(text, path)
   for binding in bindings:
@@ -230,30 +284,32 @@ def parse_text(
   for cls in kinds:
     if not inspect.isclass(cls):
       reformer.check_types(model_settings, {}, path)  # Names what is wrong.
-    settings[cls.__name__] = reformer._defaults(cls)
+    name = attention.settings_name(cls)  # Ours read Trax's bindings.
+    settings[name] = reformer._defaults(cls)
     try:
-      settings[cls.__name__].update(gin.get_bindings(cls.__name__))
+      settings[name].update(gin.get_bindings(name))
     except (ValueError, TypeError, AttributeError):
       pass
   reformer.check_types(model_settings, settings, path)
+  names = [attention.settings_name(c) for c in kinds]
   main = next((c for c in kinds if 'LSH' in c.__name__), kinds[0])
-  attention = settings[main.__name__]
-  name = reformer.check_settings(model_settings, attention, main, path)
+  attention_settings = settings[attention.settings_name(main)]
+  reformer.check_settings(model_settings, attention_settings, main, path)
   local = None
-  if len({c.__name__ for c in kinds}) > 1:
+  if len(set(names)) > 1:
     local = settings.get('SelfAttention')
     reformer.check_local(model_settings, local, path)
   n_layers = int(model_settings['n_layers'])
-  per_layer = tuple(kinds[i % len(kinds)].__name__ for i in range(n_layers))
+  per_layer = tuple(names[i % len(names)] for i in range(n_layers))
   return GinSetup(
     path,
     gin.config_str(),
     model_settings,
-    attention,
-    name,
+    attention_settings,
+    attention.settings_name(main),
     per_layer,
     local,
-    bool(lsh()),
+    any(issubclass(c, attention.DirectedLSHSelfAttention) for c in kinds),
   )
 
 
@@ -270,12 +326,18 @@ def saved_text(out_dir: str) -> str | None:
   return read_saved(p)
 
 
+def canonical(text: str) -> str:
+  """Gin's listing with its continued lines joined (gin wraps a binding
+  longer than 80 characters, so a renamed class can move a line break)."""
+  return re.sub(r'\\\n[ \t]*', '', text)
+
+
 def check_same_as_saved(setup: GinSetup, out_dir: str):
   """A run resumes only with the gin it was started with."""
   saved = saved_text(out_dir)
-  if saved is None or saved == setup.text:
+  if saved is None or canonical(saved) == canonical(setup.text):
     return
-  old, new = saved.splitlines(), setup.text.splitlines()
+  old, new = canonical(saved).splitlines(), canonical(setup.text).splitlines()
   diff = next(
     (f'saved "{a}" vs now "{b}"' for a, b in zip(old, new) if a != b),
     'different number of settings',
@@ -290,9 +352,9 @@ def check_same_as_saved(setup: GinSetup, out_dir: str):
 def fresh_model(vocab_size: int):
   """The model a run from scratch trains (`mode` 'train'), with every
   gin-bound setting of how it starts: `positions.axial_init_scale`,
-  `lsh.directed`, `residual`. Initialized by its trainer."""
+  `residual`. Initialized by its trainer."""
   return reformer.reformer_lm(
-    vocab_size, 'train', positions(), lsh(), zero_outputs=residual()
+    vocab_size, 'train', positions(), zero_outputs=residual()
   )
 
 

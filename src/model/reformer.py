@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import trax
 from trax import layers as tl
+from trax.layers.research import efficient_attention as ea
 
 from src.config import safegin
 from src.core.errors import UserError
-from src.runtime.trax_patches import fast_lsh
+from src.model import positions as axial
 
 DECAYS = ('rsqrt', 'cosine', 'linear', 'constant')
 
@@ -108,25 +109,6 @@ def positions(axial_init_scale: float = 1.0) -> float:
   return float(axial_init_scale)
 
 
-def lsh(directed: bool = False) -> bool:
-  """How LSH attention scores the pairs it puts in view (gin: lsh).
-
-  Args:
-    directed: Add a directed term to Trax's shared-query/key score:
-      `|q_i| cos(q_i, q_j) + a_i . b_j / sqrt(d)` with two more projections
-      per head (`src.runtime.trax_patches.fast_lsh`). Hashing, sorting and
-      chunking are Trax's.
-      Shared queries and keys alone can only find what resembles the
-      query; the directed term lets a head find the different thing it
-      needs ("the word after Repeat"; BENCHMARKS.md, "Why LSH did not
-      learn"). It changes the weights, so it is part of a model's settings.
-
-  Returns:
-    `directed`.
-  """
-  return bool(directed)
-
-
 def residual(
   zero_feed_forward: bool = True, zero_attention: bool = False
 ) -> tuple[bool, bool]:
@@ -166,7 +148,7 @@ def branch_outputs(lm) -> tuple[list, list]:
   attention = [
     node
     for node in all_layers(lm)
-    if type(node).__name__ in ('LSHSelfAttention', 'SelfAttention')
+    if isinstance(node, (ea.SelfAttention, ea.LSHSelfAttention))
   ]
   dense = []
   for node in all_layers(lm):
@@ -181,8 +163,8 @@ def reformer_lm(
   vocab_size: int,
   mode: str,
   axial_init_scale: float | None = None,
-  directed: bool = False,
   zero_outputs: tuple[bool, bool] = (False, False),
+  offset: str = 'zero',
 ):
   """`trax.models.ReformerLM` with the gin-bound settings.
 
@@ -190,16 +172,15 @@ def reformer_lm(
   embeddings are drawn with std `axial_init_scale / sqrt(d_model)` when
   the model is initialized; None keeps Trax's initializer (std 1.0), which
   only matters for a model that is then initialized, not loaded.
-  `directed` (see `lsh`): the LSH layers score with a directed term; every
-  reader of a model must pass its setting (`ginconf.lsh()`), as the weights
-  differ. `zero_outputs` (see `residual`): whether each block's attention
-  output projections, and its feed-forward output layers, start at zero
-  when the model is initialized.
+  The attention layers are the classes `ReformerLM.attention_type` names
+  (`src.model.attention`). `zero_outputs` (see `residual`): whether each
+  block's attention output projections, and its feed-forward output
+  layers, start at zero when the model is initialized. Its axial
+  positions are
+  `positions.AxialPositions` (any window of the grid); `offset` is where a
+  training window starts on it ('zero' or 'random').
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
-  if directed:
-    for layer in lsh_layers(lm):
-      setattr(layer, fast_lsh.DIRECTED, True)
   if any(zero_outputs):
     attention, dense = branch_outputs(lm)
     if not attention or len(attention) != len(dense):
@@ -211,12 +192,20 @@ def reformer_lm(
         'residual.zero_attention = False in the gin file'
       )
     for layer in attention if zero_outputs[0] else ():
-      setattr(layer, fast_lsh.ZERO_OUTPUT, True)
+      if not hasattr(layer, '_zero_output'):
+        raise UserError(
+          f'residual.zero_attention needs the attention classes of '
+          f"src/model/attention.py, not Trax's {type(layer).__name__}; "
+          'name them in ReformerLM.attention_type'
+        )
+      layer._zero_output = True
     for layer in dense if zero_outputs[1] else ():
       layer._kernel_initializer = _zeros
-  if axial_init_scale is not None:
-    for layer in all_layers(lm):
-      if isinstance(layer, tl.AxialPositionalEncoding):
+  for layer in all_layers(lm):
+    if isinstance(layer, tl.AxialPositionalEncoding):
+      layer.__class__ = axial.AxialPositions
+      layer._offset = offset
+      if axial_init_scale is not None:
         d_model = sum(layer._d_embs)
         std = axial_init_scale / math.sqrt(d_model)
         layer._kernel_initializer = tl.RandomNormalInitializer(std)
@@ -326,7 +315,13 @@ _ATTENTION_RANGES = {
   'use_python_loop': (_BOOL, 0, 1),
   'use_reference_code': (_BOOL, 0, 1),
 }
-_ATTENTION_CLASSES = {'LSHSelfAttention', 'SelfAttention'}
+_ATTENTION_CLASSES = {
+  'LSHSelfAttention',
+  'SelfAttention',
+  'LocalSelfAttention',
+  'FastLSHSelfAttention',
+  'DirectedLSHSelfAttention',
+}
 
 
 def _bad(where: str, name: str, value, want: str):
@@ -394,7 +389,7 @@ def check_types(model: dict, attention: dict[str, dict], where: str):
       where,
       'ReformerLM.attention_type',
       model.get('attention_type'),
-      '@SelfAttention, @LSHSelfAttention or a list of them',
+      '@LocalSelfAttention, @DirectedLSHSelfAttention or a list of them',
     )
   if _class_name(model.get('ff_activation')) not in safegin.ACTIVATIONS:
     raise _bad(
@@ -504,10 +499,9 @@ def init_model(
   mode: str,
   max_len: int,
   batch: int = 1,
-  directed: bool = False,
 ):
   """Builds and initializes a model for a `[batch, max_len]` int32 input."""
-  model = reformer_lm(vocab_size, mode, directed=directed)
+  model = reformer_lm(vocab_size, mode)
   length = 1 if mode == 'predict' else max_len
   model.init(trax.shapes.ShapeDtype((batch, length), np.int32))
   return model
@@ -518,7 +512,7 @@ def lsh_layers(layer) -> list:
   return [
     node
     for node in all_layers(layer)
-    if type(node).__name__ in ('LSHSelfAttention', 'PureLSHSelfAttention')
+    if isinstance(node, (ea.LSHSelfAttention, ea.PureLSHSelfAttention))
   ]
 
 
@@ -527,7 +521,7 @@ def local_layers(layer) -> list:
   return [
     node
     for node in all_layers(layer)
-    if type(node).__name__ == 'SelfAttention' and node._chunk_len
+    if isinstance(node, ea.SelfAttention) and node._chunk_len
   ]
 
 

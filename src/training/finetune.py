@@ -82,7 +82,7 @@ def check_shapes(path: str, setup, vocab_size: int, flat):
   import jax
   import trax
 
-  layer = reformer.reformer_lm(vocab_size, 'eval', directed=setup.directed)
+  layer = reformer.reformer_lm(vocab_size, 'eval')
   signature = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
   wanted = jax.tree_util.tree_leaves(
     layer.weights_and_state_signature(signature, unsafe=True)[0]

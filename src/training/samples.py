@@ -26,9 +26,7 @@ class SampleReplies:
     self.prompts = list(prompts)
     max_len = setup.max_len
     ginconf.add_bindings(attention_bindings(setup))
-    layer = reformer.reformer_lm(
-      tok.vocab_size, 'predict', directed=setup.directed
-    )
+    layer = reformer.reformer_lm(tok.vocab_size, 'predict')
     layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
     self.decoder = Decoder(layer, max_len, tok)
     self.settings = sampling.SamplingSettings(

@@ -237,7 +237,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
     loop = JadeLoop(
       ginconf.fresh_model(vocab),
       [train_task],
-      eval_model=reformer.reformer_lm(vocab, 'eval', directed=ginconf.lsh()),
+      eval_model=reformer.reformer_lm(vocab, 'eval'),
       eval_tasks=[eval_task],
       output_dir=out_dir if cluster.chief else None,
       checkpoint_at=lambda step: (

@@ -13,11 +13,9 @@ fails without it.
 - `checkpoint_io`: Trax's `Loop` unpickles only through the safe unpickler
   and never reads its data counters.
 - `loop_log`: Trax's `Loop` logs to absl, not to stdout.
-- `fast_lsh`: the LSH and local attention paths of Jade V8's model
-  (one-token decoding, the local training window, directed LSH, zero
-  attention outputs at the start, faster hashing and sorting in
-  training).
-- `lsh_buckets`: a context manager that records LSH buckets (analysis).
+
+Jade V8's own attention is no patch: its layers are subclasses of Trax's
+in `src/model/attention.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ def install():
   from src.runtime.trax_patches import (
     all_reduce,
     checkpoint_io,
-    fast_lsh,
     jax_api,
     loop_log,
   )
@@ -48,7 +45,6 @@ def install():
   all_reduce.install()
   checkpoint_io.install()
   loop_log.install()
-  fast_lsh.install()
   APPLIED.extend(
     [
       'fast_trax_import',
@@ -63,6 +59,5 @@ def install():
       'all_reduce_one_local_device',
       'safe_checkpoint_reading',
       'loop_logs_to_absl',
-      'fast_lsh',
     ]
   )

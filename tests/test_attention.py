@@ -1,5 +1,7 @@
-"""The one-token LSH step (bucket index, or prefix sums) is bit-identical to
-Trax's sorting step."""
+"""Jade V8's attention classes (src/model/attention.py) against Trax's own:
+the one-token LSH step (bucket index, or prefix sums) is bit-identical to
+Trax's sorting step; hashing and the training forward give Trax's buckets,
+outputs and gradients."""
 
 import re
 
@@ -8,29 +10,28 @@ import numpy as np
 import pytest
 import trax
 from jax import numpy as jnp
+from trax.layers.research import efficient_attention as ea
 
 from src.inference.decoding import Decoder
-from src.model import ginconf, reformer
-from src.runtime.trax_patches import fast_lsh
+from src.model import attention, decode_cache, ginconf, lsh_hash, reformer
 
 from .conftest import MICRO, TINY_GIN
 
 
-def decode(parallel_heads, n_tokens=40, extra=()):
+def decode(parallel_heads, n_tokens=40, extra=(), cls='FastLSHSelfAttention'):
   ginconf.parse(
     TINY_GIN,
     MICRO
     + tuple(extra)
     + (
-      # Trax's step is plain LSH in every block: no local blocks (whose
-      # window fast_lsh keeps) and no directed term.
-      'ReformerLM.attention_type = @LSHSelfAttention',
-      'lsh.directed = False',
+      # Plain LSH in every block (Trax's class has no local window and no
+      # directed term): ours, or Trax's own.
+      f'ReformerLM.attention_type = @{cls}',
       'LSHSelfAttention.n_hashes = 2',
       f'LSHSelfAttention.n_parallel_heads = {parallel_heads}',
     ),
   )
-  layer = reformer.reformer_lm(60, 'predict', directed=ginconf.lsh())
+  layer = reformer.reformer_lm(60, 'predict')
   layer.rng = jax.random.PRNGKey(1)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   decoder = Decoder(layer, 128)
@@ -44,11 +45,7 @@ def decode(parallel_heads, n_tokens=40, extra=()):
 @pytest.mark.parametrize('parallel_heads', [1, 2])
 def test_same_logits_as_trax_sort(parallel_heads):
   fast = decode(parallel_heads)
-  fast_lsh.uninstall()
-  try:
-    slow = decode(parallel_heads)
-  finally:
-    fast_lsh.install()
+  slow = decode(parallel_heads, cls='LSHSelfAttention')
   np.testing.assert_array_equal(fast, slow)
 
 
@@ -62,11 +59,9 @@ def test_same_logits_as_trax_sort_past_the_window(parallel_heads):
     'LSHSelfAttention.n_chunks_before = 0',
   )
   fast = decode(parallel_heads, n_tokens=120, extra=small)
-  fast_lsh.uninstall()
-  try:
-    slow = decode(parallel_heads, n_tokens=120, extra=small)
-  finally:
-    fast_lsh.install()
+  slow = decode(
+    parallel_heads, n_tokens=120, extra=small, cls='LSHSelfAttention'
+  )
   np.testing.assert_array_equal(fast, slow)
 
 
@@ -83,7 +78,7 @@ def test_compiled_step_reads_no_memory_sized_sort():
       f'SelfAttention.predict_mem_len = {mem}',
     ),
   )
-  layer = reformer.reformer_lm(60, 'predict', directed=ginconf.lsh())
+  layer = reformer.reformer_lm(60, 'predict')
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   d = Decoder(layer, 128)
   hlo = (
@@ -116,7 +111,7 @@ def test_bucket_index_selects_what_the_sort_keeps():
     buckets[:, :block] += offsets[:, None]
     ring, counts = (
       np.array(a)
-      for a in fast_lsh.rebuilt_index(
+      for a in decode_cache.rebuilt_index(
         jnp.asarray(buckets), block, n_buckets, n_keep
       )
     )
@@ -128,10 +123,10 @@ def test_bucket_index_selects_what_the_sort_keeps():
         ring[h, own[h], counts[h, own[h]] % n_keep] = q
         counts[h, own[h]] += 1
       keep = min(n_keep, mem)
-      want = fast_lsh.select_kv(
+      want = decode_cache.select_kv(
         jnp.asarray((buckets == qb[:, None]).any(0)), q, keep
       )
-      got = fast_lsh.select_indexed(
+      got = decode_cache.select_indexed(
         jnp.asarray(buckets),
         jnp.asarray(qb),
         jnp.asarray(ring[np.arange(rounds), own]),
@@ -145,8 +140,8 @@ def test_scanned_buckets_are_trax_argmax_buckets():
   """`bucket_ids`'s scan over the rotations (long inputs) picks exactly
   Trax's `argmax(concatenate([r, -r]))`, ties (all-zero vectors, repeated
   rows) included, for 1 and 2 hash rounds and bucket counts whose halves
-  are not a multiple of the scan's group; and the patched `hash_vecs`
-  gives Trax's buckets for the same rng."""
+  are not a multiple of the scan's group; and `FastLSHSelfAttention`'s
+  `hash_vectors` gives Trax's buckets for the same rng."""
   rng = np.random.default_rng(0)
   for n_hashes, n_buckets, length in (
     (1, 512, 300),
@@ -156,37 +151,25 @@ def test_scanned_buckets_are_trax_argmax_buckets():
     vecs = rng.standard_normal((length, 8)).astype(np.float32)
     vecs[:5] = 0.0  # Every rotated value ties.
     vecs[5:9] = vecs[9]  # Equal vectors.
-    turns = fast_lsh.draw_rotations(
+    turns = lsh_hash.draw_rotations(
       jax.random.PRNGKey(n_buckets), 8, n_hashes, n_buckets
     )
     rotated = np.einsum('tf,hbf->htb', vecs, np.asarray(turns))
     want = np.argmax(np.concatenate([rotated, -rotated], -1), -1)
-    assert length >= fast_lsh.SCAN_FROM
-    got = np.asarray(fast_lsh.bucket_ids(jnp.asarray(vecs), turns))
+    assert length >= lsh_hash.SCAN_FROM
+    got = np.asarray(lsh_hash.bucket_ids(jnp.asarray(vecs), turns))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, want)
-    trax_buckets, n = fast_lsh._TRAX_HASH_VECS(
-      jnp.asarray(vecs), n_buckets, n_hashes, jax.random.PRNGKey(7)
+    layer = _lsh_layer(attention.FastLSHSelfAttention, n_hashes, n_buckets)
+    ours = layer.hash_vectors(jnp.asarray(vecs), jax.random.PRNGKey(7))
+    trax_ = ea.LSHSelfAttention.hash_vectors(
+      layer, jnp.asarray(vecs), jax.random.PRNGKey(7)
     )
-    ours, n2 = trax.layers.research.efficient_attention.hash_vecs(
-      jnp.asarray(vecs), n_buckets, n_hashes, jax.random.PRNGKey(7)
-    )
-    assert n == n2 == n_buckets
-    assert trax.layers.research.efficient_attention.hash_vecs is (
-      fast_lsh._hash_vecs
-    )
-    np.testing.assert_array_equal(np.asarray(ours), np.asarray(trax_buckets))
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(trax_))
 
 
-@pytest.mark.parametrize('n_hashes', [1, 2])
-def test_training_forward_is_traxs(n_hashes):
-  """`lsh_forward` (keys sorted alone, permutations inverted by scatter
-  and gather) gives Trax's LSH forward's outputs, new state and gradients
-  exactly."""
-  from trax.layers.research import efficient_attention as ea
-
-  length, d = 256, 16
-  layer = ea.LSHSelfAttention(
+def _lsh_layer(cls, n_hashes, n_buckets):
+  return cls(
     n_heads=1,
     d_qk=8,
     d_v=8,
@@ -194,11 +177,21 @@ def test_training_forward_is_traxs(n_hashes):
     chunk_len=16,
     n_chunks_before=1,
     n_hashes=n_hashes,
-    n_buckets=8,
+    n_buckets=n_buckets,
     mode='train',
     attention_dropout=0.0,
     output_dropout=0.0,
   )
+
+
+@pytest.mark.parametrize('n_hashes', [1, 2])
+def test_training_forward_is_traxs(n_hashes):
+  """`FastLSHSelfAttention`'s forward (scanned hashing, keys sorted alone,
+  permutations inverted by scatter and gather) gives Trax's LSH forward's
+  outputs, new state and gradients exactly."""
+  length, d = 256, 16
+  ours_layer = _lsh_layer(attention.FastLSHSelfAttention, n_hashes, 8)
+  trax_layer = _lsh_layer(ea.LSHSelfAttention, n_hashes, 8)
   x = jnp.asarray(np.random.default_rng(0).standard_normal((length, d)))
   x = x.astype(jnp.float32)
   w = tuple(
@@ -208,10 +201,10 @@ def test_training_forward_is_traxs(n_hashes):
   state = (jnp.zeros(n_hashes * length, jnp.int32), jax.random.PRNGKey(3))
   rng = jax.random.PRNGKey(5)
 
-  def run(fn):
+  def run(layer):
     def loss(x, w):
-      out, new = fn(
-        layer, x, weights=w, state=state, rng=rng, update_state=True
+      out, new = layer.forward_unbatched(
+        x, weights=w, state=state, rng=rng, update_state=True
       )
       return jnp.sum(out * jnp.cos(out)), (out, new)
 
@@ -220,8 +213,8 @@ def test_training_forward_is_traxs(n_hashes):
     )
     return out, new, grads
 
-  ours = run(fast_lsh.lsh_forward)
-  trax_ = run(fast_lsh._ORIGINAL_FORWARD)
+  ours = run(ours_layer)
+  trax_ = run(trax_layer)
   for a, b in zip(
     jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(trax_)
   ):

@@ -1,0 +1,391 @@
+"""Jade V8's attention layers: Trax's, as classes with our changes.
+
+Trax keeps every attention as a class with override points
+(`trax/layers/research/efficient_attention.py`); `ReformerLM` takes the
+classes from `ReformerLM.attention_type`, and gin/*.gin name these:
+
+- `LocalSelfAttention`: Trax's `SelfAttention` whose predict mode keeps
+  the window it was trained with (a chunked layer attends within its chunk
+  and the `n_chunks_before` before it, while chatting too).
+- `FastLSHSelfAttention`: Trax's `LSHSelfAttention`, the same outputs,
+  buckets and gradients (pinned by tests/test_attention.py), faster: the
+  buckets' argmax is a scan over the rotations (`lsh_hash`), the hash sort
+  sorts its keys alone (`lsh_forward`), and a token of the chat decoder
+  goes through the bucket index of `decode_cache`.
+- `DirectedLSHSelfAttention`: that, with a directed term in the score
+  (`|q_i| cos(q_i, q_j) + a_i . b_j / sqrt(d)`, two more projections per
+  head): LSH that can find the different thing it needs, not only what
+  resembles its query (BENCHMARKS.md, "Why LSH did not learn").
+
+Each reads its settings from Trax's gin names (`SelfAttention.chunk_len`,
+`LSHSelfAttention.n_hashes`, ...), as a subclass of the registered class.
+Any of them starts with its output projections at zero where
+`model.reformer_lm` sets `_zero_output` (`residual.zero_attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import numpy as jnp
+from trax import fastmath
+from trax import layers as tl
+from trax.layers.research import efficient_attention as ea
+
+from src.model import decode_cache, lsh_hash
+
+_TRAX_MASK = ea.mask_self_attention
+
+
+def settings_name(cls) -> str:
+  """The Trax class whose gin bindings `cls` reads (`LSHSelfAttention`
+  for ours), or the class's own name."""
+  for c in cls.__mro__:
+    if c.__module__.startswith('trax.'):
+      return c.__name__
+  return cls.__name__
+
+
+def output_index(layer) -> int:
+  """Where `w_o` is in an attention head's weights, Trax's order
+  `w_q, [w_k,] w_v, w_o, ...` (`w_k` only without shared queries/keys)."""
+  return 2 if layer._share_qk else 3
+
+
+def zero_output(layer, weights):
+  """One head's `weights` with the output projection `w_o` zero where the
+  layer starts at zero (`_zero_output`): the head then adds nothing until
+  it has learned to."""
+  if not layer._zero_output:
+    return weights
+  at = output_index(layer)
+  return (*weights[:at], jnp.zeros_like(weights[at]), *weights[at + 1 :])
+
+
+def directed_qk(q, k_unit, a, b):
+  """Queries and keys for `attend` (which divides keys by the square root
+  of their width) whose dot product is Trax's shared score `|q| cos`
+  plus a directed one, `a . b / sqrt(d)`.
+
+  Args:
+    q: `[n, d]` shared queries. k_unit: `[m, d]` their keys as Trax makes
+      them (`length_normalized`: length sqrt(d)). a: `[n, d]`. b: `[m, d]`.
+  """
+  scale = jnp.sqrt(jnp.asarray(2.0, q.dtype))
+  return jnp.concatenate([q, a], -1), scale * jnp.concatenate([k_unit, b], -1)
+
+
+class _Ours:
+  """What each of our attention classes adds to Trax's: the output
+  projections may start at zero (`_zero_output`, set by
+  `model.reformer_lm`), and a chat decoder's memory that never rolls is
+  appended to in place (`decode_cache.never_roll`)."""
+
+  _zero_output = False
+  _never_rolls = False
+
+  def create_weights_unbatched(self, input_signature, rng):
+    weights = super().create_weights_unbatched(input_signature, rng)
+    return zero_output(self, weights)
+
+  def _use_predict_mem(self, inputs, state):
+    return decode_cache.use_predict_mem(
+      self, inputs, state, super()._use_predict_mem
+    )
+
+
+class LocalSelfAttention(_Ours, tl.SelfAttention):
+  """Trax's `SelfAttention`; chunked, a local attention whose predict
+  step sees only what training saw.
+
+  Trax's chunked `SelfAttention` attends within a chunk and the
+  `n_chunks_before` before it in training, but its predict mode attends to
+  the whole memory: a local block of a mixed model would read, while
+  chatting, thousands of tokens it never learned to weigh. Here the predict
+  step keeps the training window: one token at a time through
+  `local_one_token_step`, longer feeds through Trax's step with
+  `window_mask`. Unchunked (full) attention is Trax's.
+  """
+
+  def _incremental_forward_unbatched(self, x, mask=None, **kwargs):
+    trax_step = super()._incremental_forward_unbatched
+    if not self._chunk_len:
+      return trax_step(x, mask, **kwargs)
+    if kwargs['q_len'] == 1 and mask is None and not self._bias:
+      out = local_one_token_step(
+        self,
+        x,
+        q_start=kwargs['q_start'],
+        weights=kwargs['weights'],
+        rng=kwargs['rng'],
+      )
+      return out, kwargs['state']
+    windowed = functools.partial(
+      window_mask,
+      chunk_len=int(self._chunk_len),
+      n_chunks_before=int(self._n_chunks_before),
+    )
+    ea.mask_self_attention = windowed  # Read by Trax's step as it is traced.
+    try:
+      return trax_step(x, mask, **kwargs)
+    finally:
+      ea.mask_self_attention = _TRAX_MASK
+
+
+class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
+  """Trax's `LSHSelfAttention`, the same computation, faster (see the
+  module's text): scanned hashing, a key-only sort, the decode cache."""
+
+  def create_state_unbatched(self, input_signature, rng):
+    state = super().create_state_unbatched(input_signature, rng)
+    return decode_cache.create_state(self, state, rng)
+
+  def hash_vectors(self, vecs, rng, mask=None):
+    """Trax's buckets, through `lsh_hash.bucket_ids` (factorized bucket
+    counts and masks go to Trax's)."""
+    if not isinstance(self._n_buckets, int) or mask is not None:
+      return super().hash_vectors(vecs, rng, mask)
+    turns = lsh_hash.draw_rotations(
+      rng, vecs.shape[-1], self._n_hashes, self._n_buckets
+    )
+    # Buckets are integers: no gradient flows through them (Trax stops it
+    # after), and none need be traced through the scan.
+    vecs = jax.lax.stop_gradient(vecs)
+    return lsh_hash.hash_rounds(vecs, turns, self._n_buckets)
+
+  def _scored(self, q, k_unit, x_q, x_k, weights):
+    """Queries and keys of a predict step's `attend` (`x_q`, `x_k`: the
+    inputs they came from): Trax's shared ones."""
+    del x_q, x_k, weights
+    return q, k_unit
+
+  def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
+    return lsh_forward(self, x, mask, weights=weights, **kwargs)
+
+  def _incremental_forward_unbatched(self, x, **kwargs):
+    trax_step = super()._incremental_forward_unbatched
+    return decode_cache.incremental_forward(self, trax_step, x, **kwargs)
+
+  def forward_and_or_backward(self, inputs, weights, state, rng, **kwargs):
+    trax_fab = super().forward_and_or_backward
+    return decode_cache.forward_and_or_backward(
+      self, trax_fab, inputs, weights, state, rng, **kwargs
+    )
+
+
+class DirectedLSHSelfAttention(FastLSHSelfAttention):
+  """LSH attention whose in-bucket score has a directed term.
+
+  LSH shares queries and keys: a score is `|q_i| cos(q_i, q_j)`, so a head
+  finds what resembles its query, never a different thing it needs ("the
+  word after Repeat"; BENCHMARKS.md, "Why LSH did not learn"). This layer
+  hashes, sorts and chunks exactly as Trax does (the buckets still group
+  similar positions, and are learned through the shared term), and scores
+  a pair in view with `|q_i| cos(q_i, q_j) + a_i . b_j / sqrt(d)`,
+  `a = x w_a`, `b = x w_b`: a query and a key projection of its own.
+  """
+
+  def create_weights_unbatched(self, input_signature, rng):
+    """Trax's weights of one head, plus `w_a` and `w_b`."""
+    weights = super().create_weights_unbatched(input_signature, rng)
+    if isinstance(input_signature, (tuple, list)):
+      input_signature = input_signature[0]
+    shape = (input_signature.shape[-1], self._d_qk)
+    rng_a, rng_b = fastmath.random.split(fastmath.random.split(rng, 5)[4])
+    w_a = self._kernel_initializer(shape, rng_a)
+    w_b = self._kernel_initializer(shape, rng_b)
+    return (*weights, w_a, w_b)
+
+  def _scored(self, q, k_unit, x_q, x_k, weights):
+    w_a, w_b = weights[3:]
+    return directed_qk(q, k_unit, jnp.matmul(x_q, w_a), jnp.matmul(x_k, w_b))
+
+  def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
+    w_q, w_v, w_o, w_a, w_b = weights
+    a, b = jnp.matmul(x, w_a), jnp.matmul(x, w_b)
+
+    def directed_attend(q, k=None, v=None, **kw):
+      at = kw['q_info']  # The positions of `q`'s rows, as sorted.
+      q, k = directed_qk(q, ea.length_normalized(q), a[at], b[at])
+      kw['kv_chunk_len'] = kw['q_chunk_len']
+      if kw.get('kv_info') is None:
+        kw['kv_info'] = at
+      return ea.attend(q, k, v, **kw)
+
+    return lsh_forward(
+      self, x, mask, weights=(w_q, w_v, w_o), attend=directed_attend, **kwargs
+    )
+
+
+def lsh_forward(
+  self, x, mask=None, *, weights, state, rng, update_state, attend=None
+):
+  """Trax 1.4.1's `LSHSelfAttention.forward_unbatched`, the same
+  computation, with a cheaper sort: `[length, d]` -> `([length, d],
+  state)`.
+
+  Trax sorts `(bucket, position)` keys carrying their indices along
+  (`sort_key_val`), then sorts again to invert the permutation. The keys
+  are distinct and hold the position (`key % length`), and the hash
+  rounds' buckets do not overlap (round r's start at r * n_buckets), so
+  sorted slot i belongs to round `i // length`: sorting the keys alone
+  gives the same permutation, and a scatter inverts it (~2 ms per head
+  at 32k positions instead of ~13.6); the logits' sort is undone by a
+  gather, as the outputs' are. `attend` replaces Trax's `attend` (the
+  directed score).
+  """
+  attend = attend or ea.attend
+  attend_rng, output_rng = fastmath.random.split(rng)
+  w_q, w_v, w_o = weights
+
+  q = jnp.matmul(x, w_q)
+  v = jnp.matmul(x, w_v)
+
+  if update_state:
+    _, old_hash_rng = state
+    hash_rng, hash_subrng = fastmath.random.split(old_hash_rng)
+    buckets = self.hash_vectors(q, hash_subrng, mask)
+    s_buckets = buckets
+    if self._max_length_for_buckets:
+      length = self._n_hashes * self._max_length_for_buckets
+      if buckets.shape[0] < length:
+        s_buckets = jnp.concatenate(
+          [buckets, jnp.zeros(length - buckets.shape[0], dtype=jnp.int32)],
+          axis=0,
+        )
+    state = (s_buckets, hash_rng)
+  else:
+    buckets, _ = state
+    if self._max_length_for_buckets:
+      buckets = buckets[: self._n_hashes * x.shape[0]]
+
+  seqlen = x.shape[0]
+  if int(buckets.shape[0]) != self._n_hashes * seqlen:
+    raise ValueError(
+      f'LSH state holds {buckets.shape[0]} buckets for {seqlen} positions '
+      f'and {self._n_hashes} hash rounds; build the layer for this length.'
+    )
+
+  ticker = jnp.arange(self._n_hashes * seqlen, dtype=jnp.int32)
+  buckets_and_t = seqlen * buckets + (ticker % seqlen)
+  buckets_and_t = jax.lax.stop_gradient(buckets_and_t)
+
+  # Hash-based sort ("s" at the start of variable names means "sorted").
+  sbuckets_and_t = jax.lax.sort(buckets_and_t)
+  sticker = (ticker // seqlen) * seqlen + sbuckets_and_t % seqlen
+  undo_sort = jnp.zeros_like(ticker).at[sticker].set(ticker)
+  sticker = jax.lax.stop_gradient(sticker)
+  undo_sort = jax.lax.stop_gradient(undo_sort)
+
+  st = sticker % seqlen
+  sq = jnp.take(q, st, axis=0)
+  sv = jnp.take(v, st, axis=0)
+
+  mask_fn = functools.partial(
+    ea.mask_self_attention,
+    causal=self._causal,
+    exclude_self=True,
+    masked=self._masked,
+  )
+  q_info = st
+
+  kv_info = None
+  if self._masked:
+    # mask is a boolean array (True means "is valid token")
+    smask = jnp.take(mask, st, axis=0)
+    ones_like_mask = jnp.ones_like(smask, dtype=jnp.int32)
+    kv_info = q_info * jnp.where(smask, ones_like_mask, -ones_like_mask)
+
+  so, slogits = attend(
+    sq,
+    k=None,
+    v=sv,
+    q_chunk_len=self._chunk_len,
+    n_chunks_before=self._n_chunks_before,
+    n_chunks_after=self._n_chunks_after,
+    mask_fn=mask_fn,
+    q_info=q_info,
+    kv_info=kv_info,
+    dropout=self._attention_dropout,
+    rng=attend_rng,
+  )
+
+  # Trax undoes the logits' sort with another sort; a gather is the same
+  # permutation.
+  o = ea.permute_via_gather(so, undo_sort, sticker, axis=0)
+  logits = ea.permute_via_gather(slogits, undo_sort, sticker, axis=0)
+
+  if self._n_hashes > 1:
+    o = jnp.reshape(o, (self._n_hashes, seqlen, o.shape[-1]))
+    logits = jnp.reshape(logits, (self._n_hashes, seqlen, 1))
+    probs = jnp.exp(logits - fastmath.logsumexp(logits, axis=0, keepdims=True))
+    o = jnp.sum(o * probs, axis=0)
+
+  out = jnp.matmul(o, w_o)
+  out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+  return out, state
+
+
+def window_mask(dots, q_info, kv_info, *, chunk_len, n_chunks_before, **kw):
+  """Trax's self-attention mask plus the local window training used.
+
+  Chunked `SelfAttention` in training lets a query in chunk c see chunks
+  c - n_chunks_before .. c. `attend` numbers positions from 1.
+  """
+  dots = _TRAX_MASK(dots, q_info, kv_info, **kw)
+  q = q_info.astype(jnp.int32) - 1
+  k = kv_info.astype(jnp.int32) - 1
+  first = (q // chunk_len - n_chunks_before) * chunk_len
+  return dots - 1e9 * (k < first).astype(dots.dtype)
+
+
+def local_one_token_step(self, x, *, q_start, weights, rng):
+  """Local attention of the newest token over its window of the memory.
+
+  Reads only the `chunk_len * (1 + n_chunks_before)` positions that can
+  be in the token's training window (a fixed-size slice of the memory
+  `x`, `[mem, d]`), so a token costs the same at any position; Trax's
+  step projects the whole memory's keys for every token.
+
+  Returns:
+    `[1, d_v]`, as Trax's one-token path with `window_mask`.
+  """
+  attend_rng, output_rng = fastmath.random.split(rng)
+  if self._share_qk:
+    w_q, w_v, w_o = weights
+  else:
+    w_q, w_k, w_v, w_o = weights
+  chunk, before = int(self._chunk_len), int(self._n_chunks_before)
+  size = min(chunk * (1 + before), x.shape[0])
+  first = jnp.maximum((q_start // chunk - before) * chunk, 0)
+  start = jnp.minimum(first, x.shape[0] - size)
+  window = fastmath.dynamic_slice_in_dim(x, start, size, axis=0)
+  q_range = q_start + jnp.arange(1, dtype=jnp.int32)
+  # Trax duplicates the query row so matmul rounding matches its tests.
+  q = jnp.matmul(jnp.concatenate([x[q_range]] * 2, 0), w_q)
+  if self._share_qk:
+    k = ea.length_normalized(jnp.matmul(window, w_q))
+  else:
+    k = jnp.matmul(window, w_k)
+  v = jnp.matmul(window, w_v)
+  mask_fn = functools.partial(
+    window_mask,
+    chunk_len=chunk,
+    n_chunks_before=before,
+    causal=True,
+    exclude_self=self._share_qk,
+    masked=False,
+  )
+  o, _ = ea.attend(
+    q,
+    k,
+    v,
+    mask_fn=mask_fn,
+    q_info=q_range.astype(jnp.int32),
+    kv_info=(start + jnp.arange(size)).astype(jnp.int32),
+    dropout=self._attention_dropout,
+    rng=attend_rng,
+  )
+  out = jnp.matmul(o, w_o)[:1]
+  return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)

@@ -1,0 +1,44 @@
+"""Axial positions for any window of the grid (src/model/positions.py)."""
+
+import jax
+import numpy as np
+from trax import layers as tl
+from trax import shapes
+
+from src.model import positions
+
+
+def _layer(mode, offset='zero'):
+  layer = tl.AxialPositionalEncoding(
+    shape=(8, 16), d_embs=(4, 4), dropout=0.0, mode=mode
+  )
+  layer.__class__ = positions.AxialPositions
+  layer._offset = offset
+  layer.init(shapes.ShapeDtype((2, 128, 8), np.float32), rng=jax.random.key(0))
+  return layer
+
+
+def test_a_full_window_is_traxs_and_a_short_one_its_first_rows():
+  layer = _layer('eval')
+  zeros = np.zeros((2, 128, 8), np.float32)
+  table = np.asarray(layer(zeros))
+  trax_ = np.asarray(tl.AxialPositionalEncoding.forward(layer, zeros))
+  np.testing.assert_array_equal(table, trax_)
+  short = np.asarray(layer(np.zeros((2, 48, 8), np.float32)))
+  np.testing.assert_array_equal(short, table[:, :48])
+
+
+def test_random_offsets_place_each_training_window_on_the_grid():
+  """In training with offset 'random', each example's window is a run of
+  consecutive grid positions starting anywhere; evaluation starts at 0."""
+  table = np.asarray(_layer('eval')(np.zeros((1, 128, 8), np.float32)))[0]
+  layer = _layer('train', 'random')
+  starts = set()
+  for seed in range(6):
+    layer.rng = jax.random.key(seed)
+    out = np.asarray(layer(np.zeros((2, 32, 8), np.float32)))
+    for row in out:
+      start = int(np.flatnonzero((table == row[0]).all(-1))[0])
+      np.testing.assert_array_equal(row, table[start : start + 32])
+      starts.add(start)
+  assert len(starts) > 6 and max(starts) > 32
