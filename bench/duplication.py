@@ -59,6 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench import common  # noqa: E402
+from src.analysis import symbols  # noqa: E402
 
 VOCAB = 128  # Symbols 1..127 and the separator 0, as in the paper.
 
@@ -235,44 +236,18 @@ def evaluate(weights, base: list[str], attention: str, length: int, seed=7):
 
 def train(name, binds, args, log=print):
   """Trains one variant; returns (weights, curve {step: accuracy}, s)."""
-  import trax
-  from trax import layers as tl
-  from trax.supervised import training
-
-  from src.model import reformer
-
   lm = build('train', binds)
-  schedule = reformer.lr_schedule(
-    args.steps, peak=args.rate, warmup_steps=args.warmup, decay='constant'
-  )
-  task = training.TrainTask(
-    labeled_data=batches(np.random.default_rng(0), args.batch, args.length),
-    loss_layer=tl.WeightedCategoryCrossEntropy(),
-    optimizer=trax.optimizers.Adam(
-      learning_rate=args.rate, b1=0.9, b2=0.98, eps=1e-9, clip_grad_norm=1.0
-    ),
-    lr_schedule=schedule,
-    n_steps_per_checkpoint=args.steps,
-  )
-  every = max(args.steps // 10, 1)
-  eval_task = training.EvalTask(
-    labeled_data=batches(np.random.default_rng(1), args.batch, args.length),
-    metrics=[tl.WeightedCategoryAccuracy()],
-    n_eval_batches=4,
-  )
-  loop = training.Loop(
+  curve, seconds = symbols.train(
     lm,
-    [task],
-    eval_tasks=[eval_task],
-    eval_at=lambda step: step % every == 0,
-    output_dir=None,
+    batches(np.random.default_rng(0), args.batch, args.length),
+    batches(np.random.default_rng(1), args.batch, args.length),
+    args.steps,
+    args.rate,
+    args.warmup,
+    every=max(args.steps // 10, 1),
   )
-  t0 = time.time()
-  loop.run(args.steps)
-  history = loop.history.get('eval', 'metrics/WeightedCategoryAccuracy')
-  curve = {int(s): round(float(a), 4) for s, a in history}
   log(f'{name}: accuracy by step {curve}')
-  return lm.weights, curve, time.time() - t0
+  return lm.weights, curve, seconds
 
 
 def run_peer(args) -> dict:
