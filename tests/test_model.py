@@ -11,7 +11,7 @@ from trax.supervised import training as trax_training
 
 from src.core.errors import UserError
 from src.data import windows
-from src.model import ginconf, reformer
+from src.model import ginconf, losses, optim, reformer
 
 from .conftest import MICRO, ROOT, TINY_GIN
 
@@ -212,14 +212,14 @@ def test_settings_trax_would_get_wrong_are_refused(binding, message):
   [('cosine', 0.1), ('linear', 0.1), ('constant', 1.0), ('rsqrt', 0.5)],
 )
 def test_lr_schedules(decay, at_end):
-  f = reformer.lr_schedule(
+  f = optim.lr_schedule(
     400, peak=2.0, warmup_steps=100, decay=decay, final_fraction=0.1
   )
   assert f(0) == pytest.approx(0.02) and f(49) == pytest.approx(1.0)
   assert f(100) == pytest.approx(2.0)
   assert f(400) == pytest.approx(2.0 * at_end)
   with pytest.raises(UserError, match="decay = 'exp' is not one of"):
-    reformer.lr_schedule(10, decay='exp')
+    optim.lr_schedule(10, decay='exp')
 
 
 @pytest.mark.parametrize(
@@ -233,16 +233,16 @@ def test_one_training_step_per_gin_file(gin_file, bindings):
   batches = windows.WindowBatches(stream, setup.max_len, 1, seed=0)
   task = trax_training.TrainTask(
     batches.iterate(),
-    reformer.loss_layer(),
+    losses.loss_layer(),
     ginconf.optimizer(),
     lr_schedule=ginconf.lr_schedule(10),
   )
-  losses = []
+  seen = []
 
   class RecordingLoop(trax_training.Loop):
     def _run_one_step(self, task_index, task_changed):
       loss, stats = super()._run_one_step(task_index, task_changed)
-      losses.append(float(loss))
+      seen.append(float(loss))
       return loss, stats
 
   loop = RecordingLoop(
@@ -252,10 +252,10 @@ def test_one_training_step_per_gin_file(gin_file, bindings):
     random_seed=0,
   )
   loop.run(1)
-  assert loop.step == 1 and len(losses) == 1
+  assert loop.step == 1 and len(seen) == 1
   # Cross-entropy on logits starts near ln(vocab); a log-prob loss such as
   # tl.CrossEntropyLoss on these logits would be negative.
-  assert 0.5 * math.log(vocab) < losses[0] < 2 * math.log(vocab)
+  assert 0.5 * math.log(vocab) < seen[0] < 2 * math.log(vocab)
 
 
 def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
@@ -275,9 +275,7 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
     return full((x @ kernel + bias, targets, weights))
 
   def chunked(x, kernel, bias, size):
-    return reformer.chunked_cross_entropy(
-      x, kernel, bias, targets, weights, size
-    )
+    return losses.chunked_cross_entropy(x, kernel, bias, targets, weights, size)
 
   want = reference(x, kernel, bias)
   grads_want = jax.grad(reference, argnums=(0, 1, 2))(x, kernel, bias)
@@ -288,7 +286,7 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
     for g, gw in zip(grads, grads_want):
       np.testing.assert_allclose(g, gw, rtol=1e-4, atol=1e-6)
     # Evaluation: loss and accuracy from chunks equal Trax's metrics.
-    loss, accuracy = reformer.chunked_cross_entropy(
+    loss, accuracy = losses.chunked_cross_entropy(
       x, kernel, bias, targets, weights, size, with_accuracy=True
     )
     np.testing.assert_allclose(loss, want, rtol=1e-5)
@@ -296,7 +294,7 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
     acc_want = tl.WeightedCategoryAccuracy()((logits, targets, weights))
     np.testing.assert_allclose(accuracy, acc_want, rtol=1e-6)
     # Training: the same loss, plus the counts of the running accuracy.
-    loss, hits, total = reformer.chunked_cross_entropy(
+    loss, hits, total = losses.chunked_cross_entropy(
       x, kernel, bias, targets, weights, size, with_hits=True
     )
     np.testing.assert_allclose(loss, want, rtol=1e-5)
@@ -307,7 +305,7 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
 def test_chunked_model_shares_the_models_weights():
   setup = ginconf.parse(TINY_GIN)
   m = reformer.init_model(40, 'train', setup.max_len)
-  fused = reformer.chunked_model(m, 16)
+  fused = losses.chunked_model(m, 16)
   assert fused is not None
   # weights[0] has the model's structure (what Trax's Loop hands to eval).
   flat = jax_tree_leaves(fused.weights[0])
@@ -318,7 +316,7 @@ def test_chunked_model_shares_the_models_weights():
   zeros = jax_tree_map(np.zeros_like, head.weights)
   fused.weights = (fused.weights[0][:-1] + (zeros,), fused.weights[1])
   assert not any(np.any(w) for w in jax_tree_leaves(m.weights[-1]))
-  assert reformer.chunked_model(m, 0) is None
+  assert losses.chunked_model(m, 0) is None
 
 
 def jax_tree_map(fn, tree):
@@ -334,21 +332,20 @@ def jax_tree_leaves(tree):
 
 
 def test_position_range_losses_add_up_to_the_loss():
-  from src.model import reformer
 
-  assert reformer.position_ranges(32768) == [
+  assert losses.position_ranges(32768) == [
     (0, 512),
     (512, 2048),
     (2048, 8192),
     (8192, 32768),
   ]
-  assert [reformer.range_name(*r) for r in reformer.position_ranges(32768)] == [
+  assert [losses.range_name(*r) for r in losses.position_ranges(32768)] == [
     '0-512',
     '512-2k',
     '2k-8k',
     '8k-32k',
   ]
-  assert reformer.position_ranges(128) == [(0, 2), (2, 8), (8, 32), (32, 128)]
+  assert losses.position_ranges(128) == [(0, 2), (2, 8), (8, 32), (32, 128)]
   rng = np.random.default_rng(0)
   batch, length, d, vocab = 2, 128, 8, 11
   x = jnp.asarray(rng.normal(size=(batch, length, d)), jnp.float32)
@@ -356,31 +353,29 @@ def test_position_range_losses_add_up_to_the_loss():
   bias = jnp.zeros([vocab], jnp.float32)
   targets = jnp.asarray(rng.integers(0, vocab, (batch, length)), jnp.int32)
   weights = jnp.asarray(rng.random((batch, length)) > 0.3, jnp.float32)
-  ranges = reformer.position_ranges(length)
-  loss, _, *sums = reformer.chunked_cross_entropy(
+  ranges = losses.position_ranges(length)
+  loss, _, *sums = losses.chunked_cross_entropy(
     x, kernel, bias, targets, weights, 48, with_accuracy=True, ranges=ranges
   )
-  names = reformer.metric_names(ranges)[2:]
-  values = reformer.range_losses(
+  names = losses.metric_names(ranges)[2:]
+  values = losses.range_losses(
     {'loss': loss, **dict(zip(names, [float(v) for v in sums]))}
   )
   counts = [float(c) for c in sums[1::2]]
   assert sum(counts) == float(weights.sum())
   # Token-weighted, the range losses add up to the overall loss.
   total = sum(
-    values[f'loss at {reformer.range_name(*r)}'] * c
+    values[f'loss at {losses.range_name(*r)}'] * c
     for r, c in zip(ranges, counts)
   ) / sum(counts)
   np.testing.assert_allclose(total, float(loss), rtol=1e-5)
   # The metric layers (the unchunked path) give the same sums.
   logits = x @ kernel + bias
-  for layer, want in zip(reformer.metric_layers(ranges)[2:], sums):
+  for layer, want in zip(losses.metric_layers(ranges)[2:], sums):
     got = layer((logits, targets, weights))
     np.testing.assert_allclose(float(got), float(want), rtol=1e-4)
   # A range without any loss weight is left out, not reported as 0.
-  values = reformer.range_losses(
-    {'range loss 0-2': 0.0, 'range count 0-2': 0.0}
-  )
+  values = losses.range_losses({'range loss 0-2': 0.0, 'range count 0-2': 0.0})
   assert values == {}
 
 
@@ -413,18 +408,18 @@ def test_training_hit_counts_cover_every_micro_batch():
   batch = (inputs, jnp.asarray(targets, jnp.int32), jnp.asarray(weights))
   key = jax.random.PRNGKey(0)
   for k in (1, 2):
-    fused = reformer.chunked_model(m, 128)
+    fused = losses.chunked_model(m, 128)
     if k > 1:
-      fused = reformer.Accumulate(fused, k)
+      fused = losses.Accumulate(fused, k)
     before = jax.tree_util.tree_structure(fused.state)
     _, state = fused.pure_fn(batch, fused.weights, fused.state, key)
     # The trainer's first step sees the state every later step sees (a
     # different structure compiled the whole training step twice).
     assert jax.tree_util.tree_structure(state) == before
-    hits, total = np.asarray(reformer.hit_counts(state))
+    hits, total = np.asarray(losses.hit_counts(state))
     assert total == 2 * length
     assert hits == pytest.approx(want, abs=2)
-  assert reformer.hit_counts(((), ())) is None  # Trax's own loss: no counts.
+  assert losses.hit_counts(((), ())) is None  # Trax's own loss: no counts.
 
 
 def _offset_copy(rng, length, vocab):

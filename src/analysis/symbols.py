@@ -20,7 +20,7 @@ def train(lm, data, held_out, steps, rate, warmup, every, log=None):
   from trax import layers as tl
   from trax.supervised import training
 
-  from src.model import reformer
+  from src.model import optim
 
   task = training.TrainTask(
     labeled_data=data,
@@ -28,7 +28,7 @@ def train(lm, data, held_out, steps, rate, warmup, every, log=None):
     optimizer=trax.optimizers.Adam(
       learning_rate=rate, b1=0.9, b2=0.98, eps=1e-9, clip_grad_norm=1.0
     ),
-    lr_schedule=reformer.lr_schedule(
+    lr_schedule=optim.lr_schedule(
       steps, peak=rate, warmup_steps=warmup, decay='constant'
     ),
     n_steps_per_checkpoint=steps,

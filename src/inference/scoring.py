@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from src.data import chatformat, windows
 from src.inference.decoding import load_run
-from src.model import reformer
+from src.model import losses
 
 
 def forward_fn(layer, weights=None, state=None):
@@ -63,7 +63,7 @@ def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
   max_len = setup.max_len
   forward = forward_fn(layer)
   total, count = 0.0, 0
-  ranges = reformer.position_ranges(max_len)
+  ranges = losses.position_ranges(max_len)
   by_range = np.zeros([len(ranges), 2])  # loss sum, tokens
   n_windows = -(-len(stream) // max_len)
   pieces = range(n_windows)
@@ -82,11 +82,11 @@ def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
     ids = np.full([1, max_len], windows.PAD_ID, np.int32)
     ids[0, : len(piece)] = piece
     logits = np.asarray(forward(ids))[0, : len(piece)]
-    losses = token_losses(logits, piece)
-    total += float(losses.sum())
+    token_loss = token_losses(logits, piece)
+    total += float(token_loss.sum())
     count += len(piece)
     for k, (start, end) in enumerate(ranges):
-      part = losses[start:end]
+      part = token_loss[start:end]
       by_range[k] += (part.sum(), len(part))
   loss = total / count
   return {
@@ -96,7 +96,7 @@ def evaluate(model_dir: str, data: str, show_progress: bool = True) -> dict:
     'perplexity': math.exp(loss),
     'bits_per_char': total / math.log(2) / max(n_chars, 1),
     'by_position': [
-      (reformer.range_name(*r), int(n), float(loss_sum / n))
+      (losses.range_name(*r), int(n), float(loss_sum / n))
       for r, (loss_sum, n) in zip(ranges, by_range)
       if n
     ],

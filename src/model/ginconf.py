@@ -9,7 +9,7 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
   (`SelfAttention.chunk_len`, `LSHSelfAttention.n_hashes`).
 
 - `lr_schedule`: warmup then rsqrt / cosine / linear / constant decay
-  (`src.model.reformer.lr_schedule`; `total_steps` comes from the run settings).
+  (`src.model.optim.lr_schedule`; `total_steps` comes from the run settings).
 - `optimizer.kind`: which Trax optimizer class to use.
 - `output_loss.chunk_size`: positions whose logits exist at once.
 - `positions.axial_init_scale`: how large the axial position embeddings
@@ -37,13 +37,13 @@ import gin
 from src.config import safegin
 from src.core import files, rundir
 from src.core.errors import UserError
-from src.model import attention, reformer
+from src.model import attention, losses, optim, reformer, settings
 
 lr_schedule = gin.external_configurable(
-  reformer.lr_schedule, module='jade', denylist=['total_steps']
+  optim.lr_schedule, module='jade', denylist=['total_steps']
 )
-optimizer = gin.external_configurable(reformer.optimizer, module='jade')
-output_loss = gin.external_configurable(reformer.output_loss, module='jade')
+optimizer = gin.external_configurable(optim.optimizer, module='jade')
+output_loss = gin.external_configurable(losses.output_loss, module='jade')
 positions = gin.external_configurable(reformer.positions, module='jade')
 for _cls in (
   attention.LocalSelfAttention,
@@ -277,28 +277,28 @@ def parse_text(
       f'{path}: binds no ReformerLM settings, so Trax would build its '
       'default model; start from gin/tiny.gin or gin/reformer_32k.gin'
     )
-  model_settings = {**reformer._defaults(trax.models.ReformerLM), **bound}
+  model_settings = {**settings._defaults(trax.models.ReformerLM), **bound}
   model_settings['_bound'] = tuple(bound)
-  kinds = reformer.attention_kinds(model_settings, path)
-  settings = {}
+  kinds = settings.attention_kinds(model_settings, path)
+  per_class = {}
   for cls in kinds:
     if not inspect.isclass(cls):
-      reformer.check_types(model_settings, {}, path)  # Names what is wrong.
+      settings.check_types(model_settings, {}, path)  # Names what is wrong.
     name = attention.settings_name(cls)  # Ours read Trax's bindings.
-    settings[name] = reformer._defaults(cls)
+    per_class[name] = settings._defaults(cls)
     try:
-      settings[name].update(gin.get_bindings(name))
+      per_class[name].update(gin.get_bindings(name))
     except (ValueError, TypeError, AttributeError):
       pass
-  reformer.check_types(model_settings, settings, path)
+  settings.check_types(model_settings, per_class, path)
   names = [attention.settings_name(c) for c in kinds]
   main = next((c for c in kinds if 'LSH' in c.__name__), kinds[0])
-  attention_settings = settings[attention.settings_name(main)]
-  reformer.check_settings(model_settings, attention_settings, main, path)
+  attention_settings = per_class[attention.settings_name(main)]
+  settings.check_settings(model_settings, attention_settings, main, path)
   local = None
   if len(set(names)) > 1:
-    local = settings.get('SelfAttention')
-    reformer.check_local(model_settings, local, path)
+    local = per_class.get('SelfAttention')
+    settings.check_local(model_settings, local, path)
   n_layers = int(model_settings['n_layers'])
   per_layer = tuple(names[i % len(names)] for i in range(n_layers))
   return GinSetup(
@@ -368,4 +368,4 @@ def lr_peak() -> float:
   try:
     return float(gin.query_parameter('lr_schedule.peak'))
   except ValueError:
-    return float(reformer._defaults(reformer.lr_schedule)['peak'])
+    return float(settings._defaults(optim.lr_schedule)['peak'])

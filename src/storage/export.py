@@ -27,7 +27,7 @@ import numpy as np
 from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import ginconf, reformer
+from src.model import ginconf, losses
 from src.storage import checkpoints, curves, modelfolder
 
 PACKAGES = ('trax', 'jax', 'jaxlib', 'sentencepiece', 'safetensors', 'numpy')
@@ -229,7 +229,7 @@ def _info(run_dir: str, folder: str, model, flat, scalars) -> dict:
     'n_arrays': len(flat),
     'tokens_trained_on': manifest.get('tokens'),
     'held_out_loss': evaluated and evaluated[1],
-    'held_out_perplexity': evaluated and reformer.perplexity(evaluated[1]),
+    'held_out_perplexity': evaluated and losses.perplexity(evaluated[1]),
     'held_out_step': evaluated and evaluated[0],
     'trained_on': _run_settings(run_dir).get('data'),
     'exported_from': os.path.abspath(run_dir),

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from src.core import rundir
-from src.model import reformer
+from src.model import losses
 from src.training import samples
 from src.training.progress import Progress
 
@@ -102,7 +102,7 @@ class RunningScalars:
     loss = self._progress.running_loss()
     values = {
       'loss': loss,
-      'perplexity': reformer.perplexity(loss),
+      'perplexity': losses.perplexity(loss),
       'learning_rate': lr,
       'tokens_per_second': tokens / max(now - start, 1e-9),
     }

@@ -14,7 +14,7 @@ from trax.layers import base as trax_base
 from trax.supervised import training as trax_training
 
 from src.core.signals import StopSignals
-from src.model import reformer
+from src.model import losses
 from src.runtime import heap
 from src.storage import checkpoints
 from src.training import callbacks, distributed
@@ -124,7 +124,7 @@ class JadeLoop(trax_training.Loop):
     must be used (no chunking, memory-efficient trainer, sharded weights)."""
     if self._use_memory_efficient_trainer or trax_base.N_WEIGHTS_SHARDS > 1:
       return None
-    return reformer.chunked_model(
+    return losses.chunked_model(
       model_,
       self._output_chunk,
       with_accuracy,
@@ -139,7 +139,7 @@ class JadeLoop(trax_training.Loop):
     if self._accumulate > 1:
       if fused is None:  # Trax's own model-with-loss, accumulated.
         fused = trax.layers.Serial(self._model, task.loss_layer)
-      fused = reformer.Accumulate(fused, self._accumulate)
+      fused = losses.Accumulate(fused, self._accumulate)
     if fused is None:
       return super()._init_trainer(task)
     task.optimizer.tree_init(fused.weights)
@@ -167,7 +167,7 @@ class JadeLoop(trax_training.Loop):
     # This process's tokens; the others' are about as many.
     self._tokens += tokens * self._cluster.count
     self._progress.step_done(self.step, loss, lr, tokens)
-    counts = reformer.hit_counts(
+    counts = losses.hit_counts(
       self._trainer_per_task[task_index].accelerated_model_with_loss.state
     )
     self._running.after_step(self.step, lr, tokens, counts)
@@ -202,7 +202,7 @@ class JadeLoop(trax_training.Loop):
   ):
     if value_prefix == 'metrics/':
       values = self._mean_over_processes(values)
-    values = reformer.range_losses(values)
+    values = losses.range_losses(values)
     if 'loss' in values and not np.isfinite(float(values['loss'])):
       # Scored with the weights of this step, which were just checkpointed
       # if this is a checkpoint step: take that checkpoint back.
@@ -212,7 +212,7 @@ class JadeLoop(trax_training.Loop):
         saved_bad=self._checkpoint_at(self.step),
       )
     if 'loss' in values:
-      values['perplexity'] = reformer.perplexity(values['loss'])
+      values['perplexity'] = losses.perplexity(values['loss'])
     super().log_summary(
       values, summary_writer, value_prefix, log_prefix, stdout=False
     )

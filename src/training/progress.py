@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from src.model import preflight, reformer
+from src.model import losses, preflight
 from src.training import distributed
 
 
@@ -64,7 +64,7 @@ class Progress:
       return
     self.last_print = now
     loss = self.running_loss()
-    ppl = reformer.perplexity(loss)
+    ppl = losses.perplexity(loss)
     parts = [
       f'step {step}/{self.total}',
       f'loss {loss:.3f}',

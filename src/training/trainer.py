@@ -21,7 +21,7 @@ from src.config.jsonconfig import Section
 from src.core import files, rundir, runlock, safe_pickle
 from src.core.errors import UserError
 from src.core.signals import StopSignals
-from src.model import ginconf, preflight, reformer
+from src.model import ginconf, losses, preflight, reformer
 from src.storage import checkpoints, modelfolder
 from src.training import callbacks, distributed, finetune, samples
 from src.training import plan as run_plan
@@ -208,18 +208,18 @@ def _tasks(plan: run_plan.RunPlan):
 
   train_task = trax_training.TrainTask(
     labeled_data=train_data(),
-    loss_layer=reformer.loss_layer(),
+    loss_layer=losses.loss_layer(),
     optimizer=ginconf.optimizer(learning_rate=ginconf.lr_peak()),
     lr_schedule=ginconf.lr_schedule(s['steps']),
     n_steps_per_checkpoint=s['checkpoint-every'],
     loss_name='loss',
     sample_batch=plan.train_batches.batch(0),
   )
-  ranges = reformer.position_ranges(plan.gin.max_len)
+  ranges = losses.position_ranges(plan.gin.max_len)
   eval_task = trax_training.EvalTask(
     labeled_data=plan.eval_batches.iterate(0),
-    metrics=reformer.metric_layers(ranges),
-    metric_names=reformer.metric_names(ranges),
+    metrics=losses.metric_layers(ranges),
+    metric_names=losses.metric_names(ranges),
     n_eval_batches=s['eval-batches'],
     sample_batch=plan.eval_batches.batch(0),
   )
@@ -259,7 +259,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
         else 0
       ),
       init_text=init_text,
-      ranges=reformer.position_ranges(plan.gin.max_len),
+      ranges=losses.position_ranges(plan.gin.max_len),
       log_every=s['log-every'],
       accumulate=s['accumulate-steps'],
       cluster=cluster,
