@@ -4,13 +4,13 @@ and latency under concurrent clients, and memory over many requests.
   python bench/serve.py runs/demo [--requests 1000] [--json out.json]
 
 1. Time to the first reply token of a follow-up turn after ~4k tokens of
-   conversation (`src.apps.serve.Slot`, no HTTP): with prefix reuse (only
-   the new 20-token message is fed; unseeded sampling), without (the
-   conversation read again as one block), greedy (the state a fresh server
-   reads: reused only when that is exact), one fresh one-token decoder
-   step for scale, and two users alternating follow-ups with 1 and 2
-   `--slots`. The model
-   is the decode bench's shape (4 layers, d256, 4160-token context, random
+   conversation (`src.inference.engine.Conversations`, no HTTP): with
+   prefix reuse (only the new 20-token message is fed; unseeded
+   sampling), without (the conversation read again as one block), greedy
+   (the state a fresh server reads: reused only when that is exact), one
+   fresh one-token decoder step for scale, and two users alternating
+   follow-ups with 1 and 2 `--slots`. The model is the decode bench's
+   shape (4 layers, d256, 4160-token context, random
    weights: speed does not depend on them) with the run's tokenizer.
 2. The run's model served over HTTP on 127.0.0.1 (uvicorn in this process):
    1, 4 and 8 concurrent clients, each sending its own one-message
@@ -48,7 +48,7 @@ import trax  # noqa: E402
 
 from src.apps import serve  # noqa: E402
 from src.data import chatformat, tokenizer  # noqa: E402
-from src.inference import decoding, sampling  # noqa: E402
+from src.inference import decoding, engine, sampling  # noqa: E402
 from src.model import ginconf, reformer  # noqa: E402
 
 GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
@@ -63,7 +63,7 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
   layer.rng = jax.random.PRNGKey(0)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   decoder = decoding.Decoder(layer, common.DECODE_CONTEXT, tok)
-  slot = serve.Slot(decoder)
+  slot = engine.Conversations(decoder)
   rng = np.random.default_rng(0)
   words = [tok.decode([int(i)]) for i in rng.integers(10, tok.vocab_size, 4000)]
   # ~4k tokens of history in 2-message exchanges, then a new message.
@@ -128,7 +128,7 @@ def _alternating(decoder, words, job, slots: int, turns: int = 4) -> float:
   """Median first-token time of two users who alternate follow-ups, each
   with ~1.9k tokens of history, on a server keeping `slots`
   conversations."""
-  slot = serve.Slot(decoder, slots)
+  slot = engine.Conversations(decoder, slots)
   users = []
   for u in range(2):
     start = 2000 * u

@@ -277,9 +277,9 @@ def decoder(tiny_run):
 
 def test_cancel_stops_at_the_next_token(decoder):
   from src.apps import serve
-  from src.inference import sampling
+  from src.inference import engine, sampling
 
-  slot = serve.Slot(decoder)
+  slot = engine.Conversations(decoder)
   job = serve.parse_job(
     {
       'messages': [{'role': 'user', 'content': 'Hi'}],
@@ -650,9 +650,9 @@ def test_a_follow_up_is_answered_as_a_fresh_server_would(server, settings):
 def test_reuse_gives_the_fresh_reads_logits_bit_for_bit(decoder):
   import numpy as np
 
-  from src.apps import serve
+  from src.inference import engine
 
-  slot = serve.Slot(decoder)
+  slot = engine.Conversations(decoder)
   turn = slot._turn
   earlier = [turn('user', 'Hello'), turn('ai', 'Hi there')]
   more = earlier + [turn('user', 'How are you?'), turn('ai', 'Fine, thanks')]
@@ -734,9 +734,9 @@ def test_fuzzed_requests_get_a_reply_or_an_openai_error(decoder):
 @pytest.mark.parametrize('slots', [1, 2])
 def test_slots_let_alternating_users_feed_only_their_new_tokens(decoder, slots):
   from src.apps import serve
-  from src.inference import sampling
+  from src.inference import engine, sampling
 
-  slot = serve.Slot(decoder, slots)
+  slot = engine.Conversations(decoder, slots)
   greedy = sampling.SamplingSettings(temperature=0, repetition_penalty=1.0)
 
   def ask(messages):

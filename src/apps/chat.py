@@ -17,9 +17,9 @@ import numpy as np
 from src.core.errors import UserError
 from src.core.signals import StopSignals
 from src.data import chatformat
-from src.inference import sampling
+from src.inference import engine, sampling
 from src.inference.decoding import Decoder
-from src.inference.generate import START, Context, Turn, display, generate
+from src.inference.generate import START, Context, Turn, display
 
 HELP = """commands:
   /help              this list
@@ -109,28 +109,25 @@ class ChatSession:
     logits = self.context.ask(text, s.max_new_tokens)
     if logits is None:
       return None
-    reply_ids: list[int] = []
-    shown = ''
-    with self.flag.armed() as flag:
-      for token in generate(
-        self.context, logits, s, self.rng, stop=lambda: flag.stop
-      ):
-        reply_ids.append(token)
-        if stream:
-          text_so_far = self._display(reply_ids)
-          if text_so_far.startswith(shown):
-            self.out.write(text_so_far[len(shown) :])
-            self.out.flush()
-            shown = text_so_far
-      stopped = flag.stop
-    self.context.answer(reply_ids)
-    if stream:
-      final = self._display(reply_ids)
-      if final.startswith(shown):
-        self.out.write(final[len(shown) :])
-      self.out.write(' [stopped]\n' if stopped else '\n')
+
+    def show(piece: str):
+      self.out.write(piece)
       self.out.flush()
-    return self._display(reply_ids)
+
+    with self.flag.armed() as flag:
+      reply = engine.stream_reply(
+        self.context,
+        logits,
+        s,
+        self.rng,
+        stop=lambda: flag.stop,
+        emit=show if stream else None,
+        one_line=self.one_line,
+      )
+    if stream:
+      self.out.write(' [stopped]\n' if reply.cancelled else '\n')
+      self.out.flush()
+    return reply.text
 
   def _display(self, ids) -> str:
     return display(self.tok, ids, self.one_line)

@@ -18,7 +18,9 @@ oldest turns are dropped as in the REPL (counted in
 for the reply is refused (400, naming the limit).
 
 One model serves one request at a time; up to `--max-queue` more wait
-(beyond that: 503). The model keeps the conversation it read last: a
+(beyond that: 503). The conversations, their reuse and the streamed
+reply are the inference engine's (`src.inference.engine`); this module is
+HTTP. The model keeps the conversation it read last: a
 request that repeats it and adds a user message (what chat clients send
 each turn) feeds only the new message (prefix reuse); any other is read
 again as one block. A client that disconnects stops its generation at the
@@ -42,11 +44,9 @@ import threading
 import time
 import uuid
 
-import numpy as np
-
 from src.core.errors import UserError
 from src.data import chatformat
-from src.inference import generate, sampling
+from src.inference import engine, sampling
 from src.inference.decoding import Decoder
 
 PAGE = os.path.join(os.path.dirname(__file__), 'web', 'index.html')
@@ -54,10 +54,6 @@ MAX_BODY = 4 * 1024 * 1024  # Bytes of one request body.
 MAX_MESSAGES = 4096
 BODY_SECONDS = 30  # A request body must arrive within this.
 IDLE_SECONDS = 10  # A connection must send its request within this.
-# Characters one token stands for at most (sentencepiece's pieces are up
-# to 16, the markers are single tokens of about 20): a text longer than
-# this times a room cannot fit in it, and is not tokenized to find out.
-MAX_PIECE_CHARS = 64
 ROLES = {'user': chatformat.USER, 'assistant': chatformat.AI}
 DROPPED_ROLES = ('system', 'developer')
 LOOPBACK_NAMES = {'localhost', '127.0.0.1', '::1'}
@@ -92,15 +88,11 @@ class ApiError(Exception):
 
 
 @dataclasses.dataclass
-class Job:
+class Job(engine.Request):
   """One chat-completion request, checked."""
 
-  messages: list[tuple[str, str]]  # (chatformat role, content), in order.
-  settings: sampling.SamplingSettings
-  seed: int | None
-  stop: list[str]
-  stream: bool
-  dropped_system: int
+  stream: bool = False
+  dropped_system: int = 0
 
 
 def _number(body: dict, name: str, kind, default):
@@ -225,267 +217,6 @@ def parse_job(
   return Job(messages, settings, seed, stop, stream, dropped)
 
 
-@dataclasses.dataclass
-class _Parked:
-  """A conversation kept out of the decoder: its state and what it read."""
-
-  state: object  # The decoder's state (moved out, never copied).
-  position: int
-  block: int  # Tokens it read as one block at position 0.
-  turns: list  # The context's turns.
-  conversation: list  # The conversation as its client knows it.
-
-
-class Slot:
-  """The model and the one conversation it has read.
-
-  A reply that must be reproducible (temperature 0, or a seed) is computed
-  from the state a fresh server would read: the request is tokenized as
-  its text reads, and the kept state is extended only when its tokens are
-  a prefix of that and extending gives exactly the fresh read's state
-  (`_reuse`); else the conversation is read again. So such a follow-up's
-  reply is the one a fresh server gives, and a reply the model generated
-  in pieces its text does not tokenize to (or cut by a stop string) is
-  read again. Unseeded sampling, which no one can reproduce, reuses the
-  kept state whenever the client's conversation is the one it read.
-  """
-
-  def __init__(self, decoder: Decoder, slots: int = 1):
-    self.decoder = decoder
-    self.tok = decoder.tokenizer
-    self.context = generate.Context(decoder)
-    # The conversation as the client knows it (each message it sent, each
-    # reply as it saw it), for the reuse of unseeded sampling.
-    self.conversation: list[tuple[str, str]] = []
-    # Conversations kept besides the one in the decoder (`--slots` - 1),
-    # least recently used first: each holds its own decoder state.
-    self.slots = slots
-    self.parked: list[_Parked] = []
-
-  def _park(self):
-    """Moves the decoder's conversation into `parked` (its state is moved,
-    not copied: the decoder then starts a fresh one), dropping the least
-    recently used beyond `slots`."""
-    if self.context.used() and self.slots > 1:
-      d = self.decoder
-      self.parked.append(
-        _Parked(
-          d.state,
-          d.position,
-          d.block_read,
-          list(self.context.turns),
-          list(self.conversation),
-        )
-      )
-      del self.parked[: max(0, len(self.parked) - (self.slots - 1))]
-    self.reset()
-
-  def _unpark(self, kept: _Parked):
-    """Makes `kept` the decoder's conversation again (the current one
-    parked first)."""
-    self.parked.remove(kept)
-    self._park()
-    d = self.decoder
-    d.state, d.position, d.block_read = kept.state, kept.position, kept.block
-    self.context.turns = kept.turns
-    self.conversation = kept.conversation
-
-  def _take_text(self, earlier) -> bool:
-    """Makes the kept conversation whose client saw exactly `earlier` the
-    decoder's (the current one first); whether there is one."""
-    if self.conversation and earlier == self.conversation:
-      return True
-    for kept in self.parked:
-      if kept.conversation == earlier:
-        self._unpark(kept)
-        return True
-    return False
-
-  def _choose(self, want: list[int], exact: bool):
-    """Moves into the decoder the kept conversation whose state extends to
-    the request's tokens `want` with the most tokens reused (the current
-    one first on a tie); parks the current one when another is better, or
-    when none fits and it is not empty."""
-    mine = self.context.ids()
-    if not self._extends(mine, self.decoder.block_read, want, exact):
-      mine = []
-    best, most = None, len(mine)
-    for kept in self.parked:
-      ids = [i for t in kept.turns for i in t.ids]
-      if len(ids) > most and self._extends(ids, kept.block, want, exact):
-        best, most = kept, len(ids)
-    if best is not None:
-      self._unpark(best)
-    elif not mine and self.slots > 1:
-      self._park()  # Keep it for its owner; this one starts afresh.
-
-  def _turn(self, role: str, content: str) -> generate.Turn:
-    text, ids = self.context.user_ids(content)
-    if role == chatformat.AI:
-      ids = [self.tok.ai_start_id] + ids + [self.tok.ai_end_id]
-    return generate.Turn(role, text, ids)
-
-  def _fitting(self, earlier, needed: int) -> list[generate.Turn]:
-    """The newest of `earlier` that can fit beside `needed` tokens, each
-    tokenized once, newest first until the context is full: a long
-    conversation costs what fits, not what was sent (a message of more
-    characters than MAX_PIECE_CHARS times the room is never tokenized)."""
-    room = self.context.budget() - needed
-    turns: list[generate.Turn] = []
-    for role, content in reversed(earlier):
-      if room <= 0 or len(content) > MAX_PIECE_CHARS * (room + 2):
-        break
-      turn = self._turn(role, content)
-      room -= len(turn.ids)
-      turns.append(turn)
-    return turns[::-1]
-
-  def prepare(self, job: Job):
-    """Makes the context hold `job`'s conversation up to its last message
-    and asks that one.
-
-    Returns:
-      `(logits, reused, dropped)`: the logits for the reply's first token,
-      how many context tokens were kept from the conversation before, and
-      how many old turns were dropped to make room.
-    """
-    earlier, (_, last) = job.messages[:-1], job.messages[-1]
-    room = self.context.room(job.settings.max_new_tokens)
-    if len(last) > MAX_PIECE_CHARS * (room + 2):  # Never tokenized.
-      raise ApiError(
-        400,
-        f'the last message is {len(last):,} characters, more than the '
-        f'context of {self.decoder.max_len} tokens can hold besides a reply '
-        f'of max_tokens={job.settings.max_new_tokens}',
-        'messages',
-      )
-    _, last_ids = self.context.user_ids(last)
-    if not last_ids:
-      raise ApiError(400, 'the last message is empty', 'messages')
-    if len(last_ids) > room:
-      raise ApiError(
-        400,
-        f'the last message is {len(last_ids)} tokens; the context of '
-        f'{self.decoder.max_len} tokens holds at most {room} besides a '
-        f'reply of max_tokens={job.settings.max_new_tokens}',
-        'messages',
-      )
-    # A reply that must be reproducible (greedy, or seeded) is computed
-    # exactly as a fresh read would; unseeded sampling reuses a kept
-    # conversation whose text is the client's, without tokenizing it.
-    exact = (
-      job.seed is not None
-      or job.settings.temperature < sampling.MIN_TEMPERATURE
-    )
-    if not exact and self._take_text(earlier):
-      reused, dropped = self.context.used(), 0  # The text is what it read.
-    else:
-      needed = len(last_ids) + 2 + job.settings.max_new_tokens
-      turns = self.context.keep_last(self._fitting(earlier, needed), needed)
-      dropped = len(earlier) - len(turns)
-      want = self.context.ids(turns)
-      self._choose(want, exact)
-      reused = self._reuse(turns, want, exact)
-      if not reused:
-        self.context.reread(turns)
-    logits = self.context.ask(last, job.settings.max_new_tokens)
-    self.conversation = list(earlier) + [(chatformat.USER, last)]
-    return logits, reused, dropped
-
-  def _reuse(self, turns: list[generate.Turn], want, exact: bool) -> int:
-    """Extends the kept state to `turns` when its tokens are a prefix of
-    theirs (as the request's text tokenizes) and, if `exact`, when that
-    gives exactly the state a fresh read would (both read the same block
-    at position 0; past MIN_BLOCK tokens a follow-up that crosses a block
-    is read again); `want`: the tokens of `turns`. Returns the tokens
-    reused, 0 when it cannot."""
-    have = self.context.ids()
-    if not self._extends(have, self.decoder.block_read, want, exact):
-      return 0
-    reused = self.context.used()
-    self.context.turns = list(turns)
-    if len(want) > len(have):
-      self.decoder.feed(want[len(have) :])
-    return reused
-
-  def _extends(self, have: list[int], block: int, want, exact) -> bool:
-    """Whether a state that read `have` (a block of `block` tokens at
-    position 0) can be extended to the tokens `want` (see `_reuse`)."""
-    if not have or not want or want[: len(have)] != have:
-      return False
-    first = 1 + len(generate.START) + len(want)  # A fresh read's first feed.
-    return not exact or self.decoder.block_part(first) == block
-
-  def run(self, job: Job, cancel: threading.Event, emit=None) -> dict:
-    """Generates the reply of `job` (in a worker thread).
-
-    `emit(text)` receives each new piece of the reply's text as it is
-    generated (stop strings held back until they cannot match).
-
-    Returns:
-      `{'text', 'finish_reason', 'prompt_tokens', 'completion_tokens',
-      'reused_tokens', 'dropped_turns'}`.
-    """
-    try:
-      logits, reused, dropped = self.prepare(job)
-    except BaseException:
-      self.reset()
-      raise
-    prompt_tokens = self.context.used()
-    rng = np.random.default_rng(job.seed)  # No seed: fresh entropy.
-    hold = max((len(s) for s in job.stop), default=1) - 1
-    ids: list[int] = []
-    text, shown, finish = '', '', 'length'
-    try:
-      for token in generate.generate(
-        self.context, logits, job.settings, rng, stop=cancel.is_set
-      ):
-        ids.append(token)
-        text = generate.display(self.tok, ids)
-        cut = _stop_at(text, job.stop)
-        if cut is not None:
-          text, finish = text[:cut], 'stop'
-          break
-        # What cannot be the start of a stop string yet.
-        shown = _send(emit, shown, text[: len(text) - hold])
-      else:
-        if len(ids) < job.settings.max_new_tokens and not cancel.is_set():
-          finish = 'stop'  # The model ended its reply.
-      self.context.answer(ids)
-      self.conversation.append((chatformat.AI, text))
-    except BaseException:
-      self.reset()
-      raise
-    if not cancel.is_set():
-      _send(emit, shown, text)
-    return {
-      'text': text,
-      'finish_reason': finish,
-      'prompt_tokens': prompt_tokens,
-      'completion_tokens': len(ids),
-      'reused_tokens': reused,
-      'dropped_turns': dropped,
-    }
-
-  def reset(self):
-    self.context.reset()
-    self.conversation = []
-
-
-def _stop_at(text: str, stops) -> int | None:
-  found = [text.find(s) for s in stops if s in text]
-  return min(found) if found else None
-
-
-def _send(emit, shown: str, text: str) -> str:
-  """Emits what `text` adds to `shown`; returns the text shown now."""
-  if text.startswith(shown) and len(text) > len(shown):
-    if emit is not None:
-      emit(text[len(shown) :])
-    return text
-  return shown
-
-
 class Server:
   """The model, its queue and the ASGI app."""
 
@@ -502,7 +233,7 @@ class Server:
     slots: int = 1,
     allow_hosts: tuple[str, ...] = (),
   ):
-    self.slot = Slot(decoder, slots)
+    self.slot = engine.Conversations(decoder, slots)
     self.host, self.port = host, port
     self.allow_origins = {o.rstrip('/').lower() for o in allow_origins}
     self.allow_hosts = {h.strip('[]').lower() for h in allow_hosts}
@@ -544,11 +275,18 @@ class Server:
     await self._turn()
     cancel = threading.Event()
     try:
-      return await anyio.to_thread.run_sync(self.slot.run, job, cancel)
+      return await anyio.to_thread.run_sync(self._run, job, cancel)
     finally:
       cancel.set()
       self.served += 1
       self._lock.release()
+
+  def _run(self, job: Job, cancel: threading.Event, emit=None) -> dict:
+    """The engine's reply to `job`; what it refuses is a 400."""
+    try:
+      return self.slot.run(job, cancel, emit)
+    except engine.Refused as e:
+      raise ApiError(400, str(e), e.param) from None
 
   async def stream(self, job: Job):
     """Yields the reply's text pieces, then the result dict."""
@@ -564,7 +302,7 @@ class Server:
 
     def work():
       try:
-        result = self.slot.run(job, cancel, emit)
+        result = self._run(job, cancel, emit)
         loop.call_soon_threadsafe(queue.put_nowait, ('done', result))
       except BaseException as e:  # Reported to the client, never lost.
         loop.call_soon_threadsafe(queue.put_nowait, ('error', e))
