@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import trax  # noqa: E402
 
-from src.apps import serve  # noqa: E402
+from src.apps import openai_api, serve  # noqa: E402
 from src.data import chatformat, tokenizer  # noqa: E402
 from src.inference import decoding, engine, sampling  # noqa: E402
 from src.model import ginconf, reformer  # noqa: E402
@@ -85,7 +85,7 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
       'max_tokens': 1,
       'temperature': 0 if exact else 0.8,
     }
-    return serve.parse_job(body, 'bench', decoder.max_len, defaults)
+    return openai_api.parse_job(body, 'bench', decoder.max_len, defaults)
 
   def first_token(reuse: bool, exact=False) -> tuple[float, dict]:
     slot.reset()

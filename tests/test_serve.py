@@ -276,11 +276,11 @@ def decoder(tiny_run):
 
 
 def test_cancel_stops_at_the_next_token(decoder):
-  from src.apps import serve
+  from src.apps import openai_api
   from src.inference import engine, sampling
 
   slot = engine.Conversations(decoder)
-  job = serve.parse_job(
+  job = openai_api.parse_job(
     {
       'messages': [{'role': 'user', 'content': 'Hi'}],
       'max_tokens': 64,
@@ -310,7 +310,7 @@ def test_cancel_stops_at_the_next_token(decoder):
 
 
 def test_a_full_queue_is_refused_with_503(decoder):
-  from src.apps import serve
+  from src.apps import openai_api, serve
 
   server = serve.Server(decoder, 'out', None, 2)
 
@@ -319,7 +319,7 @@ def test_a_full_queue_is_refused_with_503(decoder):
     waiting = [asyncio.ensure_future(server._turn()) for _ in range(2)]
     await asyncio.sleep(0)
     assert server.waiting == 2
-    with pytest.raises(serve.ApiError) as e:
+    with pytest.raises(openai_api.ApiError) as e:
       await server._turn()
     assert e.value.status == 503 and 'max-queue 2' in e.value.message
     server._lock.release()
@@ -733,14 +733,14 @@ def test_fuzzed_requests_get_a_reply_or_an_openai_error(decoder):
 
 @pytest.mark.parametrize('slots', [1, 2])
 def test_slots_let_alternating_users_feed_only_their_new_tokens(decoder, slots):
-  from src.apps import serve
+  from src.apps import openai_api
   from src.inference import engine, sampling
 
   slot = engine.Conversations(decoder, slots)
   greedy = sampling.SamplingSettings(temperature=0, repetition_penalty=1.0)
 
   def ask(messages):
-    job = serve.parse_job(
+    job = openai_api.parse_job(
       {'messages': messages, 'max_tokens': 6, 'temperature': 0.7},
       'out',
       decoder.max_len,

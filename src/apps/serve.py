@@ -36,7 +36,6 @@ Host names (DNS rebinding) are refused with 403.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import os
@@ -44,177 +43,20 @@ import threading
 import time
 import uuid
 
+from src.apps.openai_api import ApiError, Job, parse_job
 from src.core.errors import UserError
-from src.data import chatformat
 from src.inference import engine, sampling
 from src.inference.decoding import Decoder
 
 PAGE = os.path.join(os.path.dirname(__file__), 'web', 'index.html')
 MAX_BODY = 4 * 1024 * 1024  # Bytes of one request body.
-MAX_MESSAGES = 4096
 BODY_SECONDS = 30  # A request body must arrive within this.
 IDLE_SECONDS = 10  # A connection must send its request within this.
-ROLES = {'user': chatformat.USER, 'assistant': chatformat.AI}
-DROPPED_ROLES = ('system', 'developer')
 LOOPBACK_NAMES = {'localhost', '127.0.0.1', '::1'}
 
 
 def _loopback(host: str) -> bool:
   return host.strip('[]').lower() in LOOPBACK_NAMES
-
-
-class ApiError(Exception):
-  """A request refused with `status` and an OpenAI-shaped error body."""
-
-  def __init__(self, status: int, message: str, param=None, kind=None):
-    super().__init__(message)
-    self.status, self.message, self.param = status, message, param
-    self.kind = kind or {
-      400: 'invalid_request_error',
-      401: 'authentication_error',
-      404: 'not_found_error',
-      503: 'server_busy',
-    }.get(status, 'server_error')
-
-  def body(self) -> dict:
-    return {
-      'error': {
-        'message': self.message,
-        'type': self.kind,
-        'param': self.param,
-        'code': None,
-      }
-    }
-
-
-@dataclasses.dataclass
-class Job(engine.Request):
-  """One chat-completion request, checked."""
-
-  stream: bool = False
-  dropped_system: int = 0
-
-
-def _number(body: dict, name: str, kind, default):
-  value = body.get(name)
-  if value is None:
-    return default
-  ok = (
-    isinstance(value, (int, float))
-    and not isinstance(value, bool)
-    and abs(value) < 2**53  # A 5000-digit integer is no setting.
-  )
-  if ok and kind is int:
-    ok = float(value).is_integer()
-  if not ok:
-    shown = repr(value)[:40]
-    raise ApiError(400, f'{name} must be a number, not {shown}', name)
-  return kind(value)
-
-
-def _content(message: dict, i: int) -> str:
-  content = message.get('content')
-  if isinstance(content, str):
-    return content
-  if isinstance(content, list):  # Content parts: text only.
-    texts = []
-    for part in content:
-      if not (isinstance(part, dict) and part.get('type') == 'text'):
-        raise ApiError(
-          400, 'only text content parts are supported', f'messages[{i}]'
-        )
-      texts.append(str(part.get('text', '')))
-    return '\n'.join(texts)
-  raise ApiError(400, 'content must be a string', f'messages[{i}].content')
-
-
-def parse_job(
-  body, model_id: str, max_len: int, defaults: sampling.SamplingSettings
-) -> Job:
-  """Checks a chat-completions body (what it leaves out is taken from
-  `defaults`, the server's command line); raises `ApiError` (400, 404)."""
-  if not isinstance(body, dict):
-    raise ApiError(400, 'the body must be a JSON object')
-  model = body.get('model', model_id)
-  if model != model_id:
-    raise ApiError(
-      404,
-      f'the model {model!r} does not exist; this server serves '
-      f'{model_id!r} (GET /v1/models)',
-      'model',
-      'invalid_request_error',
-    )
-  raw = body.get('messages')
-  if not isinstance(raw, list) or not raw:
-    raise ApiError(400, 'messages must be a non-empty list', 'messages')
-  if len(raw) > MAX_MESSAGES:
-    raise ApiError(400, f'at most {MAX_MESSAGES} messages', 'messages')
-  messages, dropped = [], 0
-  for i, m in enumerate(raw):
-    if not isinstance(m, dict):
-      raise ApiError(400, 'each message must be an object', f'messages[{i}]')
-    role = m.get('role')
-    if role in DROPPED_ROLES:
-      dropped += 1
-      continue
-    if not isinstance(role, str) or role not in ROLES:
-      raise ApiError(
-        400,
-        f'role {str(role)[:40]!r} is not supported (user, assistant, system)',
-        f'messages[{i}].role',
-      )
-    messages.append((ROLES[role], _content(m, i)))
-  if not messages or messages[-1][0] != chatformat.USER:
-    raise ApiError(400, 'the last message must be from the user', 'messages')
-  n = _number(body, 'n', int, 1)
-  if n != 1:
-    raise ApiError(400, 'n must be 1: one reply per request', 'n')
-  most = max_len // 2
-  max_tokens = _number(
-    body,
-    'max_completion_tokens',
-    int,
-    _number(body, 'max_tokens', int, min(defaults.max_new_tokens, most)),
-  )
-  if not 1 <= max_tokens <= most:
-    raise ApiError(
-      400,
-      f'max_tokens must be between 1 and {most} (half the context of '
-      f'{max_len} tokens)',
-      'max_tokens',
-    )
-  seed = body.get('seed')
-  if seed is not None and (
-    isinstance(seed, bool) or not isinstance(seed, int) or seed < 0
-  ):
-    raise ApiError(400, 'seed must be a whole number of 0 or more', 'seed')
-  settings = sampling.SamplingSettings(
-    temperature=_number(body, 'temperature', float, defaults.temperature),
-    top_p=_number(body, 'top_p', float, defaults.top_p),
-    top_k=_number(body, 'top_k', int, defaults.top_k),
-    repetition_penalty=_number(
-      body, 'repetition_penalty', float, defaults.repetition_penalty
-    ),
-    repetition_window=defaults.repetition_window,
-    max_new_tokens=max_tokens,
-    seed=seed or 0,
-  )
-  try:
-    settings.check()
-  except UserError as e:
-    raise ApiError(400, str(e)) from None
-  stop = body.get('stop')
-  stop = [stop] if isinstance(stop, str) else stop or []
-  if not (
-    isinstance(stop, list)
-    and len(stop) <= 4
-    and all(isinstance(s, str) and s for s in stop)
-  ):
-    raise ApiError(400, 'stop must be a string or up to 4 strings', 'stop')
-  stream = body.get('stream', False)
-  if not isinstance(stream, bool):
-    raise ApiError(400, 'stream must be true or false', 'stream')
-  return Job(messages, settings, seed, stop, stream, dropped)
 
 
 class Server:
