@@ -4,7 +4,8 @@
       [--batch 8] [--facts 16] [--offset random|zero] [--rate 0.003]
       [--no-words] [--filler-weight 0.1] [--train-buckets N]
       [--lengths 256,1024,4096,16384,32768] [--eval-hashes 2,8]
-      [--eval-buckets N] [--samples 16] [--bind GIN]... [--eval-only]
+      [--eval-buckets N] [--samples 16] [--seed N] [--bind GIN]...
+      [--eval-only]
 
 The task is `src/analysis/far_recall.py`'s: facts `v k` stated once,
 filler, then `? k` asked; only the answers are scored (chance 1/32).
@@ -46,6 +47,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from src import runtime  # noqa: E402
 from src.analysis import far_recall as task  # noqa: E402
 
 
@@ -79,9 +81,11 @@ def main(argv=None):
   p.add_argument('--samples', type=int, default=16)
   p.add_argument('--train-buckets', type=int, default=None)
   p.add_argument('--eval-buckets', type=int, default=None)
+  p.add_argument('--seed', type=int, default=None)
   p.add_argument('--bind', action='append', default=[])
   p.add_argument('--eval-only', action='store_true')
   args = p.parse_args(argv)
+  runtime.bootstrap()
   os.makedirs(args.work_dir, exist_ok=True)
   path = os.path.join(args.work_dir, 'far_recall_weights.npz')
   out = os.path.join(args.work_dir, 'far_recall.json')
@@ -103,6 +107,7 @@ def main(argv=None):
       buckets=args.train_buckets,
       extra=args.bind,
       log=lambda line: print(line, flush=True),
+      seed=args.seed,
     )
     save(path, weights)
     results = {

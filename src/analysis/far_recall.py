@@ -194,9 +194,11 @@ def train(
   buckets=None,
   extra=(),
   log=None,
+  seed=None,
 ):
   """Trains the model on far recall in `length`-token windows; returns
-  `(weights, {step: held-out accuracy}, seconds)`."""
+  `(weights, {step: held-out accuracy}, seconds)`. `seed`: the model's
+  start (None: Trax draws one)."""
   lm = build('train', bindings(length, hashes, extra, buckets), offset)
   curve, seconds = symbols.train(
     lm,
@@ -207,6 +209,7 @@ def train(
     warmup=100,
     every=max(steps // 20, 1),
     log=log,
+    seed=seed,
   )
   return lm.weights, curve, seconds
 

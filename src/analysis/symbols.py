@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 
 
-def train(lm, data, held_out, steps, rate, warmup, every, log=None):
+def train(lm, data, held_out, steps, rate, warmup, every, log=None, seed=None):
   """Trains `lm` on endless `(inputs, targets, weights)` batches `data`
   with Trax's own `Loop`, weighted cross-entropy and Adam at a constant
   `rate` after `warmup` steps; `held_out` batches are scored (weighted
   accuracy) every `every` steps, and each score is passed to `log`.
+  `seed`: the model's start (None: Trax draws one).
   Returns `({step: accuracy}, seconds)`."""
   import trax
   from trax import layers as tl
@@ -44,6 +45,7 @@ def train(lm, data, held_out, steps, rate, warmup, every, log=None):
     eval_tasks=[eval_task],
     eval_at=lambda step: step % every == 0,
     output_dir=None,
+    random_seed=seed,
   )
   t0 = time.time()
   done = 0
