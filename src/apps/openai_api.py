@@ -167,5 +167,3 @@ def parse_job(
   if not isinstance(stream, bool):
     raise ApiError(400, 'stream must be true or false', 'stream')
   return Job(messages, settings, seed, stop, stream, dropped)
-
-
