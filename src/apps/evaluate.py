@@ -9,28 +9,8 @@ import os
 import sys
 
 
-def parse_args(argv=None):
-  from src.config import jsonconfig
-  from src.inference import sampling
-
-  defaults = sampling.SamplingSettings()
-  parser = argparse.ArgumentParser(
-    description='Chat with a trained model (or score files with it).',
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-  )
-  parser.add_argument(
-    '--config',
-    metavar='FILE',
-    default=None,
-    help='JSON config (default: ./config.json if present)',
-  )
-  jsonconfig.add_arguments(parser, 'eval')
-  parser.add_argument('--prompt', help='print one reply to this and exit')
-  parser.add_argument(
-    '--perplexity',
-    metavar='PATH',
-    help='report loss and perplexity on a conversation file or folder',
-  )
+def add_serving_arguments(parser):
+  """The `--serve` options: address, key, origins, slots, queue."""
   serve = parser.add_argument_group('serving (--serve)')
   serve.add_argument(
     '--serve',
@@ -80,6 +60,31 @@ def parse_args(argv=None):
     default=16,
     help='requests that may wait while one is answered (more get 503)',
   )
+
+
+def parse_args(argv=None):
+  from src.config import jsonconfig
+  from src.inference import sampling
+
+  defaults = sampling.SamplingSettings()
+  parser = argparse.ArgumentParser(
+    description='Chat with a trained model (or score files with it).',
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument(
+    '--config',
+    metavar='FILE',
+    default=None,
+    help='JSON config (default: ./config.json if present)',
+  )
+  jsonconfig.add_arguments(parser, 'eval')
+  parser.add_argument('--prompt', help='print one reply to this and exit')
+  parser.add_argument(
+    '--perplexity',
+    metavar='PATH',
+    help='report loss and perplexity on a conversation file or folder',
+  )
+  add_serving_arguments(parser)
   parser.add_argument(
     '--n-hashes',
     type=int,

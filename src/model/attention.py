@@ -218,30 +218,9 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
     )
 
 
-def lsh_forward(
-  self, x, mask=None, *, weights, state, rng, update_state, attend=None
-):
-  """Trax 1.4.1's `LSHSelfAttention.forward_unbatched`, the same
-  computation, with a cheaper sort: `[length, d]` -> `([length, d],
-  state)`.
-
-  Trax sorts `(bucket, position)` keys carrying their indices along
-  (`sort_key_val`), then sorts again to invert the permutation. The keys
-  are distinct and hold the position (`key % length`), and the hash
-  rounds' buckets do not overlap (round r's start at r * n_buckets), so
-  sorted slot i belongs to round `i // length`: sorting the keys alone
-  gives the same permutation, and a scatter inverts it (~2 ms per head
-  at 32k positions instead of ~13.6); the logits' sort is undone by a
-  gather, as the outputs' are. `attend` replaces Trax's `attend` (the
-  directed score).
-  """
-  attend = attend or ea.attend
-  attend_rng, output_rng = fastmath.random.split(rng)
-  w_q, w_v, w_o = weights
-
-  q = jnp.matmul(x, w_q)
-  v = jnp.matmul(x, w_v)
-
+def _buckets(self, q, x, mask, state, update_state):
+  """The buckets of `q` (`[n_hashes * length]`, hashed afresh or read
+  from `state`) and the new state, as Trax's LSH forward makes them."""
   if update_state:
     _, old_hash_rng = state
     hash_rng, hash_subrng = fastmath.random.split(old_hash_rng)
@@ -266,8 +245,14 @@ def lsh_forward(
       f'LSH state holds {buckets.shape[0]} buckets for {seqlen} positions '
       f'and {self._n_hashes} hash rounds; build the layer for this length.'
     )
+  return buckets, state
 
-  ticker = jnp.arange(self._n_hashes * seqlen, dtype=jnp.int32)
+
+def _sort_order(buckets, seqlen: int, n_hashes: int):
+  """`(sticker, undo_sort)`: the positions in bucket order (each hash
+  round's block of `seqlen` in turn) and the permutation back; the keys
+  sorted alone (see `lsh_forward`)."""
+  ticker = jnp.arange(n_hashes * seqlen, dtype=jnp.int32)
   buckets_and_t = seqlen * buckets + (ticker % seqlen)
   buckets_and_t = jax.lax.stop_gradient(buckets_and_t)
 
@@ -277,6 +262,53 @@ def lsh_forward(
   undo_sort = jnp.zeros_like(ticker).at[sticker].set(ticker)
   sticker = jax.lax.stop_gradient(sticker)
   undo_sort = jax.lax.stop_gradient(undo_sort)
+  return sticker, undo_sort
+
+
+def _unsorted(so, slogits, undo_sort, sticker, n_hashes: int, seqlen: int):
+  """The attention outputs back in position order, the hash rounds'
+  outputs weighted by their share of the probability mass (Trax's)."""
+  # Trax undoes the logits' sort with another sort; a gather is the same
+  # permutation.
+  o = ea.permute_via_gather(so, undo_sort, sticker, axis=0)
+  logits = ea.permute_via_gather(slogits, undo_sort, sticker, axis=0)
+
+  if n_hashes > 1:
+    o = jnp.reshape(o, (n_hashes, seqlen, o.shape[-1]))
+    logits = jnp.reshape(logits, (n_hashes, seqlen, 1))
+    probs = jnp.exp(logits - fastmath.logsumexp(logits, axis=0, keepdims=True))
+    o = jnp.sum(o * probs, axis=0)
+  return o
+
+
+def lsh_forward(
+  self, x, mask=None, *, weights, state, rng, update_state, attend=None
+):
+  """Trax 1.4.1's `LSHSelfAttention.forward_unbatched`, the same
+  computation, with a cheaper sort: `[length, d]` -> `([length, d],
+  state)`.
+
+  Trax sorts `(bucket, position)` keys carrying their indices along
+  (`sort_key_val`), then sorts again to invert the permutation. The keys
+  are distinct and hold the position (`key % length`), and the hash
+  rounds' buckets do not overlap (round r's start at r * n_buckets), so
+  sorted slot i belongs to round `i // length`: sorting the keys alone
+  gives the same permutation, and a scatter inverts it (~2 ms per head
+  at 32k positions instead of ~13.6); the logits' sort is undone by a
+  gather, as the outputs' are. `attend` replaces Trax's `attend` (the
+  directed score).
+  """
+  attend = attend or ea.attend
+  attend_rng, output_rng = fastmath.random.split(rng)
+  w_q, w_v, w_o = weights
+
+  q = jnp.matmul(x, w_q)
+  v = jnp.matmul(x, w_v)
+
+  buckets, state = _buckets(self, q, x, mask, state, update_state)
+  seqlen = x.shape[0]
+
+  sticker, undo_sort = _sort_order(buckets, seqlen, self._n_hashes)
 
   st = sticker % seqlen
   sq = jnp.take(q, st, axis=0)
@@ -311,17 +343,7 @@ def lsh_forward(
     rng=attend_rng,
   )
 
-  # Trax undoes the logits' sort with another sort; a gather is the same
-  # permutation.
-  o = ea.permute_via_gather(so, undo_sort, sticker, axis=0)
-  logits = ea.permute_via_gather(slogits, undo_sort, sticker, axis=0)
-
-  if self._n_hashes > 1:
-    o = jnp.reshape(o, (self._n_hashes, seqlen, o.shape[-1]))
-    logits = jnp.reshape(logits, (self._n_hashes, seqlen, 1))
-    probs = jnp.exp(logits - fastmath.logsumexp(logits, axis=0, keepdims=True))
-    o = jnp.sum(o * probs, axis=0)
-
+  o = _unsorted(so, slogits, undo_sort, sticker, self._n_hashes, seqlen)
   out = jnp.matmul(o, w_o)
   out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
   return out, state

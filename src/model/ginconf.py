@@ -243,6 +243,22 @@ def parse(
   return parse_text(text, path, bindings, base)
 
 
+def _class_settings(kinds, model_settings: dict, path: str) -> dict:
+  """Each attention class's settings (Trax's defaults and the bindings
+  under its gin name), by that name."""
+  per_class = {}
+  for cls in kinds:
+    if not inspect.isclass(cls):
+      settings.check_types(model_settings, {}, path)  # Names what is wrong.
+    name = attention.settings_name(cls)  # Ours read Trax's bindings.
+    per_class[name] = settings._defaults(cls)
+    try:
+      per_class[name].update(gin.get_bindings(name))
+    except (ValueError, TypeError, AttributeError):
+      pass
+  return per_class
+
+
 def parse_text(
   text: str,
   path: str,
@@ -280,16 +296,7 @@ def parse_text(
   model_settings = {**settings._defaults(trax.models.ReformerLM), **bound}
   model_settings['_bound'] = tuple(bound)
   kinds = settings.attention_kinds(model_settings, path)
-  per_class = {}
-  for cls in kinds:
-    if not inspect.isclass(cls):
-      settings.check_types(model_settings, {}, path)  # Names what is wrong.
-    name = attention.settings_name(cls)  # Ours read Trax's bindings.
-    per_class[name] = settings._defaults(cls)
-    try:
-      per_class[name].update(gin.get_bindings(name))
-    except (ValueError, TypeError, AttributeError):
-      pass
+  per_class = _class_settings(kinds, model_settings, path)
   settings.check_types(model_settings, per_class, path)
   names = [attention.settings_name(c) for c in kinds]
   main = next((c for c in kinds if 'LSH' in c.__name__), kinds[0])
