@@ -79,10 +79,10 @@ def write_stream(path: str, header: bytes, zeros: int):
 
 
 def reseal(run: str):
-  from src.storage import checkpoints
+  from src.storage import snapshots
 
   shutil.rmtree(os.path.join(run, 'checkpoints'), ignore_errors=True)
-  checkpoints.seal(run, checkpoints.read_manifest(run)['step'])
+  snapshots.seal(run, snapshots.read_manifest(run)['step'])
 
 
 class _Shared:

@@ -9,7 +9,7 @@ import pytest
 
 from src.core.errors import UserError
 from src.inference import decoding
-from src.storage import checkpoints
+from src.storage import snapshots
 from src.training import callbacks, trainer
 
 from .conftest import MICRO, train_settings
@@ -27,11 +27,11 @@ def _resume(folder, steps=6, bindings=()):
 
 def test_every_checkpoint_is_sealed_and_the_last_two_are_kept(tiny_run):
   out = tiny_run['out']
-  assert [s for s, _ in checkpoints.snapshots(out)] == [4, 2]
-  assert checkpoints.verify(out) == (4, out, '')
+  assert [s for s, _ in snapshots.snapshots(out)] == [4, 2]
+  assert snapshots.verify(out) == (4, out, '')
   # Snapshots are hard links of the same bytes, not copies.
-  top = os.stat(os.path.join(out, checkpoints.WEIGHTS))
-  snap = os.stat(os.path.join(out, 'checkpoints/step-4', checkpoints.WEIGHTS))
+  top = os.stat(os.path.join(out, snapshots.WEIGHTS))
+  snap = os.stat(os.path.join(out, 'checkpoints/step-4', snapshots.WEIGHTS))
   assert top.st_ino == snap.st_ino
 
 
@@ -40,13 +40,13 @@ def test_a_kill_between_the_renames_falls_back_not_mixed(tiny_run, copy_of):
   the weights of a newer step replaced the file (by rename, as Trax does)
   but before the pickle and the manifest."""
   folder = copy_of(tiny_run['out'])
-  weights = os.path.join(folder, checkpoints.WEIGHTS)
+  weights = os.path.join(folder, snapshots.WEIGHTS)
   newer = weights + '.other'
   shutil.copy(
-    os.path.join(folder, 'checkpoints/step-2', checkpoints.WEIGHTS), newer
+    os.path.join(folder, 'checkpoints/step-2', snapshots.WEIGHTS), newer
   )
   os.replace(newer, weights)  # Step-2 bytes under the step-4 pickle.
-  step, used, problem = checkpoints.verify(folder)
+  step, used, problem = snapshots.verify(folder)
   assert step == 4 and used.endswith('step-4')
   assert problem.startswith('model.weights.npy.gz')
   # Chat reads the intact step-4 set; a resume restores it (tested below
@@ -57,12 +57,12 @@ def test_a_kill_between_the_renames_falls_back_not_mixed(tiny_run, copy_of):
 @pytest.mark.parametrize('damage', ['truncated', 'garbage', 'missing'])
 def test_damaged_weights_are_never_resumed_from(damage, tiny_run, copy_of):
   folder = copy_of(tiny_run['out'])
-  path = os.path.join(folder, checkpoints.WEIGHTS)
+  path = os.path.join(folder, snapshots.WEIGHTS)
   if damage == 'truncated':
     # In place, and the newest snapshot shares the file (copy_of copied
     # the links apart; sealing again links them): both are damaged, so
     # the step-2 snapshot is used.
-    checkpoints.seal(folder, 4)
+    snapshots.seal(folder, 4)
     os.truncate(path, os.path.getsize(path) // 2)
     expected_step = 2
   elif damage == 'garbage':
@@ -72,7 +72,7 @@ def test_damaged_weights_are_never_resumed_from(damage, tiny_run, copy_of):
   else:
     os.remove(path)
     expected_step = 4
-  assert checkpoints.verify(folder)[0] == expected_step
+  assert snapshots.verify(folder)[0] == expected_step
   # Reading for chat falls back too, and says so.
   layer_step = decoding.load_run(folder, 'eval')[3]
   assert layer_step == expected_step
@@ -84,8 +84,8 @@ def test_damaged_weights_are_never_resumed_from(damage, tiny_run, copy_of):
 
 def test_nothing_intact_is_refused(tiny_run, copy_of):
   folder = copy_of(tiny_run['out'])
-  shutil.rmtree(os.path.join(folder, checkpoints.SNAPSHOTS))
-  with open(os.path.join(folder, checkpoints.CHECKPOINT), 'r+b') as f:
+  shutil.rmtree(os.path.join(folder, snapshots.SNAPSHOTS))
+  with open(os.path.join(folder, snapshots.CHECKPOINT), 'r+b') as f:
     f.write(b'\0' * 16)
   before = sorted(os.listdir(folder))
   with pytest.raises(UserError, match='the checkpoint is damaged .* no intact'):
@@ -112,25 +112,25 @@ def test_divergence_stops_before_saving(tmp_path, capsys):
   assert 'lr_schedule.peak = 1e+29' in line
   # Every checkpoint on disk is intact, from before the bad step, and
   # holds finite weights.
-  step, used, problem = checkpoints.verify(folder)
+  step, used, problem = snapshots.verify(folder)
   assert step < bad and not problem
   if step:  # A checkpoint from before the bad step, finite weights.
     assert used == folder
     assert decoding.load_run(folder, 'eval')[3] == step
   else:  # The bad step-1 checkpoint was taken back.
-    assert used is None and checkpoints.checkpoint_files(folder) == []
+    assert used is None and snapshots.checkpoint_files(folder) == []
 
 
 def test_a_model_with_nan_weights_is_reported(tiny_run, copy_of):
   from trax import layers as tl
 
   folder = copy_of(tiny_run['out'])
-  meta = checkpoints.read_meta(folder)
-  path = os.path.join(folder, checkpoints.WEIGHTS)
+  meta = snapshots.read_meta(folder)
+  path = os.path.join(folder, snapshots.WEIGHTS)
   flat = tl.np_from_file(path, compresslevel=meta['flat_weights'])
   flat = [np.full_like(w, np.nan) if w.dtype.kind == 'f' else w for w in flat]
   tl.np_to_file(flat, path, compresslevel=meta['flat_weights'])
-  checkpoints.seal(folder, 4)
+  snapshots.seal(folder, 4)
   with pytest.raises(UserError, match='weights contain NaN/inf'):
     decoding.load_run(folder, 'eval')
 

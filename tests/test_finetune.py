@@ -16,7 +16,7 @@ from src.core import safe_pickle
 from src.core.errors import UserError
 from src.data import chatformat, tokenizer
 from src.inference import decoding
-from src.storage import checkpoints, export
+from src.storage import checkpoints, export, snapshots
 from src.training import finetune, trainer
 
 from .conftest import (
@@ -105,7 +105,7 @@ def test_export_gives_the_runs_logits_without_unpickling(
   for name in ('load', 'loads', 'Unpickler'):
     monkeypatch.setattr(pickle, name, no_pickle)
   monkeypatch.setattr(safe_pickle, 'SafeUnpickler', no_pickle)
-  monkeypatch.setattr(checkpoints, 'read_pickle', no_pickle)
+  monkeypatch.setattr(snapshots, 'read_pickle', no_pickle)
   _, _, exp_model, exp_step = decoding.load_run(exported['dir'], 'eval')
   exp_logits = np.asarray(exp_model(tokens))
   monkeypatch.undo()
@@ -153,7 +153,7 @@ def test_finetune_takes_tokenizer_settings_and_weights(
   # The step count and the optimizer start fresh; with learning rate 0
   # the one step left the pretrained weights as they were.
   loop = finetuned['loop']
-  assert loop.step == 1 and checkpoints.latest_step(out) == 1
+  assert loop.step == 1 and snapshots.latest_step(out) == 1
   source, _ = checkpoints.read_export(exported['dir'])
   mine = flat_weights(loop.model)
   assert len(mine) == len(source)

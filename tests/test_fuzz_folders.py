@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from src.core import safe_pickle
 from src.core.errors import UserError
-from src.storage import checkpoints, modelfolder
+from src.storage import checkpoints, modelfolder, snapshots
 
 from .conftest import json_values, reseal_export
 
@@ -192,7 +192,7 @@ def test_fuzz_a_run_checkpoint(pristine, tmp_path_factory, name, edit, inner):
   else:
     data = _edit(data, edit)
   open(path, 'wb').write(data)
-  checkpoints.seal(folder, checkpoints.read_manifest(folder)['step'])
+  snapshots.seal(folder, snapshots.read_manifest(folder)['step'])
   _bounded(lambda: checkpoints.read_weights(folder, 16 << 20))
   _outside_untouched(tmp_path, ['run'])
 

@@ -22,7 +22,7 @@ from src.core import files, safe_pickle
 from src.core.errors import UserError
 from src.data import tokenizer
 from src.inference import decoding
-from src.storage import checkpoints, export
+from src.storage import checkpoints, export, snapshots
 from src.training import trainer
 
 from .conftest import (
@@ -178,7 +178,7 @@ def test_a_checkpoint_pickle_of_the_wrong_shape_is_one_line(
   with gzip.open(tmp_path / 'model.pkl.gz', 'wb') as f:
     pickle.dump(meta, f)
   with pytest.raises(UserError, match=match):
-    checkpoints.read_meta(str(tmp_path))
+    snapshots.read_meta(str(tmp_path))
 
 
 def _pieces_proto(n: int) -> bytes:
@@ -290,7 +290,7 @@ def test_a_malformed_manifest_is_not_trusted(tiny_run, copy_of, change):
   manifest = json.load(open(path))
   change(manifest)
   json.dump(manifest, open(path, 'w'))
-  assert checkpoints.read_manifest(out) is None
+  assert snapshots.read_manifest(out) is None
   # The kept snapshot is intact: exporting uses it, with one note.
   info = export.export(out, out + '-export', log=lambda line: None)
   assert info['step'] == 4
@@ -458,7 +458,7 @@ def test_checkpoint_snapshots_are_hard_links_the_check_allows(
 ):
   out = copy_of(tiny_run['out'])
   shutil.rmtree(os.path.join(out, 'checkpoints'))
-  checkpoints.seal(out, 4)  # Snapshots link the top-level files.
+  snapshots.seal(out, 4)  # Snapshots link the top-level files.
   assert os.stat(os.path.join(out, 'model.pkl.gz')).st_nlink == 2
   assert files.links_inside(out) == []
 
@@ -669,5 +669,5 @@ def test_a_run_saved_big_endian_is_converted_and_scores_the_same(
     for a in arrays:
       np.save(f, a.astype(a.dtype.newbyteorder('>')))
   shutil.rmtree(os.path.join(out, 'checkpoints'))
-  checkpoints.seal(out, 4)
+  snapshots.seal(out, 4)
   assert scoring.evaluate(out, DATA, show_progress=False)['loss'] == before

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from src.core import safe_pickle
 from src.core.errors import UserError
 from src.model import ginconf
-from src.storage import checkpoints
+from src.storage import snapshots
 from src.training import plan, trainer
 from src.training import progress as progress_line
 
@@ -45,7 +45,7 @@ def test_run_writes_checkpoint_tokenizer_and_gin(tiny_run):
     'model.gin',
     'config.gin',
   } <= files
-  assert checkpoints.latest_step(out) == 4
+  assert snapshots.latest_step(out) == 4
   operative = open(os.path.join(out, 'config.gin')).read()
   assert 'ReformerLM.n_layers = 3' in operative
   assert 'lr_schedule.warmup_steps = 2' in operative
@@ -105,7 +105,7 @@ def test_resume_continues_at_the_saved_step(tiny_run, copy_of):
   )
   assert any('resuming from the checkpoint at step 4' in x for x in lines)
   assert any(x.startswith('data:') and '(cached in' in x for x in lines)
-  assert loop.step == 6 and checkpoints.latest_step(out) == 6
+  assert loop.step == 6 and snapshots.latest_step(out) == 6
   train = scalars(os.path.join(out, 'train'))
   assert [s for s, _ in train['metrics/loss']][-2:] == [5, 6]
   lines.clear()
@@ -119,7 +119,7 @@ def test_resume_continues_at_the_saved_step(tiny_run, copy_of):
 
 
 def test_checkpoint_pickles_are_read_safely(tiny_run, tmp_path):
-  meta = checkpoints.read_meta(tiny_run['out'])
+  meta = snapshots.read_meta(tiny_run['out'])
   assert meta['step'] == 4 and meta['input_signature']
 
   class Evil:
@@ -132,7 +132,7 @@ def test_checkpoint_pickles_are_read_safely(tiny_run, tmp_path):
   assert not (tmp_path / 'pwned').exists()
   (tmp_path / 'model.pkl.gz').write_bytes(b'not gzip')
   with pytest.raises(UserError, match='damaged'):
-    checkpoints.read_meta(str(tmp_path))
+    snapshots.read_meta(str(tmp_path))
 
 
 def test_progress_line_shows_rate_and_eta(capsys):
@@ -243,7 +243,7 @@ def test_killed_training_resumes_from_last_checkpoint(tmp_path):
     deadline = time.time() + 300
     while time.time() < deadline:
       if os.path.exists(os.path.join(out, 'model.pkl.gz')) and (
-        checkpoints.latest_step(out) >= 10
+        snapshots.latest_step(out) >= 10
       ):
         break
       time.sleep(0.5)
@@ -252,12 +252,12 @@ def test_killed_training_resumes_from_last_checkpoint(tmp_path):
   finally:
     if proc.poll() is None:
       proc.kill()
-  saved = checkpoints.latest_step(out)
+  saved = snapshots.latest_step(out)
   assert saved >= 10 and saved % 5 == 0
   result = run_script(micro_args(out, saved + 2) + ['--checkpoint-every', '5'])
   assert result.returncode == 0, result.stderr
   assert f'resuming from the checkpoint at step {saved}' in result.stdout
-  assert checkpoints.latest_step(out) == saved + 2
+  assert snapshots.latest_step(out) == saved + 2
 
 
 @pytest.mark.slow
@@ -281,7 +281,7 @@ def test_32k_model_trains_one_step(tmp_path):
     timeout=1800,
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  assert checkpoints.latest_step(out) == 1
+  assert snapshots.latest_step(out) == 1
 
 
 def test_ai_only_loss_reaches_the_batches(tmp_path):
@@ -397,12 +397,12 @@ def test_a_stop_signal_saves_and_the_run_resumes(tmp_path, signum):
       proc.kill()
   name = signal.Signals(signum).name
   assert f'{name}: stopped after step' in rest, rest
-  saved = checkpoints.latest_step(out)
+  saved = snapshots.latest_step(out)
   assert saved >= 1 and f'after step {saved};' in rest
   result = run_script(micro_args(out, saved + 2))
   assert result.returncode == 0, result.stderr
   assert f'resuming from the checkpoint at step {saved}' in result.stdout
-  assert checkpoints.latest_step(out) == saved + 2
+  assert snapshots.latest_step(out) == saved + 2
 
 
 class _Payload:

@@ -28,7 +28,7 @@ from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
 from src.model import ginconf, losses
-from src.storage import checkpoints, curves, modelfolder
+from src.storage import checkpoints, curves, modelfolder, snapshots
 
 PACKAGES = ('trax', 'jax', 'jaxlib', 'sentencepiece', 'safetensors', 'numpy')
 
@@ -126,7 +126,7 @@ def _choose(run_dir: str, step: int | None) -> str:
     raise UserError(
       f'{run_dir} is already an export; copy the folder to share it'
     )
-  latest, folder, problem = checkpoints.verify(run_dir)
+  latest, folder, problem = snapshots.verify(run_dir)
   if folder is None:
     raise UserError(
       f'{run_dir}: no checkpoint; train into it first (python train.py '
@@ -140,10 +140,10 @@ def _choose(run_dir: str, step: int | None) -> str:
     )
   if step is None or step == latest:
     return folder
-  for kept, snap in checkpoints.snapshots(run_dir):
-    if kept == step and checkpoints._check(snap)[0] is not None:
+  for kept, snap in snapshots.snapshots(run_dir):
+    if kept == step and snapshots.check(snap)[0] is not None:
       return snap
-  steps = [kept for kept, _ in checkpoints.snapshots(run_dir)]
+  steps = [kept for kept, _ in snapshots.snapshots(run_dir)]
   raise UserError(
     f'{run_dir}: no intact checkpoint of step {step} (kept: '
     f'{", ".join(map(str, steps)) or "none"}); leave out --step for the '
@@ -198,7 +198,7 @@ def export(
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  run_size = _folder_size(folder, checkpoints.checkpoint_files(folder))
+  run_size = _folder_size(folder, snapshots.checkpoint_files(folder))
   size = _folder_size(out_dir)
   log(
     f'exported step {model.step} of {run_dir} to {out_dir}: '
@@ -212,11 +212,11 @@ def export(
 def _info(run_dir: str, folder: str, model, flat, scalars) -> dict:
   """`export.json`'s facts (the file listing is added once written)."""
   step, tok = model.step, model.tok
-  manifest = checkpoints.read_manifest(folder) or {}
+  manifest = snapshots.read_manifest(folder) or {}
   # The last evaluation: the curves hold the final one, which the
   # checkpoint's history (saved first) may not.
   logged = curves.last_eval(scalars)
-  evaluated = _last_eval(checkpoints.read_meta(folder) or {})
+  evaluated = _last_eval(snapshots.read_meta(folder) or {})
   if logged and (not evaluated or logged[0] > evaluated[0]):
     evaluated = logged
   return {
@@ -275,11 +275,11 @@ def _write(tmp, run_dir, out_dir, model, flat, info, scalars):
   info['files'] = {
     name: {
       'size': os.path.getsize(os.path.join(tmp, name)),
-      'sha256': checkpoints._sha256(os.path.join(tmp, name)),
+      'sha256': snapshots.sha256(os.path.join(tmp, name)),
     }
     for name in sorted(os.listdir(tmp))
   }
-  checkpoints._write_json(os.path.join(tmp, checkpoints.EXPORT_META), info)
+  snapshots.write_json(os.path.join(tmp, checkpoints.EXPORT_META), info)
   for name in os.listdir(tmp):  # Readable by others: it is for sharing.
     os.chmod(os.path.join(tmp, name), 0o644)
 

@@ -23,7 +23,7 @@ from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import chatformat, tokenizer
 from src.model import ginconf, preflight
-from src.storage import checkpoints, curves
+from src.storage import checkpoints, curves, snapshots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,7 @@ def _load(path, kind, what, bindings, checkpoint, check_memory, export_meta):
   are checked (and pinned)."""
   gin_path = os.path.join(path, rundir.MODEL_GIN)
   if not os.path.lexists(gin_path):
-    if kind == 'run' and not checkpoints.exists(path):
+    if kind == 'run' and not snapshots.exists(path):
       raise UserError(
         f'{gin_path}: missing; {what} holds no model (no checkpoint in that '
         'folder): train into it first (python train.py --out-dir '

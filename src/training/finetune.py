@@ -22,7 +22,7 @@ from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
 from src.model import ginconf, reformer
-from src.storage import checkpoints, modelfolder
+from src.storage import checkpoints, modelfolder, snapshots
 
 INIT_FILE = rundir.INIT
 # Settings that may differ from the pretrained model's.
@@ -107,12 +107,12 @@ def plan(settings, out_dir: str) -> Plan | None:
       'give another --out-dir'
     )
   record = read_record(out_dir)
-  if checkpoints.exists(out_dir):
+  if snapshots.exists(out_dir):
     if record is None:
       if settings['init-from']:
         raise UserError(
           f'{out_dir} already holds a run trained from scratch (step '
-          f'{checkpoints.latest_step(out_dir)}); fine-tune into a new '
+          f'{snapshots.latest_step(out_dir)}); fine-tune into a new '
           'out-dir'
         )
       return None

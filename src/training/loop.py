@@ -16,7 +16,7 @@ from trax.supervised import training as trax_training
 from src.core.signals import StopSignals
 from src.model import losses
 from src.runtime import heap
-from src.storage import checkpoints
+from src.storage import snapshots
 from src.training import callbacks, distributed
 from src.training.callbacks import Diverged
 from src.training.progress import Progress
@@ -245,7 +245,7 @@ class JadeLoop(trax_training.Loop):
       raise Diverged(self.step, 'the weights hold NaN/inf')
     super().save_checkpoint(basename)
     if basename == 'model' and self.is_chief:
-      checkpoints.seal(
+      snapshots.seal(
         self.output_dir, self.step, self._keep, {'tokens': int(self._tokens)}
       )
       self._progress.message(

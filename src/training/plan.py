@@ -19,7 +19,7 @@ from src.core import files
 from src.core.errors import UserError
 from src.data import chatformat, corpus, tokenizer, windows
 from src.model import ginconf, preflight
-from src.storage import checkpoints
+from src.storage import snapshots
 from src.training import distributed, finetune
 
 
@@ -173,7 +173,7 @@ def _resume_point(setup, out_dir: str, leader: dict | None):
     return leader['start'], None, None
   ginconf.check_same_as_saved(setup, out_dir)
   # May raise. A damaged checkpoint gives a snapshot folder.
-  return checkpoints.verify(out_dir)
+  return snapshots.verify(out_dir)
 
 
 def _with_values(s: Section, values: dict) -> Section:

@@ -22,7 +22,7 @@ from src.core import files, rundir, runlock, safe_pickle
 from src.core.errors import UserError
 from src.core.signals import StopSignals
 from src.model import ginconf, losses, preflight, reformer
-from src.storage import checkpoints, modelfolder
+from src.storage import checkpoints, modelfolder, snapshots
 from src.training import callbacks, distributed, finetune, samples
 from src.training import plan as run_plan
 from src.training.loop import Diverged, JadeLoop, StopRequested
@@ -167,7 +167,7 @@ def _write_run_files(plan: run_plan.RunPlan, cluster, log) -> str | None:
       f'({plan.checkpoint_damage}); resuming from the intact one at step '
       f'{start} ({plan.checkpoint_folder}) instead'
     )
-    checkpoints.restore(out_dir, plan.checkpoint_folder)
+    snapshots.restore(out_dir, plan.checkpoint_folder)
   if start:
     log(f'resuming from the checkpoint at step {start} in {out_dir}')
   if cluster.chief:
@@ -254,7 +254,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
       signals=StopSignals(),
       keep_checkpoints=s['keep-checkpoints'],
       tokens_before=(
-        (checkpoints.read_manifest(out_dir) or {}).get('tokens', 0)
+        (snapshots.read_manifest(out_dir) or {}).get('tokens', 0)
         if cluster.chief
         else 0
       ),
@@ -295,7 +295,7 @@ def _checked_checkpoint(plan, cluster):
   limit = 2 * preflight.weight_file_bytes(plan.gin, plan.tokenizer.vocab_size)
   checked = {}
   if plan.start_step and cluster.chief:
-    checkpoints.verify(plan.settings['out-dir'], keep=checked)
+    snapshots.verify(plan.settings['out-dir'], keep=checked)
   with safe_pickle.weights_limit(limit), files.pinned(checked):
     yield
 
@@ -332,7 +332,7 @@ def _run_until_done(loop: JadeLoop, plan, progress: Progress):
   except Diverged as d:
     _diverged(d, out_dir, progress)
   except KeyboardInterrupt:
-    saved = checkpoints.latest_step(out_dir)
+    saved = snapshots.latest_step(out_dir)
     progress.message(
       f'interrupted at step {loop.step}; '
       + (
@@ -348,9 +348,9 @@ def _run_until_done(loop: JadeLoop, plan, progress: Progress):
 
 
 def _diverged(d: Diverged, out_dir: str, progress: Progress):
-  saved = checkpoints.latest_step(out_dir)
+  saved = snapshots.latest_step(out_dir)
   if d.saved_bad and saved == d.step:
-    saved = checkpoints.discard(out_dir, d.step)
+    saved = snapshots.discard(out_dir, d.step)
   progress.message(
     f'error: training diverged at step {d.step}: {d.what}. Nothing was '
     f'saved at that step; the last good checkpoint is '
