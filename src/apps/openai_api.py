@@ -80,23 +80,9 @@ def _content(message: dict, i: int) -> str:
   raise ApiError(400, 'content must be a string', f'messages[{i}].content')
 
 
-def parse_job(
-  body, model_id: str, max_len: int, defaults: sampling.SamplingSettings
-) -> Job:
-  """Checks a chat-completions body (what it leaves out is taken from
-  `defaults`, the server's command line); raises `ApiError` (400, 404)."""
-  if not isinstance(body, dict):
-    raise ApiError(400, 'the body must be a JSON object')
-  model = body.get('model', model_id)
-  if model != model_id:
-    raise ApiError(
-      404,
-      f'the model {model!r} does not exist; this server serves '
-      f'{model_id!r} (GET /v1/models)',
-      'model',
-      'invalid_request_error',
-    )
-  raw = body.get('messages')
+def _messages(raw) -> tuple[list[tuple[str, str]], int]:
+  """The conversation `(role, content)` in order, and how many system
+  messages were dropped; the last one must be the user's."""
   if not isinstance(raw, list) or not raw:
     raise ApiError(400, 'messages must be a non-empty list', 'messages')
   if len(raw) > MAX_MESSAGES:
@@ -118,6 +104,46 @@ def parse_job(
     messages.append((ROLES[role], _content(m, i)))
   if not messages or messages[-1][0] != chatformat.USER:
     raise ApiError(400, 'the last message must be from the user', 'messages')
+  return messages, dropped
+
+
+def _settings(body: dict, defaults, max_tokens: int, seed):
+  """The sampling settings the body asks for (the rest `defaults`)."""
+  settings = sampling.SamplingSettings(
+    temperature=_number(body, 'temperature', float, defaults.temperature),
+    top_p=_number(body, 'top_p', float, defaults.top_p),
+    top_k=_number(body, 'top_k', int, defaults.top_k),
+    repetition_penalty=_number(
+      body, 'repetition_penalty', float, defaults.repetition_penalty
+    ),
+    repetition_window=defaults.repetition_window,
+    max_new_tokens=max_tokens,
+    seed=seed or 0,
+  )
+  try:
+    settings.check()
+  except UserError as e:
+    raise ApiError(400, str(e)) from None
+  return settings
+
+
+def parse_job(
+  body, model_id: str, max_len: int, defaults: sampling.SamplingSettings
+) -> Job:
+  """Checks a chat-completions body (what it leaves out is taken from
+  `defaults`, the server's command line); raises `ApiError` (400, 404)."""
+  if not isinstance(body, dict):
+    raise ApiError(400, 'the body must be a JSON object')
+  model = body.get('model', model_id)
+  if model != model_id:
+    raise ApiError(
+      404,
+      f'the model {model!r} does not exist; this server serves '
+      f'{model_id!r} (GET /v1/models)',
+      'model',
+      'invalid_request_error',
+    )
+  messages, dropped = _messages(body.get('messages'))
   n = _number(body, 'n', int, 1)
   if n != 1:
     raise ApiError(400, 'n must be 1: one reply per request', 'n')
@@ -140,21 +166,7 @@ def parse_job(
     isinstance(seed, bool) or not isinstance(seed, int) or seed < 0
   ):
     raise ApiError(400, 'seed must be a whole number of 0 or more', 'seed')
-  settings = sampling.SamplingSettings(
-    temperature=_number(body, 'temperature', float, defaults.temperature),
-    top_p=_number(body, 'top_p', float, defaults.top_p),
-    top_k=_number(body, 'top_k', int, defaults.top_k),
-    repetition_penalty=_number(
-      body, 'repetition_penalty', float, defaults.repetition_penalty
-    ),
-    repetition_window=defaults.repetition_window,
-    max_new_tokens=max_tokens,
-    seed=seed or 0,
-  )
-  try:
-    settings.check()
-  except UserError as e:
-    raise ApiError(400, str(e)) from None
+  settings = _settings(body, defaults, max_tokens, seed)
   stop = body.get('stop')
   stop = [stop] if isinstance(stop, str) else stop or []
   if not (

@@ -459,6 +459,25 @@ def check_host(host: str, api_key: str | None, open_without_key: bool):
     )
 
 
+def _check_slots(decoder: Decoder, slots: int, log):
+  """Refuses `--slots` whose kept states would take more than half the
+  memory available; states what each takes."""
+  import psutil
+
+  each = state_bytes(decoder)
+  free = psutil.virtual_memory().available
+  if (slots - 1) * each > free // 2:
+    raise UserError(
+      f'--slots {slots}: {slots - 1} kept conversations of '
+      f'{each / 2**20:.0f} MB each would take more than half the '
+      f'{free / 2**30:.1f} GB of memory available; use fewer slots'
+    )
+  log(
+    f'{slots} conversations kept at once, {each / 2**20:.1f} MB of decoder '
+    'state each'
+  )
+
+
 def serve(
   decoder: Decoder,
   model_id: str,
@@ -499,20 +518,7 @@ def serve(
   if getattr(decoder, 'curves', None):
     log(f'how it trained: {decoder.curves}')
   if slots > 1:
-    import psutil
-
-    each = state_bytes(decoder)
-    free = psutil.virtual_memory().available
-    if (slots - 1) * each > free // 2:
-      raise UserError(
-        f'--slots {slots}: {slots - 1} kept conversations of '
-        f'{each / 2**20:.0f} MB each would take more than half the '
-        f'{free / 2**30:.1f} GB of memory available; use fewer slots'
-      )
-    log(
-      f'{slots} conversations kept at once, {each / 2**20:.1f} MB of decoder '
-      'state each'
-    )
+    _check_slots(decoder, slots, log)
   if not _loopback(host):
     log(
       f'note: {host} is reachable from other machines; anyone who can '
