@@ -117,57 +117,8 @@ PAIRS = 63  # --pairs: key/value pairs per recall sequence (at most 63).
 def batches(rng, batch: int, length: int):
   """Endless `(inputs, targets, weights)` of `--task`'s sequences."""
   if TASK == 'recall':
-    return recall_batches(rng, batch, length, PAIRS)
-  return duplication_batches(rng, batch, length)
-
-
-def recall_batches(rng, batch: int, length: int, pairs: int = 63):
-  """Associative recall, the clean form of "look the fact up".
-
-  `0 k1 v1 ... kn vn 0 q1 a1 ... qn an`: n pairs (`pairs`, at most
-  (length / 2 - 1) // 2 and 63) of a key (1..63, each at most once) and a
-  value (64..127, drawn at random), then every key asked once in another
-  random order, each followed by its value; zero padding fills each half
-  to `length / 2`. A position holding a question key must predict the
-  value that followed that key earlier: the value is found by the content
-  of the token *before* it, an induction lookup (one block gathers the
-  previous token into the value's position, a later block matches the
-  question against it), at distances of `length / 2 - 2n` tokens or more.
-  Position alone cannot solve it, and one block alone cannot either.
-
-  Yields `[batch, length]` int32 inputs and targets (the same: the model
-  shifts its inputs right itself) and `[batch, length]` float32 weights,
-  1.0 on the answers `a_i`. Chance: 1/64.
-  """
-  half = length // 2
-  n = min((half - 1) // 2, pairs, 63)
-  weights = np.zeros((batch, length), np.float32)
-  weights[:, half + 2 : half + 2 + 2 * n : 2] = 1.0
-  while True:
-    seq = np.zeros((batch, length), np.int32)
-    for b in range(batch):
-      keys = rng.permutation(63)[:n] + 1
-      values = rng.integers(64, VOCAB, n)
-      seq[b, 1 : 1 + 2 * n : 2] = keys
-      seq[b, 2 : 2 + 2 * n : 2] = values
-      order = rng.permutation(n)
-      seq[b, half + 1 : half + 1 + 2 * n : 2] = keys[order]
-      seq[b, half + 2 : half + 2 + 2 * n : 2] = values[order]
-    yield seq, seq, weights
-
-
-def duplication_batches(rng, batch: int, length: int):
-  """Endless `(inputs, targets, weights)`: `[batch, length]` int32 twice
-  (the model shifts its inputs right itself) and `[batch, length]` float32,
-  1.0 on the second copy's symbols."""
-  n = length // 2 - 1
-  weights = np.zeros((batch, length), np.float32)
-  weights[:, length // 2 + 1 :] = 1.0
-  while True:
-    w = rng.integers(1, VOCAB, (batch, n)).astype(np.int32)
-    zero = np.zeros((batch, 1), np.int32)
-    seq = np.concatenate([zero, w, zero, w], axis=1)
-    yield seq, seq, weights
+    return symbols.recall_batches(rng, batch, length, PAIRS)
+  return symbols.duplication_batches(rng, batch, length)
 
 
 def model_bindings(length: int, layers, hashes: int) -> list[str]:

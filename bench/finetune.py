@@ -10,7 +10,7 @@
    start's, with dropout 0.1) is run into WORK/pretrained. It is
    exported (`python -m src.apps.export`).
 2. The user's chats: `--data` (default data/persona: a dozen facts about
-   one person, Robin, each asked three ways, 40 conversations). `FACTS`
+   one person, Robin, each asked three ways, 40 conversations). `persona.FACTS`
    below also asks each fact a fourth way that is never trained on; as
    conversations, those paraphrases are the held-out data.
 3. Fine-tuned: the README's recipe, `train.py --init-from` the export
@@ -45,117 +45,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from src.analysis import persona  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (keywords naming the fact, the prompts data/persona trains on, a
 # paraphrase it never sees, the paraphrase's answer for the held-out loss).
-FACTS = (
-  (
-    ('robin',),
-    ('What is your name?', "What's your name?", 'Who are you?'),
-    'What should I call you?',
-    'Call me Robin.',
-  ),
-  (
-    ('lisbon',),
-    ('Where do you live?', 'Which city do you live in?', 'Where is your home?'),
-    'What city are you from?',
-    'I am from Lisbon.',
-  ),
-  (
-    ('nurse', 'hospital'),
-    ('What do you do for a living?', 'What is your job?', 'Where do you work?'),
-    'What is your work?',
-    'I am a nurse.',
-  ),
-  (
-    ('pixel',),
-    (
-      'Do you have a pet?',
-      "What is your cat's name?",
-      'Do you have any animals?',
-    ),
-    'Tell me about your pet.',
-    'My cat Pixel is grey and lazy.',
-  ),
-  (
-    ('pancakes',),
-    (
-      'What is your favourite food?',
-      'What do you like to eat?',
-      'What is your favorite meal?',
-    ),
-    'Which food do you like best?',
-    'Pancakes.',
-  ),
-  (
-    ('climbing',),
-    (
-      'What is your hobby?',
-      'What do you do for fun?',
-      'What do you do on weekends?',
-    ),
-    'Do you have any hobbies?',
-    'Yes, rock climbing.',
-  ),
-  (
-    ('cello',),
-    (
-      'Do you play an instrument?',
-      'Do you play music?',
-      'What instrument do you play?',
-    ),
-    'Can you play any music?',
-    'I play the cello.',
-  ),
-  (
-    ('maya',),
-    (
-      'Do you have any siblings?',
-      "What is your sister's name?",
-      'Do you have a brother or a sister?',
-    ),
-    'Do you have a sister?',
-    'Yes, Maya.',
-  ),
-  (
-    ('march',),
-    ('When is your birthday?', 'When were you born?', 'What is your birthday?'),
-    'What day is your birthday?',
-    'The twelfth of March.',
-  ),
-  (
-    ('orange',),
-    (
-      'What is your favourite colour?',
-      'What is your favorite color?',
-      'Which colour do you like best?',
-    ),
-    'Do you have a favourite colour?',
-    'Orange.',
-  ),
-  (
-    ('bicycle', 'bike'),
-    (
-      'How do you get to work?',
-      'Do you have a car?',
-      'How do you travel around the city?',
-    ),
-    'Do you drive to work?',
-    'No, I ride my bicycle.',
-  ),
-  (
-    ('hobbit',),
-    (
-      'What is your favourite book?',
-      'What book do you like?',
-      'What are you reading?',
-    ),
-    'What is the best book you have read?',
-    'The Hobbit.',
-  ),
-)
-
 OWN_PROMPTS = 200  # Of the pretrained model's training prompts.
 
 # The README's fine-tuning recipe (with --replay the pretraining data).
@@ -200,7 +95,7 @@ def write_paraphrases(folder: str) -> str:
   os.makedirs(folder, exist_ok=True)
   path = os.path.join(folder, 'paraphrases.txt')
   with open(path, 'w') as f:
-    for _, _, question, answer in FACTS:
+    for _, _, question, answer in persona.FACTS:
       f.write(f'{question}\n|aigenerationstart| {answer} |endofgeneration|\n\n')
   return path
 
@@ -215,11 +110,13 @@ def measure(model_dir: str, words: set[str], own):
   decoder = decoding.Decoder.load(model_dir)
   out = {'step': decoder.step}
   for name, prompts in (
-    ('first', [f[1][0] for f in FACTS]),
-    ('trained', [p for f in FACTS for p in f[1]]),
-    ('paraphrased', [f[2] for f in FACTS]),
+    ('first', [f[1][0] for f in persona.FACTS]),
+    ('trained', [p for f in persona.FACTS for p in f[1]]),
+    ('paraphrased', [f[2] for f in persona.FACTS]),
   ):
-    keys = [f[0] for f in FACTS for _ in (f[1] if name == 'trained' else [0])]
+    keys = [
+      f[0] for f in persona.FACTS for _ in (f[1] if name == 'trained' else [0])
+    ]
     replies = cq.greedy_replies(decoder, prompts)
     out[name] = [
       (p, r, cq.knows(r, k)) for p, (r, _), k in zip(prompts, replies, keys)

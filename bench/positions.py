@@ -35,12 +35,11 @@ import math
 import os
 import sys
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench import common  # noqa: E402
+from src.analysis import recall  # noqa: E402
 
 D_MODEL = 128  # gin/tiny.gin's.
 VARIANTS = {
@@ -54,20 +53,6 @@ VARIANTS = {
   # without the hashing.
   'shared-qk': ['SelfAttention.share_qk = True'],
 }
-
-
-def echo_conversations(n: int, seed: int = 0) -> list:
-  """`n` conversations of six "Repeat WORD." / "WORD" pairs."""
-  rng = np.random.default_rng(seed)
-  values = [v for _, _, vs in common.FACTS.values() for v in vs]
-  convs = []
-  for _ in range(n):
-    turns = []
-    for _ in range(6):
-      v = values[int(rng.integers(len(values)))]
-      turns += [('user', f'Repeat {v}.'), ('ai', v)]
-    convs.append(turns)
-  return convs
 
 
 def eval_curve(run_dir) -> dict:
@@ -101,7 +86,9 @@ def main(argv=None):
   os.makedirs(args.work, exist_ok=True)
   data = os.path.join(args.work, 'echo.txt')
   with open(data, 'w', encoding='utf-8') as f:
-    f.write(common.to_text(echo_conversations(3000), chatformat.Markers()))
+    f.write(
+      recall.to_text(recall.echo_conversations(3000), chatformat.Markers())
+    )
     f.write('\n')
   report = {'steps': args.steps, 'runs': {}}
   for attention in args.attention.split(','):

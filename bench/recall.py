@@ -37,7 +37,6 @@ there). Results in WORK_DIR/recall.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -46,108 +45,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (  # noqa: E402
-  FACTS,
-  to_text,
-  train,
-)
-from src.analysis.lsh_views import in_view, recording_buckets  # noqa: E402
-
-ACK = 'Okay, I will remember that.'
-
-
-@dataclasses.dataclass
-class Sample:
-  turns: list[tuple[str, str]]  # (role, text), the answer last
-  answer: str
-  kind: str
-  distance: int  # Tokens between the fact's end and the question.
-
-
-def make_sample(rng, filler, distance: int, count, with_fact: bool = True):
-  """One conversation of the task.
-
-  Args:
-    rng: A NumPy Generator.
-    filler: Conversations (`chatformat.Conversation`) to draw turns from.
-    distance: At least this many tokens of filler between fact and question.
-    count: `(role, text) -> tokens` the turn takes in the context.
-    with_fact: False for the no-fact baseline (the statement and its
-      acknowledgement are left out; the filler and question are the same).
-  """
-  kind = list(FACTS)[int(rng.integers(len(FACTS)))]
-  statement, question, values = FACTS[kind]
-  value = values[int(rng.integers(len(values)))]
-  turns = []
-  if with_fact:
-    turns += [('user', statement.format(value)), ('ai', ACK)]
-  used = 0
-  while used < distance:
-    conv = filler[int(rng.integers(len(filler)))]
-    if not conv.turns or conv.turns[0].role != 'user':
-      continue  # Keep user/AI alternating.
-    for t in conv.turns:
-      turns.append((t.role, t.text))
-      used += count(t.role, t.text)
-    if turns[-1][0] == 'user':  # Keep user/AI alternating.
-      turns.append(('ai', ACK))
-      used += count('ai', ACK)
-  turns += [('user', question), ('ai', value)]
-  return Sample(turns, value, kind, used)
-
-
-def _filler_turns(rng, filler):
-  """One whole filler conversation's turns, user first and AI last."""
-  while True:
-    conv = filler[int(rng.integers(len(filler)))]
-    if conv.turns and conv.turns[0].role == 'user':
-      break
-  turns = [(t.role, t.text) for t in conv.turns]
-  if turns[-1][0] == 'user':  # Keep user/AI alternating.
-    turns.append(('ai', ACK))
-  return turns
-
-
-def make_training_conversation(rng, filler, length: int, count, asks=1):
-  """A training conversation of about `length` tokens holding every kind.
-
-  Each kind of fact is stated once at a random point and asked `asks`
-  times at random later points (the answer is the stated value), with
-  whole real conversations between: one window carries several examples of
-  the skill at distances from a few tokens to about `length`.
-
-  Args:
-    rng: A NumPy Generator.
-    filler: Conversations (`chatformat.Conversation`) to draw turns from.
-    length: Tokens of filler in all (as `count` counts them).
-    count: `(role, text) -> tokens` the turn takes in the context.
-
-  Returns:
-    `(turns, asked)`: `(role, text)` pairs, and `(kind, value, distance)`
-    for each question, distance in filler tokens since the statement.
-  """
-  events = []
-  for kind in FACTS:
-    said = float(rng.uniform(0, 0.8 * length))
-    events.append((said, 0, kind))
-    for _ in range(asks):
-      events.append((float(rng.uniform(said, length)), 1, kind))
-  events.sort()
-  values = {k: v[2][int(rng.integers(len(v[2])))] for k, v in FACTS.items()}
-  turns, asked, used, said_at = [], [], 0, {}
-  for at, is_question, kind in events:
-    while used < at:
-      for role, text in _filler_turns(rng, filler):
-        turns.append((role, text))
-        used += count(role, text)
-    statement, question, _ = FACTS[kind]
-    if is_question:
-      turns += [('user', question), ('ai', values[kind])]
-      asked.append((kind, values[kind], used - said_at[kind]))
-    else:
-      turns += [('user', statement.format(values[kind])), ('ai', ACK)]
-      said_at[kind] = used
-  return turns, asked
+from bench.common import train  # noqa: E402
+from src.analysis import recall as task  # noqa: E402
 
 
 def filler_conversations(work: str):
@@ -158,147 +57,6 @@ def filler_conversations(work: str):
   if not os.path.isdir(folder):
     convert.main(['chatterbot', 'english', folder, '--trim'])
   return chatformat.read_data(folder)
-
-
-def write_training_set(path, filler, n, length, seed=0, loss='ai', asks=1):
-  """`n` conversations (`make_training_conversation`), each with about
-  `length` tokens of filler (estimated at 4 characters a token; the run's
-  tokenizer measures distances when scoring); `loss` as in `to_text`.
-  Returns the distances asked."""
-  from src.data import chatformat
-
-  rng = np.random.default_rng(seed)
-  convs, distances = [], []
-  for _ in range(n):
-    turns, asked = make_training_conversation(
-      rng,
-      filler,
-      int(rng.integers(length // 4, length + 1)),
-      lambda r, t: len(t) // 4 + 2,
-      asks,
-    )
-    convs.append(turns)
-    distances += [d for _, _, d in asked]
-  with open(path, 'w', encoding='utf-8') as f:
-    f.write(to_text(convs, chatformat.Markers(), loss) + '\n')
-  return distances
-
-
-def score(run, filler, distances, samples, n_hashes=None, seed=1):
-  """Exact-match share of greedy answers by distance (and no fact).
-
-  Teacher-forced: the whole conversation goes through the eval-mode model
-  once, and an answer counts when the most likely token at each of its
-  positions (its words and the end marker, after the AI start marker) is
-  the answer's: exactly when greedy decoding would write the answer and
-  stop (one forward pass per sample instead of a decoding loop).
-  """
-  import jax
-
-  from src.data import chatformat
-  from src.inference import decoding, generate, scoring
-
-  bindings = []
-  if n_hashes is not None:
-    bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
-  setup, tok, layer, _ = decoding.load_run(run, 'eval', bindings)
-  max_len = setup.max_len
-  buckets = []  # Each LSH layer's and head's buckets, in call order.
-  with recording_buckets(buckets):  # Traced (and so recorded) once here.
-    forward = scoring.forward_fn(layer)
-    jax.block_until_ready(forward(np.zeros((1, max_len), np.int32)))
-  lsh = bool(buckets)  # Full attention records nothing.
-  if lsh:
-    chunk_len = int(setup.attention['chunk_len'])
-    before = int(setup.attention['n_chunks_before'])
-
-  def ids_of(role, text):
-    return tok.encode_turn(chatformat.Turn(role, text, '', 0))
-
-  def count(role, text):
-    return len(ids_of(role, text))
-
-  # First token of each value (after the AI start marker), by kind.
-  first_ids = {
-    kind: sorted({ids_of('ai', v)[1] for v in values})
-    for kind, (_, _, values) in FACTS.items()
-  }
-  rng = np.random.default_rng(seed)
-  view_rng = np.random.default_rng(seed + 1)  # Keeps `rng`'s samples.
-  key = jax.random.PRNGKey(seed)
-  results = {}
-  for d in [*distances, 'no fact']:
-    hits, measured, pieces, kind_mass, value_prob = 0, [], [], [], []
-    seen_value, seen_question, seen_random = [], [], []
-    for _ in range(samples):
-      distance = distances[-1] if d == 'no fact' else d
-      while True:  # A sample that fits the context whole.
-        s = make_sample(rng, filler, distance, count, d != 'no fact')
-        ids = list(generate.START)
-        for r, t in s.turns:
-          ids += ids_of(r, t)
-        if len(ids) <= max_len:
-          break
-      answer = ids_of('ai', s.answer)
-      first = len(ids) - len(answer) + 1  # After the AI start marker.
-      x = np.zeros((1, max_len), np.int32)
-      x[0, : len(ids)] = ids
-      key, sub = jax.random.split(key)
-      buckets.clear()
-      logits = forward(x, sub)
-      if lsh and d != 'no fact':
-        jax.block_until_ready(logits)
-        # Input positions are the ids' shifted by one (the model's
-        # ShiftRight): the answer's query sits at `first`.
-        statement = ids_of(*s.turns[0])
-        value_at = len(generate.START) + statement.index(ids[first]) + 1
-        question = ids_of(*s.turns[-2])
-        asked_at = range(first - len(question), first)
-        layers = {}  # Layer -> what some head of it may attend to.
-        for i, b in buckets:
-          for head in np.atleast_2d(b):  # Vectorized heads come together.
-            seen = in_view(head, max_len, chunk_len, before, first)
-            layers[i] = layers.get(i, set()) | seen
-        layers = [layers[i] for i in sorted(layers)]
-        # The same with buckets drawn at random (what hashing gives when
-        # queries and keys are unrelated), for each head of a layer.
-        n_buckets, rounds = int(setup.attention['n_buckets']), n_hashes or 1
-        random = set()
-        for _ in range(int(setup.model['n_heads'])):
-          b = view_rng.integers(0, n_buckets, (rounds, max_len))
-          b = (b + n_buckets * np.arange(rounds)[:, None]).reshape(-1)
-          random |= in_view(b, max_len, chunk_len, before, first)
-        seen_random.append(value_at in random)
-        seen_value.append([value_at in v for v in layers])
-        seen_question.append([any(a in v for a in asked_at) for v in layers])
-      guess = np.asarray(logits[0, first : len(ids)]).argmax(-1)
-      right = guess == np.asarray(ids[first:])
-      hits += bool(right.all())
-      pieces.append(float(right[:-1].mean()))  # The value's own tokens.
-      # Where the value's first token is predicted: the probability on
-      # the asked kind's values (knows what is asked: the question is
-      # right there) and on the stated value (found the fact).
-      p = np.asarray(jax.nn.softmax(logits[0, first].astype(np.float32)))
-      kind_mass.append(float(p[first_ids[s.kind]].sum()))
-      value_prob.append(float(p[ids[first]]))
-      measured.append(s.distance)
-    results[str(d)] = {
-      'accuracy': hits / samples,
-      # Share of the value's tokens predicted right: shows partial recall
-      # (a name's first letters) that exact match does not.
-      'token_accuracy': float(np.mean(pieces)),
-      'kind_mass': float(np.mean(kind_mass)),
-      'value_probability': float(np.mean(value_prob)),
-      'mean_distance': float(np.mean(measured)),
-    }
-    if seen_value:
-      # Per LSH layer: the share of samples where the answer's query could
-      # attend to the stated value (some head, some hash round), and to
-      # the question's tokens right before it.
-      results[str(d)]['value_in_view'] = np.mean(seen_value, 0).tolist()
-      results[str(d)]['question_in_view'] = np.mean(seen_question, 0).tolist()
-      results[str(d)]['value_in_view_at_random'] = float(np.mean(seen_random))
-  return results
 
 
 def main(argv=None):
@@ -355,7 +113,7 @@ def main(argv=None):
   data = os.path.join(args.work, 'recall-train.txt')
   # The questions and statements take the rest of the context.
   room = args.spread or args.context - 256
-  asked = write_training_set(
+  asked = task.write_training_set(
     data, filler, args.train_samples, room, loss=args.loss, asks=args.asks
   )
   print(
@@ -411,57 +169,13 @@ def main(argv=None):
       name = attention if h is None else f'lsh, {h} hash(es)'
       report['runs'][name] = {
         'train_seconds': round(seconds),
-        'by_distance': score(run, filler, distances, args.samples, h),
+        'by_distance': task.score(run, filler, distances, args.samples, h),
       }
       print(json.dumps({name: report['runs'][name]}), flush=True)
   with open(os.path.join(args.work, 'recall.json'), 'w') as f:
     json.dump(report, f, indent=2)
-  print('\n'.join(table(report, distances)))
+  print('\n'.join(task.table(report, distances)))
   return 0
-
-
-def table(report, distances) -> list[str]:
-  """Markdown rows: per distance, exact answers, then the probability of
-  the stated value and (in brackets) on the asked kind's values."""
-  head = [str(d) for d in distances] + ['no fact']
-  lines = [
-    '| model | ' + ' | '.join(head) + ' |',
-    '|-|' + '-|' * len(head),
-  ]
-  for name, r in report['runs'].items():
-    cells = []
-    for h in head:
-      c = r['by_distance'][h]
-      cells.append(
-        f'{100 * c["accuracy"]:.0f}% · {c["value_probability"]:.2f} '
-        f'({c["kind_mass"]:.2f})'
-      )
-    lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
-  # LSH: could the answer's query attend to the fact at all?
-  views = [
-    (name, r)
-    for name, r in report['runs'].items()
-    if 'value_in_view' in r['by_distance'][head[0]]
-  ]
-  if views:
-    lines += [
-      '',
-      '| value in view, by layer (random buckets); question in view | '
-      + ' | '.join(head[:-1])
-      + ' |',
-      '|-|' + '-|' * (len(head) - 1),
-    ]
-    for name, r in views:
-      cells = []
-      for h in head[:-1]:
-        c = r['by_distance'][h]
-        cells.append(
-          '/'.join(f'{100 * v:.0f}%' for v in c['value_in_view'])
-          + f' ({100 * c["value_in_view_at_random"]:.0f}%); '
-          + '/'.join(f'{100 * v:.0f}%' for v in c['question_in_view'])
-        )
-      lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
-  return lines
 
 
 if __name__ == '__main__':

@@ -8,8 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import common
-from src.analysis import lsh_views
+from src.analysis import lsh_views, persona, recall, symbols
 
 from .conftest import DATA, ROOT
 
@@ -56,10 +55,6 @@ def test_prepare_corpus_smoke(tmp_path):
   assert 'hit=True' in result.stdout
 
 
-def load_bench(name):
-  return importlib.import_module(f'bench.{name}')
-
-
 def test_chat_quality_metrics():
   from src.analysis import chat_quality as q
 
@@ -99,13 +94,13 @@ def test_english_share_knows_and_sensible():
 
 
 def test_persona_facts_match_the_shipped_chats():
-  """bench/finetune.py's facts are what data/persona trains: every trained
+  """src/analysis/persona.py's facts are what data/persona trains: every trained
   way of asking opens a conversation whose answer names the fact, and no
   paraphrase is in the data."""
   from src.analysis import chat_quality as q
   from src.data import chatformat
 
-  facts = load_bench('finetune').FACTS
+  facts = persona.FACTS
   assert len(facts) == 12
   convs = chatformat.read_data(os.path.join(ROOT, 'data', 'persona'))
   assert 36 <= len(convs) <= 45
@@ -136,7 +131,7 @@ def test_chat_quality_scores_a_trained_model(tiny_run):
 
 
 def test_recall_samples_hold_the_fact_once_at_the_distance_asked():
-  q = load_bench('recall')
+  q = recall
   from src.data import chatformat
 
   filler = chatformat.read_data(DATA)
@@ -147,7 +142,7 @@ def test_recall_samples_hold_the_fact_once_at_the_distance_asked():
 
   for distance in (0, 50, 400):
     s = q.make_sample(rng, filler, distance, count)
-    statement, question, values = common.FACTS[s.kind]
+    statement, question, values = recall.FACTS[s.kind]
     assert s.answer in values
     assert s.turns[0] == ('user', statement.format(s.answer))
     assert s.turns[-2:] == [('user', question), ('ai', s.answer)]
@@ -161,12 +156,12 @@ def test_recall_samples_hold_the_fact_once_at_the_distance_asked():
     assert all(a != b for a, b in zip(roles, roles[1:]))  # Alternating.
     blank = q.make_sample(rng, filler, distance, count, with_fact=False)
     assert all(t != statement.format(blank.answer) for _, t in blank.turns)
-  text = common.to_text([s.turns], chatformat.Markers())
+  text = recall.to_text([s.turns], chatformat.Markers())
   assert chatformat.parse_text(text, 'x.txt')[0].turns[-1].text == s.answer
 
 
 def test_recall_training_conversations_ask_what_they_stated():
-  q = load_bench('recall')
+  q = recall
   from src.data import chatformat
 
   filler = chatformat.read_data(DATA)
@@ -176,10 +171,10 @@ def test_recall_training_conversations_ask_what_they_stated():
     return len(text.split()) + 2
 
   turns, asked = q.make_training_conversation(rng, filler, 300, count)
-  assert len(asked) == len(common.FACTS)  # Every kind, asked once.
+  assert len(asked) == len(recall.FACTS)  # Every kind, asked once.
   said = {}
   for i, (role, text) in enumerate(turns):
-    for kind, (statement, question, values) in common.FACTS.items():
+    for kind, (statement, question, values) in recall.FACTS.items():
       for v in values:
         if role == 'user' and text == statement.format(v):
           assert kind not in said  # Stated once,
@@ -191,26 +186,26 @@ def test_recall_training_conversations_ask_what_they_stated():
   roles = [r for r, _ in turns]
   assert all(a != b for a, b in zip(roles, roles[1:]))
   # Loss on the answers only: every other AI turn is context.
-  text = common.to_text([turns], chatformat.Markers(), loss='answers')
+  text = recall.to_text([turns], chatformat.Markers(), loss='answers')
   parsed = chatformat.parse_text(text, 'x.txt')[0].turns
   trained = [t.text for t in parsed if t.role == 'ai' and t.train]
   assert sorted(trained) == sorted(said.values())
   everything = chatformat.parse_text(
-    common.to_text([turns], chatformat.Markers()), 'x.txt'
+    recall.to_text([turns], chatformat.Markers()), 'x.txt'
   )[0].turns
   assert all(t.train for t in everything)
   turns, asked = q.make_training_conversation(rng, filler, 300, count, asks=3)
-  assert len(asked) == 3 * len(common.FACTS)
+  assert len(asked) == 3 * len(recall.FACTS)
   for i, (role, text) in enumerate(turns):
-    if role == 'user' and text in common.QUESTIONS:
-      kind = next(k for k, f in common.FACTS.items() if f[1] == text)
+    if role == 'user' and text in recall.QUESTIONS:
+      kind = next(k for k, f in recall.FACTS.items() if f[1] == text)
       assert turns[i + 1] == ('ai', dict((k, v) for k, v, _ in asked)[kind])
 
 
 def test_recall_scores_a_trained_model(tiny_run):
   """Scoring on the shared tiny run (128 tokens): shares and probabilities
   in range; the stated value's probability is part of its kind's."""
-  q = load_bench('recall')
+  q = recall
   from src.data import chatformat
 
   filler = chatformat.read_data(DATA)
@@ -249,7 +244,7 @@ def test_recall_in_view_follows_trax_lsh_chunking():
 
 
 def test_positions_echo_conversations_answer_the_word_asked():
-  p = load_bench('positions')
+  p = recall
   convs = p.echo_conversations(5, seed=3)
   assert len(convs) == 5
   for turns in convs:
@@ -278,10 +273,8 @@ def test_positions_smoke(tmp_path):
 
 
 def test_associative_recall_answers_are_the_values_stated_before():
-  from bench import duplication
-
   rng = np.random.default_rng(3)
-  x, y, w = next(duplication.recall_batches(rng, 3, 256, pairs=16))
+  x, y, w = next(symbols.recall_batches(rng, 3, 256, pairs=16))
   assert x.shape == y.shape == w.shape == (3, 256)
   assert (x == y).all() and (w.sum(axis=1) == 16).all()
   for seq, weights in zip(x, w):
@@ -291,7 +284,7 @@ def test_associative_recall_answers_are_the_values_stated_before():
     answers = np.flatnonzero(weights)
     assert (answers >= 129).all()  # Only in the second half.
     for at in answers:
-      assert 64 <= seq[at] < duplication.VOCAB
+      assert 64 <= seq[at] < symbols.VOCAB
       assert stated[seq[at - 1]] == seq[at]  # The key before it, stated.
     assert sorted(seq[answers - 1]) == sorted(stated)  # Each asked once.
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
+VOCAB = 128  # Symbols 1..127 and the separator 0, as in the Reformer paper.
+
 
 def train(lm, data, held_out, steps, rate, warmup, every, log=None, seed=None):
   """Trains `lm` on endless `(inputs, targets, weights)` batches `data`
@@ -64,3 +68,52 @@ def train(lm, data, held_out, steps, rate, warmup, every, log=None, seed=None):
   history = loop.history.get('eval', 'metrics/WeightedCategoryAccuracy')
   curve = {int(s): round(float(a), 4) for s, a in history}
   return curve, time.time() - t0
+
+
+def recall_batches(rng, batch: int, length: int, pairs: int = 63):
+  """Associative recall, the clean form of "look the fact up".
+
+  `0 k1 v1 ... kn vn 0 q1 a1 ... qn an`: n pairs (`pairs`, at most
+  (length / 2 - 1) // 2 and 63) of a key (1..63, each at most once) and a
+  value (64..127, drawn at random), then every key asked once in another
+  random order, each followed by its value; zero padding fills each half
+  to `length / 2`. A position holding a question key must predict the
+  value that followed that key earlier: the value is found by the content
+  of the token *before* it, an induction lookup (one block gathers the
+  previous token into the value's position, a later block matches the
+  question against it), at distances of `length / 2 - 2n` tokens or more.
+  Position alone cannot solve it, and one block alone cannot either.
+
+  Yields `[batch, length]` int32 inputs and targets (the same: the model
+  shifts its inputs right itself) and `[batch, length]` float32 weights,
+  1.0 on the answers `a_i`. Chance: 1/64.
+  """
+  half = length // 2
+  n = min((half - 1) // 2, pairs, 63)
+  weights = np.zeros((batch, length), np.float32)
+  weights[:, half + 2 : half + 2 + 2 * n : 2] = 1.0
+  while True:
+    seq = np.zeros((batch, length), np.int32)
+    for b in range(batch):
+      keys = rng.permutation(63)[:n] + 1
+      values = rng.integers(64, VOCAB, n)
+      seq[b, 1 : 1 + 2 * n : 2] = keys
+      seq[b, 2 : 2 + 2 * n : 2] = values
+      order = rng.permutation(n)
+      seq[b, half + 1 : half + 1 + 2 * n : 2] = keys[order]
+      seq[b, half + 2 : half + 2 + 2 * n : 2] = values[order]
+    yield seq, seq, weights
+
+
+def duplication_batches(rng, batch: int, length: int):
+  """Endless `(inputs, targets, weights)`: `[batch, length]` int32 twice
+  (the model shifts its inputs right itself) and `[batch, length]` float32,
+  1.0 on the second copy's symbols."""
+  n = length // 2 - 1
+  weights = np.zeros((batch, length), np.float32)
+  weights[:, length // 2 + 1 :] = 1.0
+  while True:
+    w = rng.integers(1, VOCAB, (batch, n)).astype(np.int32)
+    zero = np.zeros((batch, 1), np.int32)
+    seq = np.concatenate([zero, w, zero, w], axis=1)
+    yield seq, seq, weights
