@@ -281,6 +281,14 @@ def _unsorted(so, slogits, undo_sort, sticker, n_hashes: int, seqlen: int):
   return o
 
 
+def _kv_info(mask, st):
+  """Trax's key positions for a masked layer: negative where the sorted
+  position is padding (`mask` is True on valid tokens)."""
+  smask = jnp.take(mask, st, axis=0)
+  ones_like_mask = jnp.ones_like(smask, dtype=jnp.int32)
+  return st * jnp.where(smask, ones_like_mask, -ones_like_mask)
+
+
 def lsh_forward(
   self, x, mask=None, *, weights, state, rng, update_state, attend=None
 ):
@@ -322,12 +330,7 @@ def lsh_forward(
   )
   q_info = st
 
-  kv_info = None
-  if self._masked:
-    # mask is a boolean array (True means "is valid token")
-    smask = jnp.take(mask, st, axis=0)
-    ones_like_mask = jnp.ones_like(smask, dtype=jnp.int32)
-    kv_info = q_info * jnp.where(smask, ones_like_mask, -ones_like_mask)
+  kv_info = _kv_info(mask, st) if self._masked else None
 
   so, slogits = attend(
     sq,
