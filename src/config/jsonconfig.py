@@ -299,6 +299,40 @@ def _type_name(default) -> str:
   }[type(default)]
 
 
+def _string_list(value, default: list, where: str) -> list:
+  """A list of strings from JSON or the command line (a JSON list, or one
+  item)."""
+  if isinstance(value, str):
+    try:
+      value = json.loads(value) if value.lstrip().startswith('[') else [value]
+    except json.JSONDecodeError:
+      value = None
+  if isinstance(value, list) and all(isinstance(v, str) for v in value):
+    return list(value)
+  raise UserError(
+    f'{where}: {json.dumps(value)} is not a list of strings (e.g. '
+    f'["Hello!", "How are you?"]); the default is {json.dumps(default)}'
+  )
+
+
+def _from_text(value: str, default, where: str):
+  """A command-line string as the type of `default` (bool, int, float)."""
+  text = value.strip().lower()
+  try:
+    if isinstance(default, bool):
+      if text in ('true', '1', 'yes'):
+        return True
+      if text in ('false', '0', 'no'):
+        return False
+      raise ValueError(text)
+    return type(default)(text)
+  except ValueError:
+    raise UserError(
+      f'{where}: {value!r} is not {_type_name(default)}; '
+      f'the default is {json.dumps(default)}'
+    ) from None
+
+
 def convert(value, default, where: str):
   """Converts `value` to the type of `default`; raises UserError if it can't.
 
@@ -314,32 +348,9 @@ def convert(value, default, where: str):
   if value is None and default is None:
     return None
   if want is list:
-    if isinstance(value, str):  # The command line: a JSON list or one item.
-      try:
-        value = json.loads(value) if value.lstrip().startswith('[') else [value]
-      except json.JSONDecodeError:
-        value = None
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-      return list(value)
-    raise UserError(
-      f'{where}: {json.dumps(value)} is not a list of strings (e.g. '
-      f'["Hello!", "How are you?"]); the default is {json.dumps(default)}'
-    )
+    return _string_list(value, default, where)
   if isinstance(value, str) and want is not str and default is not None:
-    text = value.strip().lower()
-    try:
-      if want is bool:
-        if text in ('true', '1', 'yes'):
-          return True
-        if text in ('false', '0', 'no'):
-          return False
-        raise ValueError(text)
-      return want(text)
-    except ValueError:
-      raise UserError(
-        f'{where}: {value!r} is not {_type_name(default)}; '
-        f'the default is {json.dumps(default)}'
-      ) from None
+    return _from_text(value, default, where)
   if default is None:
     if isinstance(value, str):
       return value
