@@ -289,6 +289,21 @@ def _read_meta(folder: str) -> tuple[dict | None, str]:
   return meta, ''
 
 
+def _write_warnings(folder: str, warnings: list[str]):
+  """Shows the first MAX_WARNINGS_SHOWN warnings and keeps them all in
+  the cache's warnings.txt."""
+  for w in warnings[:MAX_WARNINGS_SHOWN]:
+    print(w, file=sys.stderr)
+  if len(warnings) > MAX_WARNINGS_SHOWN:
+    print(
+      f'... and {len(warnings) - MAX_WARNINGS_SHOWN} more warnings (all in '
+      f'{os.path.join(folder, "warnings.txt")})',
+      file=sys.stderr,
+    )
+  with open(os.path.join(folder, 'warnings.txt'), 'w', encoding='utf-8') as f:
+    f.write(''.join(w + '\n' for w in warnings))
+
+
 def _build(folder, scanned, tok, parse_kwargs, workers, key, log):
   """Tokenizes every piece into `folder` (a temporary folder)."""
   dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
@@ -318,16 +333,7 @@ def _build(folder, scanned, tok, parse_kwargs, workers, key, log):
   seconds = time.time() - t0
   ends = np.concatenate(ends) if ends else np.zeros([0], np.int64)
   np.save(os.path.join(folder, 'conversations.npy'), ends.astype(np.int64))
-  for w in warnings[:MAX_WARNINGS_SHOWN]:
-    print(w, file=sys.stderr)
-  if len(warnings) > MAX_WARNINGS_SHOWN:
-    print(
-      f'... and {len(warnings) - MAX_WARNINGS_SHOWN} more warnings (all in '
-      f'{os.path.join(folder, "warnings.txt")})',
-      file=sys.stderr,
-    )
-  with open(os.path.join(folder, 'warnings.txt'), 'w', encoding='utf-8') as f:
-    f.write(''.join(w + '\n' for w in warnings))
+  _write_warnings(folder, warnings)
   meta = {
     'version': FORMAT_VERSION,
     'key': key,
