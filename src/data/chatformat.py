@@ -128,6 +128,120 @@ def collapse_repeats(text: str, limit: int) -> str:
   return _repeat_re(limit).sub(lambda m: m.group(1) * 3, text)
 
 
+def _lines(text: str, path: str, line_offset: int, allow_empty: bool):
+  """The text's lines (only "\\n" and "\\r\\n" end one); a NUL byte or,
+  unless `allow_empty`, a file without text is refused."""
+  nul = text.find('\0')
+  if nul >= 0:
+    raise UserError(
+      f'{path}:{line_offset + 1 + text.count(chr(10), 0, nul)}: a NUL byte; '
+      'a text file never holds one, so this file is damaged or not text. '
+      'Fix or remove it'
+    )
+  # Only "\n" (and "\r\n") end a line: U+2028, form feeds and the like are
+  # characters of a message, not line breaks (str.splitlines splits there).
+  lines = [line.removesuffix('\r') for line in text.split('\n')]
+  if lines and lines[-1] == '':
+    lines.pop()
+  if not allow_empty and not any(line.strip() for line in lines):
+    raise UserError(
+      f'{path}: the file is empty; add conversations or remove '
+      'the file from the data folder'
+    )
+  return lines
+
+
+def _role_and_body(line: str, where: str, start: str, end: str):
+  """`(role, message, train)` of a non-empty line: a user line, or one AI
+  turn `start ... end` (after `NO_LOSS`: context only)."""
+  train = True
+  if line.startswith(NO_LOSS):
+    line = line[len(NO_LOSS) :].lstrip()
+    train = False
+    if not line.startswith(start):
+      raise UserError(
+        f'{where}: "{NO_LOSS}" marks an AI line as context only; write '
+        f'"{NO_LOSS} {start} message {end}"'
+      )
+  n_start, n_end = line.count(start), line.count(end)
+  if n_start == 0 and n_end == 0:
+    role, body = USER, line
+  elif (
+    n_start == 1
+    and n_end == 1
+    and line.startswith(start)
+    and (line.endswith(end))
+  ):
+    role, body = AI, line[len(start) : -len(end)].strip()
+  elif n_start > 1 or n_end > 1:
+    raise UserError(
+      f'{where}: more than one AI turn on a line; put each '
+      f'"{start} ... {end}" on its own line'
+    )
+  elif n_start and not n_end:
+    raise UserError(
+      f'{where}: "{start}" has no "{end}"; end the AI turn '
+      f'with "{end}" on the same line'
+    )
+  elif n_end and not n_start:
+    raise UserError(
+      f'{where}: "{end}" has no "{start}" before it; start '
+      f'the AI turn with "{start}"'
+    )
+  elif line.index(end) < line.index(start):
+    raise UserError(
+      f'{where}: "{end}" comes before "{start}"; write "{start} message {end}"'
+    )
+  elif not line.startswith(start):
+    raise UserError(
+      f'{where}: text before "{start}"; put the user text on '
+      'the line above and start this line with the marker'
+    )
+  else:
+    raise UserError(
+      f'{where}: text after "{end}"; put it on the next line '
+      '(a user line) or inside the AI turn'
+    )
+  return role, body, train
+
+
+def _repeats(body, repeat, repeat_limit, collapse, path, no, warnings):
+  """`body` with its long runs of one character shortened (`collapse`),
+  or as it is with a warning (into `warnings`, else printed)."""
+  run = repeat.search(body).group(0)
+  if collapse:
+    body = collapse_repeats(body, repeat_limit)
+  else:
+    note = Warning_(
+      path,
+      no,
+      f'"{run[:12]}..." repeats one character '
+      f'{len(run)} times; such runs make the model loop. '
+      'Shorten it, or set "collapse-repeats": true',
+    )
+    if warnings is None:
+      print(note, file=sys.stderr)
+    else:
+      warnings.append(note)
+  return body
+
+
+def _check_turn(role, body, turns, where, no, markers):
+  """A message must not be empty, and the roles alternate."""
+  if not body.replace(markers.line_break, '').strip():
+    raise UserError(
+      f'{where}: empty {"AI" if role == AI else "user"} '
+      'message; write the message or delete the line'
+    )
+  if turns and turns[-1].role == role:
+    who = 'AI' if role == AI else 'user'
+    raise UserError(
+      f'{where}: two {who} lines in a row (lines {turns[-1].line} and '
+      f'{no}); join them into one line with "{markers.line_break}" '
+      'between the messages'
+    )
+
+
 def parse_text(
   text: str,
   path: str,
@@ -158,23 +272,7 @@ def parse_text(
     UserError: on the first broken rule, naming `path:line` and the fix.
   """
   start, end = markers.ai_start, markers.ai_end
-  nul = text.find('\0')
-  if nul >= 0:
-    raise UserError(
-      f'{path}:{line_offset + 1 + text.count(chr(10), 0, nul)}: a NUL byte; '
-      'a text file never holds one, so this file is damaged or not text. '
-      'Fix or remove it'
-    )
-  # Only "\n" (and "\r\n") end a line: U+2028, form feeds and the like are
-  # characters of a message, not line breaks (str.splitlines splits there).
-  lines = [line.removesuffix('\r') for line in text.split('\n')]
-  if lines and lines[-1] == '':
-    lines.pop()
-  if not allow_empty and not any(line.strip() for line in lines):
-    raise UserError(
-      f'{path}: the file is empty; add conversations or remove '
-      'the file from the data folder'
-    )
+  lines = _lines(text, path, line_offset, allow_empty)
   repeat = _repeat_re(repeat_limit) if repeat_limit > 0 else None
   conversations: list[Conversation] = []
   turns: list[Turn] = []
@@ -197,83 +295,10 @@ def parse_text(
       close(no)
       continue
     where = f'{path}:{no}'
-    train = True
-    if line.startswith(NO_LOSS):
-      line = line[len(NO_LOSS) :].lstrip()
-      train = False
-      if not line.startswith(start):
-        raise UserError(
-          f'{where}: "{NO_LOSS}" marks an AI line as context only; write '
-          f'"{NO_LOSS} {start} message {end}"'
-        )
-    n_start, n_end = line.count(start), line.count(end)
-    if n_start == 0 and n_end == 0:
-      role, body = USER, line
-    elif (
-      n_start == 1
-      and n_end == 1
-      and line.startswith(start)
-      and (line.endswith(end))
-    ):
-      role, body = AI, line[len(start) : -len(end)].strip()
-    elif n_start > 1 or n_end > 1:
-      raise UserError(
-        f'{where}: more than one AI turn on a line; put each '
-        f'"{start} ... {end}" on its own line'
-      )
-    elif n_start and not n_end:
-      raise UserError(
-        f'{where}: "{start}" has no "{end}"; end the AI turn '
-        f'with "{end}" on the same line'
-      )
-    elif n_end and not n_start:
-      raise UserError(
-        f'{where}: "{end}" has no "{start}" before it; start '
-        f'the AI turn with "{start}"'
-      )
-    elif line.index(end) < line.index(start):
-      raise UserError(
-        f'{where}: "{end}" comes before "{start}"; write '
-        f'"{start} message {end}"'
-      )
-    elif not line.startswith(start):
-      raise UserError(
-        f'{where}: text before "{start}"; put the user text on '
-        'the line above and start this line with the marker'
-      )
-    else:
-      raise UserError(
-        f'{where}: text after "{end}"; put it on the next line '
-        '(a user line) or inside the AI turn'
-      )
-    if not body.replace(markers.line_break, '').strip():
-      raise UserError(
-        f'{where}: empty {"AI" if role == AI else "user"} '
-        'message; write the message or delete the line'
-      )
-    if turns and turns[-1].role == role:
-      who = 'AI' if role == AI else 'user'
-      raise UserError(
-        f'{where}: two {who} lines in a row (lines {turns[-1].line} and '
-        f'{no}); join them into one line with "{markers.line_break}" '
-        'between the messages'
-      )
+    role, body, train = _role_and_body(line, where, start, end)
+    _check_turn(role, body, turns, where, no, markers)
     if repeat is not None and repeat.search(body):
-      run = repeat.search(body).group(0)
-      if collapse:
-        body = collapse_repeats(body, repeat_limit)
-      else:
-        note = Warning_(
-          path,
-          no,
-          f'"{run[:12]}..." repeats one character '
-          f'{len(run)} times; such runs make the model loop. '
-          'Shorten it, or set "collapse-repeats": true',
-        )
-        if warnings is None:
-          print(note, file=sys.stderr)
-        else:
-          warnings.append(note)
+      body = _repeats(body, repeat, repeat_limit, collapse, path, no, warnings)
     turns.append(Turn(role, body, path, no, train))
   close(line_offset + len(lines) + 1)
   return conversations
