@@ -398,6 +398,57 @@ class Section:
     return self.values[key]
 
 
+def _read_section_data(path: str, section: str) -> dict:
+  """The settings of `section` in the JSON file `path` (strict: valid
+  JSON, no key twice, only the known sections)."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      text = f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise UserError(
+      f'{path}: cannot be read ({e}); save it as UTF-8 JSON'
+    ) from None
+
+  def no_duplicates(pairs):
+    seen = {}
+    for key, value in pairs:
+      if key in seen:
+        raise UserError(
+          f'{path}: "{key}" is given twice in one object; keep one (JSON '
+          'would silently use the last)'
+        )
+      seen[key] = value
+    return seen
+
+  try:
+    raw = json.loads(text, object_pairs_hook=no_duplicates)
+  except json.JSONDecodeError as e:
+    raise UserError(
+      f'{path}:{e.lineno}:{e.colno}: not valid JSON '
+      f'({e.msg}); compare with config.EXAMPLE.json'
+    ) from None
+  if not isinstance(raw, dict):
+    raise UserError(
+      f'{path}: the top level must be an object with '
+      f'"train" and "eval" sections'
+    )
+  unknown = sorted(set(raw) - set(SECTIONS))
+  if unknown:
+    raise UserError(
+      f'{path}: unknown section {unknown[0]!r}; the sections '
+      f'are "train" and "eval"'
+    )
+  if section == 'train' and 'train' not in raw:
+    raise UserError(
+      f'{path}: no "train" section; train.py reads its settings from '
+      '{"train": {...}} (see config.EXAMPLE.json)'
+    )
+  data = raw.get(section, {})
+  if not isinstance(data, dict):
+    raise UserError(f'{path}: "{section}" must be an object of settings')
+  return data
+
+
 def read_section(
   path: str | None,
   section: str,
@@ -421,51 +472,7 @@ def read_section(
   path = path or 'config.json'
   data: dict[str, Any] = {}
   if os.path.exists(path):
-    try:
-      with open(path, encoding='utf-8') as f:
-        text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-      raise UserError(
-        f'{path}: cannot be read ({e}); save it as UTF-8 JSON'
-      ) from None
-
-    def no_duplicates(pairs):
-      seen = {}
-      for key, value in pairs:
-        if key in seen:
-          raise UserError(
-            f'{path}: "{key}" is given twice in one object; keep one (JSON '
-            'would silently use the last)'
-          )
-        seen[key] = value
-      return seen
-
-    try:
-      raw = json.loads(text, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as e:
-      raise UserError(
-        f'{path}:{e.lineno}:{e.colno}: not valid JSON '
-        f'({e.msg}); compare with config.EXAMPLE.json'
-      ) from None
-    if not isinstance(raw, dict):
-      raise UserError(
-        f'{path}: the top level must be an object with '
-        f'"train" and "eval" sections'
-      )
-    unknown = sorted(set(raw) - set(SECTIONS))
-    if unknown:
-      raise UserError(
-        f'{path}: unknown section {unknown[0]!r}; the sections '
-        f'are "train" and "eval"'
-      )
-    if section == 'train' and 'train' not in raw:
-      raise UserError(
-        f'{path}: no "train" section; train.py reads its settings from '
-        '{"train": {...}} (see config.EXAMPLE.json)'
-      )
-    data = raw.get(section, {})
-    if not isinstance(data, dict):
-      raise UserError(f'{path}: "{section}" must be an object of settings')
+    data = _read_section_data(path, section)
   elif explicit or required:
     raise UserError(
       f'{path}: no such config file; copy config.EXAMPLE.json '
