@@ -358,6 +358,47 @@ def _build(folder, scanned, tok, parse_kwargs, workers, key, log):
   return meta
 
 
+def _tokenizer(out_dir, scanned, parse_kwargs, vocab_size: int, log):
+  """The run's tokenizer: loaded from out-dir, or trained on a sample of
+  the scanned data (not written yet)."""
+  return tokenizer.load_or_train(
+    out_dir,
+    lambda: _sample(scanned, parse_kwargs),
+    vocab_size,
+    parse_kwargs['markers'],
+    write=False,
+    log=log,
+    fingerprint=scanned.digest,
+  )
+
+
+def _build_cache(out_dir, name, key, scanned, tok, parse_kwargs, workers, log):
+  """Builds the cache `name-key` in a temporary folder and renames it into
+  place (replacing older caches of `name`); a failure leaves nothing."""
+  cache_root = os.path.join(out_dir, CACHE_DIR)
+  folder = os.path.join(cache_root, f'{name}-{key}')
+  if workers is None:
+    workers = os.cpu_count() or 1
+  if scanned.n_bytes < PARALLEL_MIN_BYTES:
+    workers = 1
+  made = [d for d in (out_dir, cache_root) if not os.path.exists(d)]
+  tmp = os.path.join(cache_root, f'.tmp-{name}-{key}-{os.getpid()}')
+  os.makedirs(tmp, exist_ok=True)
+  try:
+    meta = _build(tmp, scanned, tok, parse_kwargs, workers, key, log)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    for d in reversed(made):  # Leave no trace of a failed first run.
+      with contextlib.suppress(OSError):
+        os.rmdir(d)
+    raise
+  for old in os.listdir(cache_root):
+    if old.startswith(f'{name}-'):
+      files.remove_inside(os.path.join(cache_root, old), out_dir)
+  os.replace(tmp, folder)
+  return meta
+
+
 def prepare(
   data: str,
   out_dir: str,
@@ -399,15 +440,7 @@ def prepare(
   setting = 'eval-data' if name == 'eval' else 'data'
   scanned = scan(chatformat.list_files(data, setting))
   if tok is None:
-    tok = tokenizer.load_or_train(
-      out_dir,
-      lambda: _sample(scanned, parse_kwargs),
-      vocab_size,
-      markers,
-      write=False,
-      log=log,
-      fingerprint=scanned.digest,
-    )
+    tok = _tokenizer(out_dir, scanned, parse_kwargs, vocab_size, log)
   key = cache_key(scanned.digest, tok, parse_kwargs)
   cache_root = os.path.join(out_dir, CACHE_DIR)
   folder = os.path.join(cache_root, f'{name}-{key}')
@@ -421,25 +454,9 @@ def prepare(
     if save_tokenizer:
       tokenizer.save(out_dir, tok)
     return tok, _open(folder, meta, scanned.n_bytes, hit=True)
-  if workers is None:
-    workers = os.cpu_count() or 1
-  if scanned.n_bytes < PARALLEL_MIN_BYTES:
-    workers = 1
-  made = [d for d in (out_dir, cache_root) if not os.path.exists(d)]
-  tmp = os.path.join(cache_root, f'.tmp-{name}-{key}-{os.getpid()}')
-  os.makedirs(tmp, exist_ok=True)
-  try:
-    meta = _build(tmp, scanned, tok, parse_kwargs, workers, key, log)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    for d in reversed(made):  # Leave no trace of a failed first run.
-      with contextlib.suppress(OSError):
-        os.rmdir(d)
-    raise
-  for old in os.listdir(cache_root):
-    if old.startswith(f'{name}-'):
-      files.remove_inside(os.path.join(cache_root, old), out_dir)
-  os.replace(tmp, folder)
+  meta = _build_cache(
+    out_dir, name, key, scanned, tok, parse_kwargs, workers, log
+  )
   if save_tokenizer:
     tokenizer.save(out_dir, tok)
   return tok, _open(folder, meta, scanned.n_bytes, hit=False)
