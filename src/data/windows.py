@@ -231,6 +231,32 @@ class Window:
     return self.view.take(a, a + self.length)
 
 
+def _check_options(windows, pad_fraction, part, batch_size, replay, share):
+  """Refuses `WindowBatches` options out of range, with the fix."""
+  if windows not in WINDOWS:
+    raise UserError(
+      f'windows {windows!r} is not one of {", ".join(WINDOWS)}; use '
+      '"moving" (the default)'
+    )
+  if not 0 <= pad_fraction < 1:
+    raise UserError(
+      f'pad-fraction {pad_fraction} must be at least 0 and below 1 '
+      f'(e.g. {PAD_FRACTION})'
+    )
+  if part is not None and (not 0 <= part[0] < part[1] or batch_size % part[1]):
+    raise UserError(
+      f'a batch of {batch_size} windows does not split into {part[1]} '
+      'equal parts (one per process); use a batch-size that is a '
+      f'multiple of the number of devices'
+    )
+  if replay is not None and not 0 < share < 1:
+    raise UserError(
+      f'replay-share {share} must be above 0 and below 1 (e.g. {REPLAY_SHARE})'
+    )
+  if replay is not None and len(replay) == 0:
+    raise UserError('no tokens in the replay data; add conversations to it')
+
+
 class WindowBatches:
   """Batches of padded windows for every training step (see the module).
 
@@ -276,31 +302,9 @@ class WindowBatches:
     view = tokens if isinstance(tokens, TokenView) else TokenView(tokens)
     if len(view) == 0:
       raise UserError('no tokens to train on; add conversations to the data')
-    if windows not in WINDOWS:
-      raise UserError(
-        f'windows {windows!r} is not one of {", ".join(WINDOWS)}; use '
-        '"moving" (the default)'
-      )
-    if not 0 <= pad_fraction < 1:
-      raise UserError(
-        f'pad-fraction {pad_fraction} must be at least 0 and below 1 '
-        f'(e.g. {PAD_FRACTION})'
-      )
-    if part is not None and (
-      not 0 <= part[0] < part[1] or batch_size % part[1]
-    ):
-      raise UserError(
-        f'a batch of {batch_size} windows does not split into {part[1]} '
-        'equal parts (one per process); use a batch-size that is a '
-        f'multiple of the number of devices'
-      )
-    if replay is not None and not 0 < replay_share < 1:
-      raise UserError(
-        f'replay-share {replay_share} must be above 0 and below 1 (e.g. '
-        f'{REPLAY_SHARE})'
-      )
-    if replay is not None and len(replay) == 0:
-      raise UserError('no tokens in the replay data; add conversations to it')
+    _check_options(
+      windows, pad_fraction, part, batch_size, replay, replay_share
+    )
     self.part = part
     self.view = view
     self.replay = replay
