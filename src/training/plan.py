@@ -88,6 +88,26 @@ class RunPlan:
   step_seconds: float  # Estimated seconds per step.
 
 
+def _data(s, fine, leader, markers, setup, batch_size, cluster, log) -> dict:
+  """The tokenizer and corpora (`corpora`), the train and eval views and
+  the held-out share (`views`), and the batches (`batches`)."""
+  adopted, data_settings = _given_tokenizer(s, fine, leader, markers)
+  corpora = _prepare_data(data_settings, markers, log, adopted)
+  _, train_corpus, eval_corpus, replay_corpus = corpora
+  views = _views(s, train_corpus, eval_corpus)
+  replay_view = None if replay_corpus is None else _view(replay_corpus)
+  batches = _batches(
+    s,
+    setup.max_len,
+    batch_size,
+    cluster,
+    (views[0], replay_view),
+    views[1],
+    log,
+  )
+  return {'corpora': corpora, 'views': views, 'batches': batches}
+
+
 def prepare(
   settings: Section,
   gin_bindings=(),
@@ -124,21 +144,10 @@ def prepare(
     setup, s['vocab-size'], micro, ginconf.output_loss()
   )
   step_seconds = preflight.step_seconds(setup, s['vocab-size'], micro)
-  adopted, data_settings = _given_tokenizer(s, fine, leader, markers)
-  tok, train_corpus, eval_corpus, replay_corpus = _prepare_data(
-    data_settings, markers, log, adopted
-  )
-  train_view, eval_view, held = _views(s, train_corpus, eval_corpus)
-  replay_view = None if replay_corpus is None else _view(replay_corpus)
-  train_batches, eval_batches = _batches(
-    s,
-    setup.max_len,
-    batch_size,
-    cluster,
-    (train_view, replay_view),
-    eval_view,
-    log,
-  )
+  data = _data(s, fine, leader, markers, setup, batch_size, cluster, log)
+  tok, train_corpus, eval_corpus, replay_corpus = data['corpora']
+  train_view, eval_view, held = data['views']
+  train_batches, eval_batches = data['batches']
   if s['epochs']:
     s = _with_values(s, {'steps': max(1, train_batches.epoch_end(s['epochs']))})
   return RunPlan(
