@@ -64,6 +64,42 @@ def range_sums(losses, weights, ranges) -> list:
   return sums
 
 
+def _chunked_rows(x, targets, weights, chunk_size: int):
+  """`x`, targets and weights as rows (`[n, d]`, `[n]`, `[n]`), padded
+  with weight-0 rows to a multiple of the chunk; and the chunk size."""
+  d = x.shape[-1]
+  x = x.reshape(-1, d)
+  t = targets.reshape(-1).astype(jnp.int32)
+  w = weights.reshape(-1).astype(jnp.float32)
+  n = x.shape[0]
+  c = max(1, min(chunk_size, n))
+  pad = (-n) % c
+  if pad:
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    t = jnp.pad(t, (0, pad))
+    w = jnp.pad(w, (0, pad))
+  return x, t, w, c
+
+
+def _chunk_loss(with_accuracy: bool, with_hits: bool):
+  """One chunk's `(loss sum, weighted hits, per-token losses)`, its logits
+  recomputed in the backward pass (`jax.checkpoint`)."""
+
+  @jax.checkpoint
+  def piece(xc, tc, wc, kernel, bias):
+    logits = xc @ kernel + bias
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    true = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+    loss = jnp.sum(wc * (lse - true))
+    if not (with_accuracy or with_hits):
+      return loss, jnp.zeros([], jnp.float32), jnp.zeros([0], jnp.float32)
+    hits = (jnp.argmax(logits, axis=-1) == tc).astype(jnp.float32)
+    hits = jax.lax.stop_gradient(jnp.sum(wc * hits))
+    return loss, hits, (lse - true) if with_accuracy else jnp.zeros([0])
+
+  return piece
+
+
 def chunked_cross_entropy(
   x,
   kernel,
@@ -98,30 +134,10 @@ def chunked_cross_entropy(
     pair (loss, accuracy) as `WeightedCategoryAccuracy` computes it,
     followed by the `range_sums`; with `with_hits`, (loss, hits, total).
   """
-  shape = targets.shape
-  d = x.shape[-1]
-  x = x.reshape(-1, d)
-  t = targets.reshape(-1).astype(jnp.int32)
-  w = weights.reshape(-1).astype(jnp.float32)
-  n = x.shape[0]
-  c = max(1, min(chunk_size, n))
-  pad = (-n) % c
-  if pad:
-    x = jnp.pad(x, ((0, pad), (0, 0)))
-    t = jnp.pad(t, (0, pad))
-    w = jnp.pad(w, (0, pad))
+  shape, d, n = targets.shape, x.shape[-1], targets.size
+  x, t, w, c = _chunked_rows(x, targets, weights, chunk_size)
 
-  @jax.checkpoint
-  def piece(xc, tc, wc, kernel, bias):
-    logits = xc @ kernel + bias
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    true = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-    loss = jnp.sum(wc * (lse - true))
-    if not (with_accuracy or with_hits):
-      return loss, jnp.zeros([], jnp.float32), jnp.zeros([0], jnp.float32)
-    hits = (jnp.argmax(logits, axis=-1) == tc).astype(jnp.float32)
-    hits = jax.lax.stop_gradient(jnp.sum(wc * hits))
-    return loss, hits, (lse - true) if with_accuracy else jnp.zeros([0])
+  piece = _chunk_loss(with_accuracy, with_hits)
 
   def body(totals, inputs):
     loss, hits, each = piece(*inputs, kernel, bias)
