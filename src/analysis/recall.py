@@ -222,6 +222,114 @@ def write_training_set(path, filler, n, length, seed=0, loss='ai', asks=1):
   return distances
 
 
+def _fitting_sample(rng, filler, distance, count, stated, ids_of, max_len):
+  """A sample (`make_sample`) whose conversation fits the context whole,
+  and its token ids."""
+  from src.inference import generate
+
+  while True:
+    s = make_sample(rng, filler, distance, count, stated)
+    ids = list(generate.START)
+    for r, t in s.turns:
+      ids += ids_of(r, t)
+    if len(ids) <= max_len:
+      return s, ids
+
+
+def _in_view_flags(buckets, s, ids, first, ids_of, setup, view, n_hashes, rng):
+  """Whether the answer's query could attend to the stated value with
+  buckets drawn at random, and, per LSH layer (some head, some hash
+  round), to the stated value and to the question's tokens."""
+  from src.inference import generate
+
+  max_len, (chunk_len, before) = setup.max_len, view
+  # Input positions are the ids' shifted by one (the model's
+  # ShiftRight): the answer's query sits at `first`.
+  statement = ids_of(*s.turns[0])
+  value_at = len(generate.START) + statement.index(ids[first]) + 1
+  question = ids_of(*s.turns[-2])
+  asked_at = range(first - len(question), first)
+  layers = {}  # Layer -> what some head of it may attend to.
+  for i, b in buckets:
+    for head in np.atleast_2d(b):  # Vectorized heads come together.
+      seen = in_view(head, max_len, chunk_len, before, first)
+      layers[i] = layers.get(i, set()) | seen
+  layers = [layers[i] for i in sorted(layers)]
+  # The same with buckets drawn at random (what hashing gives when
+  # queries and keys are unrelated), for each head of a layer.
+  n_buckets, rounds = int(setup.attention['n_buckets']), n_hashes or 1
+  random = set()
+  for _ in range(int(setup.model['n_heads'])):
+    b = rng.integers(0, n_buckets, (rounds, max_len))
+    b = (b + n_buckets * np.arange(rounds)[:, None]).reshape(-1)
+    random |= in_view(b, max_len, chunk_len, before, first)
+  return (
+    value_at in random,
+    [value_at in v for v in layers],
+    [any(a in v for a in asked_at) for v in layers],
+  )
+
+
+def _summary(accuracy, pieces, kind_mass, value_prob, measured, views):
+  """One distance's figures (and, for LSH, what was in view)."""
+  seen_value, seen_question, seen_random = views
+  found = {
+    'accuracy': accuracy,
+    # Share of the value's tokens predicted right: shows partial recall
+    # (a name's first letters) that exact match does not.
+    'token_accuracy': float(np.mean(pieces)),
+    'kind_mass': float(np.mean(kind_mass)),
+    'value_probability': float(np.mean(value_prob)),
+    'mean_distance': float(np.mean(measured)),
+  }
+  if seen_value:
+    # Per LSH layer: the share of samples where the answer's query could
+    # attend to the stated value (some head, some hash round), and to
+    # the question's tokens right before it.
+    found['value_in_view'] = np.mean(seen_value, 0).tolist()
+    found['question_in_view'] = np.mean(seen_question, 0).tolist()
+    found['value_in_view_at_random'] = float(np.mean(seen_random))
+  return found
+
+
+def _answer(logits, ids, first, kind_ids):
+  """`(exact, token share, kind mass, value probability)` of one answer:
+  whether every token from `first` is the most likely one, the share of
+  the value's own tokens that are, and where its first token is predicted
+  the probability on the asked kind's values (`kind_ids`: knows what is
+  asked) and on the stated value (found the fact)."""
+  import jax
+
+  guess = np.asarray(logits[0, first : len(ids)]).argmax(-1)
+  right = guess == np.asarray(ids[first:])
+  p = np.asarray(jax.nn.softmax(logits[0, first].astype(np.float32)))
+  return (
+    bool(right.all()),
+    float(right[:-1].mean()),
+    float(p[kind_ids].sum()),
+    float(p[ids[first]]),
+  )
+
+
+def _recording_forward(run: str, n_hashes=None):
+  """The run's eval model, its forward pass traced once with the LSH
+  buckets recorded: `(setup, tokenizer, forward, buckets)`; `buckets`
+  fills with each LSH layer's and head's buckets at every later call."""
+  import jax
+
+  from src.inference import decoding, scoring
+
+  bindings = []
+  if n_hashes is not None:
+    bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
+  setup, tok, layer, _ = decoding.load_run(run, 'eval', bindings)
+  buckets = []
+  with recording_buckets(buckets):  # Traced (and so recorded) once here.
+    forward = scoring.forward_fn(layer)
+    jax.block_until_ready(forward(np.zeros((1, setup.max_len), np.int32)))
+  return setup, tok, forward, buckets
+
+
 def score(run, filler, distances, samples, n_hashes=None, seed=1):
   """Exact-match share of greedy answers by distance (and no fact).
 
@@ -234,21 +342,14 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
   import jax
 
   from src.data import chatformat
-  from src.inference import decoding, generate, scoring
 
-  bindings = []
-  if n_hashes is not None:
-    bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
-  setup, tok, layer, _ = decoding.load_run(run, 'eval', bindings)
+  setup, tok, forward, buckets = _recording_forward(run, n_hashes)
   max_len = setup.max_len
-  buckets = []  # Each LSH layer's and head's buckets, in call order.
-  with recording_buckets(buckets):  # Traced (and so recorded) once here.
-    forward = scoring.forward_fn(layer)
-    jax.block_until_ready(forward(np.zeros((1, max_len), np.int32)))
   lsh = bool(buckets)  # Full attention records nothing.
-  if lsh:
-    chunk_len = int(setup.attention['chunk_len'])
-    before = int(setup.attention['n_chunks_before'])
+  view = (
+    int(setup.attention.get('chunk_len') or 0),
+    int(setup.attention.get('n_chunks_before') or 0),
+  )
 
   def ids_of(role, text):
     return tok.encode_turn(chatformat.Turn(role, text, '', 0))
@@ -270,13 +371,9 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
     seen_value, seen_question, seen_random = [], [], []
     for _ in range(samples):
       distance = distances[-1] if d == 'no fact' else d
-      while True:  # A sample that fits the context whole.
-        s = make_sample(rng, filler, distance, count, d != 'no fact')
-        ids = list(generate.START)
-        for r, t in s.turns:
-          ids += ids_of(r, t)
-        if len(ids) <= max_len:
-          break
+      s, ids = _fitting_sample(
+        rng, filler, distance, count, d != 'no fact', ids_of, max_len
+      )
       answer = ids_of('ai', s.answer)
       first = len(ids) - len(answer) + 1  # After the AI start marker.
       x = np.zeros((1, max_len), np.int32)
@@ -286,56 +383,25 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
       logits = forward(x, sub)
       if lsh and d != 'no fact':
         jax.block_until_ready(logits)
-        # Input positions are the ids' shifted by one (the model's
-        # ShiftRight): the answer's query sits at `first`.
-        statement = ids_of(*s.turns[0])
-        value_at = len(generate.START) + statement.index(ids[first]) + 1
-        question = ids_of(*s.turns[-2])
-        asked_at = range(first - len(question), first)
-        layers = {}  # Layer -> what some head of it may attend to.
-        for i, b in buckets:
-          for head in np.atleast_2d(b):  # Vectorized heads come together.
-            seen = in_view(head, max_len, chunk_len, before, first)
-            layers[i] = layers.get(i, set()) | seen
-        layers = [layers[i] for i in sorted(layers)]
-        # The same with buckets drawn at random (what hashing gives when
-        # queries and keys are unrelated), for each head of a layer.
-        n_buckets, rounds = int(setup.attention['n_buckets']), n_hashes or 1
-        random = set()
-        for _ in range(int(setup.model['n_heads'])):
-          b = view_rng.integers(0, n_buckets, (rounds, max_len))
-          b = (b + n_buckets * np.arange(rounds)[:, None]).reshape(-1)
-          random |= in_view(b, max_len, chunk_len, before, first)
-        seen_random.append(value_at in random)
-        seen_value.append([value_at in v for v in layers])
-        seen_question.append([any(a in v for a in asked_at) for v in layers])
-      guess = np.asarray(logits[0, first : len(ids)]).argmax(-1)
-      right = guess == np.asarray(ids[first:])
-      hits += bool(right.all())
-      pieces.append(float(right[:-1].mean()))  # The value's own tokens.
-      # Where the value's first token is predicted: the probability on
-      # the asked kind's values (knows what is asked: the question is
-      # right there) and on the stated value (found the fact).
-      p = np.asarray(jax.nn.softmax(logits[0, first].astype(np.float32)))
-      kind_mass.append(float(p[first_ids[s.kind]].sum()))
-      value_prob.append(float(p[ids[first]]))
+        flags = _in_view_flags(
+          buckets, s, ids, first, ids_of, setup, view, n_hashes, view_rng
+        )
+        for seen, flag in zip((seen_random, seen_value, seen_question), flags):
+          seen.append(flag)
+      exact, piece, mass, prob = _answer(logits, ids, first, first_ids[s.kind])
+      hits += exact
+      pieces.append(piece)
+      kind_mass.append(mass)
+      value_prob.append(prob)
       measured.append(s.distance)
-    results[str(d)] = {
-      'accuracy': hits / samples,
-      # Share of the value's tokens predicted right: shows partial recall
-      # (a name's first letters) that exact match does not.
-      'token_accuracy': float(np.mean(pieces)),
-      'kind_mass': float(np.mean(kind_mass)),
-      'value_probability': float(np.mean(value_prob)),
-      'mean_distance': float(np.mean(measured)),
-    }
-    if seen_value:
-      # Per LSH layer: the share of samples where the answer's query could
-      # attend to the stated value (some head, some hash round), and to
-      # the question's tokens right before it.
-      results[str(d)]['value_in_view'] = np.mean(seen_value, 0).tolist()
-      results[str(d)]['question_in_view'] = np.mean(seen_question, 0).tolist()
-      results[str(d)]['value_in_view_at_random'] = float(np.mean(seen_random))
+    results[str(d)] = _summary(
+      hits / samples,
+      pieces,
+      kind_mass,
+      value_prob,
+      measured,
+      (seen_value, seen_question, seen_random),
+    )
   return results
 
 
