@@ -270,11 +270,13 @@ def _in_view_flags(buckets, s, ids, first, ids_of, setup, view, n_hashes, rng):
   )
 
 
-def _summary(accuracy, pieces, kind_mass, value_prob, measured, views):
-  """One distance's figures (and, for LSH, what was in view)."""
-  seen_value, seen_question, seen_random = views
+def _summary(answers, seen):
+  """One distance's figures from its samples' `answers` (`_answer`'s four
+  and the distance) and, for LSH, what was in view (`seen`: per sample,
+  `_in_view_flags`)."""
+  exact, pieces, kind_mass, value_prob, measured = zip(*answers)
   found = {
-    'accuracy': accuracy,
+    'accuracy': sum(exact) / len(answers),
     # Share of the value's tokens predicted right: shows partial recall
     # (a name's first letters) that exact match does not.
     'token_accuracy': float(np.mean(pieces)),
@@ -282,13 +284,14 @@ def _summary(accuracy, pieces, kind_mass, value_prob, measured, views):
     'value_probability': float(np.mean(value_prob)),
     'mean_distance': float(np.mean(measured)),
   }
-  if seen_value:
+  if seen:
     # Per LSH layer: the share of samples where the answer's query could
     # attend to the stated value (some head, some hash round), and to
     # the question's tokens right before it.
-    found['value_in_view'] = np.mean(seen_value, 0).tolist()
-    found['question_in_view'] = np.mean(seen_question, 0).tolist()
-    found['value_in_view_at_random'] = float(np.mean(seen_random))
+    at_random, value, question = zip(*seen)
+    found['value_in_view'] = np.mean(value, 0).tolist()
+    found['question_in_view'] = np.mean(question, 0).tolist()
+    found['value_in_view_at_random'] = float(np.mean(at_random))
   return found
 
 
@@ -367,15 +370,13 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
   key = jax.random.PRNGKey(seed)
   results = {}
   for d in [*distances, 'no fact']:
-    hits, measured, pieces, kind_mass, value_prob = 0, [], [], [], []
-    seen_value, seen_question, seen_random = [], [], []
+    answers, seen = [], []  # Per sample: `_answer` and distance; flags.
     for _ in range(samples):
       distance = distances[-1] if d == 'no fact' else d
       s, ids = _fitting_sample(
         rng, filler, distance, count, d != 'no fact', ids_of, max_len
       )
-      answer = ids_of('ai', s.answer)
-      first = len(ids) - len(answer) + 1  # After the AI start marker.
+      first = len(ids) - len(ids_of('ai', s.answer)) + 1  # After the marker.
       x = np.zeros((1, max_len), np.int32)
       x[0, : len(ids)] = ids
       key, sub = jax.random.split(key)
@@ -383,25 +384,14 @@ def score(run, filler, distances, samples, n_hashes=None, seed=1):
       logits = forward(x, sub)
       if lsh and d != 'no fact':
         jax.block_until_ready(logits)
-        flags = _in_view_flags(
-          buckets, s, ids, first, ids_of, setup, view, n_hashes, view_rng
+        seen.append(
+          _in_view_flags(
+            buckets, s, ids, first, ids_of, setup, view, n_hashes, view_rng
+          )
         )
-        for seen, flag in zip((seen_random, seen_value, seen_question), flags):
-          seen.append(flag)
-      exact, piece, mass, prob = _answer(logits, ids, first, first_ids[s.kind])
-      hits += exact
-      pieces.append(piece)
-      kind_mass.append(mass)
-      value_prob.append(prob)
-      measured.append(s.distance)
-    results[str(d)] = _summary(
-      hits / samples,
-      pieces,
-      kind_mass,
-      value_prob,
-      measured,
-      (seen_value, seen_question, seen_random),
-    )
+      answer = _answer(logits, ids, first, first_ids[s.kind])
+      answers.append((*answer, s.distance))
+    results[str(d)] = _summary(answers, seen)
   return results
 
 
