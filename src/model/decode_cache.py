@@ -526,6 +526,13 @@ def forward_and_or_backward(
   )
 
 
+def _each_head(fn, *args):
+  """`fn` over every example and head: args per example, per head, and
+  per both."""
+  per_example = jax.vmap(fn, in_axes=(None, 0, 0))
+  return jax.vmap(per_example, in_axes=(0, None, 0))(*args)
+
+
 def indexed_layer_step(self, x, weights, state, rng):
   """One new token through a whole LSH layer (all examples and heads),
   for a memory that never rolls and keeps a bucket index.
@@ -559,33 +566,22 @@ def indexed_layer_step(self, x, weights, state, rng):
   def flat(a):
     return jnp.reshape(a, (batch * heads,) + a.shape[2:])
 
-  def each_head(fn, *args):  # args: per example, per head, per both.
-    per_example = jax.vmap(fn, in_axes=(None, 0, 0))
-    return jax.vmap(per_example, in_axes=(0, None, 0))(*args)
-
   def query(x_b, w_h, turns_h):
     return query_buckets(self, x_b, q_start, w_h[0], None, turns_h)
 
-  q, qb = each_head(query, mem, weights, by_example(turns))
+  q, qb = _each_head(query, mem, weights, by_example(turns))
   own = own_buckets(self, qb)
   ring, counts = write_index(ring, counts, flat(own), q_start)
 
   def attend(x_b, w_h, per):
     q_h, qb_h, buckets_h, lists_h = per
     return indexed_token(
-      self,
-      x_b,
-      q_start=q_start,
-      weights=w_h,
-      q=q_h,
-      qb=qb_h,
-      buckets=buckets_h,
-      lists=lists_h,
-      rng=rng,
-    )
+      self, x_b, q_start=q_start, weights=w_h, q=q_h, qb=qb_h,
+      buckets=buckets_h, lists=lists_h, rng=rng,
+    )  # fmt: skip
 
   lists = bucket_lists(ring, flat(own))
-  out = each_head(
+  out = _each_head(
     attend, mem, weights, (q, qb, by_example(buckets), by_example(lists))
   )
   out = jnp.sum(out, axis=1).astype(x.dtype)  # Over heads: [batch, 1, d].
