@@ -108,6 +108,15 @@ def _data(s, fine, leader, markers, setup, batch_size, cluster, log) -> dict:
   return {'corpora': corpora, 'views': views, 'batches': batches}
 
 
+def _preflight(setup, vocab_size: int, micro: int):
+  """`(memory, limit, step seconds)` of a step, checked before anything is
+  compiled; one micro-batch's activations are alive at a time."""
+  memory, limit = preflight.check(
+    setup, vocab_size, micro, ginconf.output_loss()
+  )
+  return memory, limit, preflight.step_seconds(setup, vocab_size, micro)
+
+
 def prepare(
   settings: Section,
   gin_bindings=(),
@@ -139,11 +148,7 @@ def prepare(
     finetune.check_settings(setup, fine.source, s['gin'])
   start_step, checkpoint_folder, damage = _resume_point(setup, out_dir, leader)
   batch_size, micro = _batch_size(s, cluster)
-  # One micro-batch's activations are alive at a time.
-  memory, limit = preflight.check(
-    setup, s['vocab-size'], micro, ginconf.output_loss()
-  )
-  step_seconds = preflight.step_seconds(setup, s['vocab-size'], micro)
+  memory, limit, step_seconds = _preflight(setup, s['vocab-size'], micro)
   data = _data(s, fine, leader, markers, setup, batch_size, cluster, log)
   tok, train_corpus, eval_corpus, replay_corpus = data['corpora']
   train_view, eval_view, held = data['views']
