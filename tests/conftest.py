@@ -31,7 +31,7 @@ MICRO = (
   'LSHSelfAttention.n_buckets = 8',
   # One hash round (tiny.gin: 2) halves the LSH block's cost in the many
   # short runs; 2 rounds are trained by test_model's copy tests and
-  # decoded by test_fast_lsh.
+  # decoded by test_attention.
   'LSHSelfAttention.n_hashes = 1',
   'LSHSelfAttention.predict_mem_len = 128',
   'LSHSelfAttention.predict_drop_len = 32',
