@@ -16,6 +16,7 @@ from src.apps.cli import run_main
 from src.core.errors import UserError
 from src.data import chatformat, tokenizer
 from src.inference import decoding, sampling, scoring
+from src.inference.generate import display
 from src.model import ginconf, reformer
 from src.storage import checkpoints
 
@@ -404,7 +405,7 @@ def test_piped_replies_take_one_line_and_backslash_continues(
   ]
   # On a terminal the same reply shows its line break.
   s.one_line = False
-  assert s._display(tok.encode('one |br| two')) == 'one\ntwo'
+  assert display(tok, tok.encode('one |br| two'), s.one_line) == 'one\ntwo'
   # A last line ending in a backslash is still sent at the end of input.
   assert chat.read_message(False, io.StringIO('a\\\n')) == 'a'
 

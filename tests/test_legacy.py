@@ -21,7 +21,13 @@ from src.model import ginconf
 from src.storage import checkpoints
 from src.training import trainer
 
-from .conftest import MICRO, TINY_GIN, finetune_settings, reseal_export
+from .conftest import (
+  FINETUNE_GIN,
+  MICRO,
+  TINY_GIN,
+  finetune_settings,
+  reseal_export,
+)
 
 BEFORE = os.path.join(
   os.path.dirname(__file__), 'data', 'model_before_classes.gin'
@@ -116,3 +122,17 @@ def test_translation_is_one_place_for_every_gin_text(value):
     ),
   )
   assert setup.directed == (value == 'True')
+
+
+def test_the_last_lsh_directed_decides_for_every_text():
+  """`lsh.directed` was one setting for the whole config: a binding given
+  after a base text that bound it otherwise decides for the base's
+  attention classes too."""
+  with open(BEFORE, encoding='utf-8') as f:
+    base = f.read()
+  assert 'lsh.directed = True' in base and '@LSHSelfAttention' in base
+  undirected = ginconf.parse(
+    FINETUNE_GIN, ('lsh.directed = False',), base=(base, BEFORE)
+  )
+  assert not undirected.directed
+  assert ginconf.parse(FINETUNE_GIN, base=(base, BEFORE)).directed

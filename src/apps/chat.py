@@ -19,7 +19,7 @@ from src.core.signals import StopSignals
 from src.data import chatformat
 from src.inference import engine, sampling
 from src.inference.decoding import Decoder
-from src.inference.generate import START, Context, Turn, display
+from src.inference.generate import START, Context, Turn
 
 HELP = """commands:
   /help              this list
@@ -128,9 +128,6 @@ class ChatSession:
       self.out.write(' [stopped]\n' if reply.cancelled else '\n')
       self.out.flush()
     return reply.text
-
-  def _display(self, ids) -> str:
-    return display(self.tok, ids, self.one_line)
 
   # ---- files
 

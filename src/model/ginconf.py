@@ -154,17 +154,18 @@ def translate_legacy(text: str, directed: str | None = None) -> str:
   """Gin text written before the attention classes, in today's names.
 
   Until then, a model named Trax's classes (`@SelfAttention`,
-  `@LSHSelfAttention`) and `lsh.directed = True|False`, and Jade V8 changed
-  Trax's classes in place. A text that binds `lsh.directed` (or, with
-  `directed` given, 'True' or 'False': a binding in another text read with
-  it) gets `@LocalSelfAttention` for `@SelfAttention` and
+  `@LSHSelfAttention`) and `lsh.directed = True|False`, one setting for the
+  whole config, and Jade V8 changed Trax's classes in place. A text read
+  with `directed` ('True' or 'False': the value bound last across all the
+  texts read together), or alone binding `lsh.directed`, gets
+  `@LocalSelfAttention` for `@SelfAttention` and
   `@DirectedLSHSelfAttention` (directed) or `@FastLSHSelfAttention` for
   `@LSHSelfAttention`, and loses the `lsh.directed` binding (and its
   section header, in a saved model.gin): the same layers, weights and
   outputs. Any other text is returned as it is.
   """
-  found = _LEGACY_DIRECTED.findall(text)
-  directed = found[-1] if found else directed
+  if directed is None:
+    directed = _legacy_directed([text])
   if directed is None:
     return text
   lsh = (
@@ -342,9 +343,10 @@ def canonical(text: str) -> str:
 def check_same_as_saved(setup: GinSetup, out_dir: str):
   """A run resumes only with the gin it was started with."""
   saved = saved_text(out_dir)
-  if saved is None or canonical(saved) == canonical(setup.text):
+  old, new = canonical(saved or ''), canonical(setup.text)
+  if saved is None or old == new:
     return
-  old, new = canonical(saved).splitlines(), canonical(setup.text).splitlines()
+  old, new = old.splitlines(), new.splitlines()
   diff = next(
     (f'saved "{a}" vs now "{b}"' for a, b in zip(old, new) if a != b),
     'different number of settings',

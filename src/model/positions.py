@@ -9,10 +9,12 @@ model trained on short windows then trains every row of the grid, so the
 positions it meets far into a long context are not the untrained ones it
 started with (BENCHMARKS.md, "The 32k context, used").
 
-`reformer.reformer_lm` gives Trax's axial layer this class.
+`reformer.reformer_lm` gives Trax's axial layer this class (`adopt`).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 from jax import numpy as jnp
@@ -30,6 +32,16 @@ class AxialPositions(tl.AxialPositionalEncoding):
   """
 
   _offset = 'zero'
+
+  @staticmethod
+  def adopt(layer, offset: str = 'zero'):
+    """Makes Trax's `AxialPositionalEncoding` `layer` (built inside
+    `ReformerLM`) this class, its training windows starting at `offset`
+    (one of OFFSETS)."""
+    if offset not in OFFSETS:
+      raise ValueError(f'offset {offset!r}: one of {OFFSETS}')
+    layer.__class__ = AxialPositions
+    layer._offset = offset
 
   def _table(self):
     """`[max_len, d_model]`: every position's embedding."""
@@ -66,9 +78,7 @@ class AxialPositions(tl.AxialPositionalEncoding):
       position = self.state
       self.state = position + 1
       return inputs + self._one_position(position)[None]
-    grid = 1
-    for size in self._shape:
-      grid *= size
+    grid = math.prod(self._shape)
     if length >= grid:
       return super().forward(inputs)
     random = self._mode == 'train' and self._offset == 'random'

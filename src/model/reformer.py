@@ -114,9 +114,8 @@ def reformer_lm(
   (`src.model.attention`). `zero_outputs` (see `residual`): whether each
   block's attention output projections, and its feed-forward output
   layers, start at zero when the model is initialized. Its axial
-  positions are
-  `positions.AxialPositions` (any window of the grid); `offset` is where a
-  training window starts on it ('zero' or 'random').
+  positions are `positions.AxialPositions` (any window of the grid);
+  `offset` is where a training window starts on it ('zero' or 'random').
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
   if any(zero_outputs):
@@ -141,8 +140,7 @@ def reformer_lm(
       layer._kernel_initializer = _zeros
   for layer in all_layers(lm):
     if isinstance(layer, tl.AxialPositionalEncoding):
-      layer.__class__ = axial.AxialPositions
-      layer._offset = offset
+      axial.AxialPositions.adopt(layer, offset)
       if axial_init_scale is not None:
         d_model = sum(layer._d_embs)
         std = axial_init_scale / math.sqrt(d_model)
