@@ -149,3 +149,46 @@ def test_step_values_are_checked_one_step_later_without_waiting():
   stub._unchecked = (9, 1.5, 2.0)
   callbacks.FiniteCheck.check(stub)  # Finite: nothing happens.
   assert stub._unchecked is None
+
+
+def test_loading_draws_no_weights_and_gives_trax_init_state(tiny_run):
+  """`set_weights` skips drawing weights it replaces (a chat's start), and
+  gives the same weights and state as Trax's own init, then the weights."""
+  import jax
+  import trax
+  from trax import layers as tl
+
+  from src.model import reformer
+  from src.storage import checkpoints
+
+  folder = tiny_run['out']
+  _, tok, loaded, _ = decoding.load_run(folder, 'predict')
+  flat, _ = checkpoints.read_weights(folder)
+  trax_way = reformer.reformer_lm(tok.vocab_size, 'predict')
+  one = trax.shapes.ShapeDtype((1, 1), np.int32)
+  trax_way.rng = jax.random.PRNGKey(0)
+  trax_way.init(one)
+  sig = trax_way.weights_and_state_signature(one)
+  trax_way.weights = tl.unflatten_weights_and_state(
+    flat, (), sig, weights_only=True
+  )[0]
+  for a, b in zip(
+    jax.tree_util.tree_leaves((loaded.weights, loaded.state)),
+    jax.tree_util.tree_leaves((trax_way.weights, trax_way.state)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  drawn = []
+  with checkpoints.weights_not_drawn(trax_way):
+    dense = next(
+      layer for layer in _all_layers(trax_way) if isinstance(layer, tl.Dense)
+    )
+    drawn.append(dense._kernel_initializer((3, 2), None))
+  assert not np.asarray(drawn[0]).any()
+  assert dense._kernel_initializer((3, 2), jax.random.PRNGKey(1)).any()
+
+
+def _all_layers(layer):
+  yield layer
+  for sub in layer.sublayers:
+    yield from _all_layers(sub)

@@ -295,3 +295,43 @@ def test_local_gfile_renames_like_tensorflow(tmp_path):
     gfile.rename(src, dst)
   gfile.rename(src, dst, overwrite=True)
   assert not gfile.exists(src) and open(dst).read() == 'new'
+
+
+LIGHT_IMPORT = """
+import sys
+from src import runtime
+runtime.bootstrap(light=True)
+import trax
+heavy = ('trax.data', 'trax.supervised', 'trax.supervised.training')
+print('before:', [m for m in heavy if m in sys.modules])
+from trax.supervised import training
+from trax.data import inputs
+from trax import layers as tl
+from src.runtime.trax_patches import checkpoint_io, loop_log
+print('training patched:', training.unpickle_from_file
+      is checkpoint_io._trax_unpickle_from_file,
+      training._log is loop_log._log_without_stdout)
+print('inputs patched:',
+      inputs.load_data_counters is checkpoint_io._no_data_counters)
+print('layers patched:', tl.np_from_file is checkpoint_io.np_from_file)
+print('names:', trax.lr.multifactor is not None, callable(trax.AsKeras))
+"""
+
+
+def test_light_trax_import_patches_modules_as_they_are_imported():
+  """`bootstrap(light=True)` (the chat, the server) leaves Trax's data
+  pipeline and training loop unimported, and the safe checkpoint reading
+  and quiet log fixes still hold once anything imports them."""
+  result = subprocess.run(
+    [sys.executable, '-c', LIGHT_IMPORT],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'before: []' in result.stdout
+  assert 'training patched: True True' in result.stdout
+  assert 'inputs patched: True' in result.stdout
+  assert 'layers patched: True' in result.stdout
+  assert 'names: True True' in result.stdout

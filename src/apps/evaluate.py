@@ -142,7 +142,7 @@ def main(argv=None):
   args = parse_args(argv)
   from src import runtime
 
-  runtime.bootstrap()
+  runtime.bootstrap(light=True)  # Decoding only: see runtime.bootstrap.
   from src.apps import chat
   from src.config import jsonconfig
   from src.inference import decoding, sampling

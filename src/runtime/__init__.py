@@ -10,11 +10,13 @@ from __future__ import annotations
 _DONE: list[bool] = []
 
 
-def bootstrap():
+def bootstrap(light: bool = False):
   """Once per process: XLA's CPU flags (`xla`), library noise silenced
   (`quiet`), JAX's compilation cache in the user's cache folder (`xla`),
   then Trax imported and patched (`trax_patches`). Later calls do nothing.
-  Call it before JAX starts its backend."""
+  Call it before JAX starts its backend. `light` (a process that only
+  decodes): Trax's data pipeline and training loop are imported only if
+  something uses them."""
   if _DONE:
     return
   from src.runtime import quiet, trax_patches, xla
@@ -22,6 +24,6 @@ def bootstrap():
   xla.configure()
   quiet.silence_libraries()
   xla.compile_cache()
-  trax_patches.install()
+  trax_patches.install(light)
   quiet.silence_loggers()
   _DONE.append(True)

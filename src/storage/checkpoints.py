@@ -12,6 +12,7 @@ routes Trax's own loader through it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -328,13 +329,15 @@ def set_weights(model_dir: str, layer, input_signature, flat) -> None:
   `model_dir`, named in messages) into it."""
   import jax
   import numpy as np
+  from trax import fastmath
   from trax import layers as tl
 
   # The state (LSH hash seeds) is drawn at init: seed it so that scoring
-  # and sampling are reproducible from run to run.
+  # and sampling are reproducible from run to run. The weights Trax would
+  # draw are replaced by `flat`: they are not drawn (`weights_not_drawn`).
   layer.rng = jax.random.PRNGKey(0)
-  layer.init(input_signature)
-  sig = layer.weights_and_state_signature(input_signature)
+  with weights_not_drawn(layer):
+    layer.init(input_signature)
   expected = tl.flatten_weights_and_state(layer.weights, layer.state)[0]
   check_fit(
     model_dir,
@@ -347,8 +350,44 @@ def set_weights(model_dir: str, layer, input_signature, flat) -> None:
       f'{model_dir}: the weights contain NaN/inf (the training run '
       'diverged); train again with a lower learning rate (lr_schedule.peak)'
     )
-  weights, _ = tl.unflatten_weights_and_state(flat, (), sig, weights_only=True)
+  # The initialized weights are the tree's template (Trax's own
+  # `unflatten_weights_and_state` takes their abstract signature, which
+  # costs another trace of the whole model).
+  markers = [tl.EMPTY_WEIGHTS, tl.GET_WEIGHTS_FROM_CACHE]
+  weights, _ = fastmath.tree_unflatten(
+    list(flat), layer.weights, copy_from_tree=markers
+  )
   layer.weights = jax.tree_util.tree_map(jax.numpy.asarray, weights)
+
+
+@contextlib.contextmanager
+def weights_not_drawn(layer):
+  """Within it, `layer.init` makes its weights zeros instead of drawing
+  them: every `*_initializer` of `layer` and its sublayers returns zeros
+  of the asked shape. For weights that are replaced at once: Trax draws
+  each array eagerly, one small compiled program per shape, ~0.5 s of a
+  chat's start on the tiny model. The state (hash seeds, rotations) is
+  drawn as before."""
+  import numpy as np
+
+  def zeros(shape, rng=None):
+    del rng
+    return np.zeros(shape, np.float32)
+
+  swapped = []
+  todo = [layer]
+  while todo:
+    sub = todo.pop()
+    todo.extend(sub.sublayers)
+    for name, value in list(vars(sub).items()):
+      if name.endswith('_initializer') and callable(value):
+        swapped.append((sub, name, value))
+        setattr(sub, name, zeros)
+  try:
+    yield
+  finally:
+    for sub, name, value in swapped:
+      setattr(sub, name, value)
 
 
 def load_weights(model_dir: str, layer, input_signature, max_bytes=None):

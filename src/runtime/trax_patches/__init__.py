@@ -24,14 +24,16 @@ from __future__ import annotations
 APPLIED: list[str] = []
 
 
-def install():
-  """Applies every fix once; later calls do nothing."""
+def install(light: bool = False):
+  """Applies every fix once; later calls do nothing. `light`: Trax without
+  its data pipeline and training loop until something imports them
+  (`import_speed`; the chat and the server)."""
   if APPLIED:
     return
   from src.runtime.trax_patches import import_speed, lazy_tensorflow
 
   lazy_tensorflow.install()  # Before anything imports Trax.
-  import_speed.import_trax()
+  import_speed.import_trax(light)
   # These import Trax themselves: only now.
   from src.runtime.trax_patches import (
     all_reduce,

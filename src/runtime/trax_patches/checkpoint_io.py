@@ -13,6 +13,15 @@ def _no_data_counters(output_dir, host_id=None):
   del output_dir, host_id
 
 
+def _patch_training(training):
+  training.unpickle_from_file = _trax_unpickle_from_file
+
+
+def _patch_inputs(inputs):
+  inputs.load_data_counters = _no_data_counters
+  inputs.save_data_counters = _no_data_counters
+
+
 def install():
   """Makes Trax's `Loop` read pickles only through this module.
 
@@ -22,16 +31,20 @@ def install():
   with the stock loader whenever a Loop starts in an out-dir) are neither
   read nor written: Jade V8's batches are a pure function of (seed,
   step), so they hold nothing a run needs, and a planted one must never be
-  unpickled.
+  unpickled. The training loop and data modules are patched as they are
+  imported (at once after a full `import trax`).
   """
   import trax.layers
-  from trax.data import inputs
   from trax.layers import base
-  from trax.supervised import training
 
-  training.unpickle_from_file = _trax_unpickle_from_file
+  from src.runtime.trax_patches import import_speed
+
   # Weights and optimizer slots: each NumPy header read before its data.
   trax.layers.np_from_file = np_from_file
   base.np_from_file = np_from_file
-  inputs.load_data_counters = _no_data_counters
-  inputs.save_data_counters = _no_data_counters
+  import_speed.patch_on_import(
+    {
+      'trax.supervised.training': [_patch_training],
+      'trax.data.inputs': [_patch_inputs],
+    }
+  )

@@ -15,9 +15,14 @@ def _log_without_stdout(s, stdout=True):
   _TRAX_LOG[0](s, stdout=False)
 
 
-def install():
-  from trax.supervised import training
-
+def _patch(training):
   if not _TRAX_LOG:
     _TRAX_LOG.append(training._log)
   training._log = _log_without_stdout
+
+
+def install():
+  """As soon as Trax's training loop is imported."""
+  from src.runtime.trax_patches import import_speed
+
+  import_speed.patch_on_import({'trax.supervised.training': [_patch]})
