@@ -1,15 +1,15 @@
-"""Re-reading a chat context: token by token vs one block at position 0.
+"""Re-reading a chat context: token by token vs blocks.
 
   python bench/reread.py [--contexts 4096,32768] [--sample 2048]
 
-`/load` and a context overflow restart the decoder at position 0 and feed
-the kept conversation again. `Decoder.feed` now reads the longest multiple
-of the LSH chunk length in one predict-mode call there (then the rest one
-token at a time); before, every token was one step. For each context this
-times, on the same randomly initialized model (the decode benchmark's
-shape: 4 layers, d_model 256, 4 heads, LSH chunk 64, 1 hash):
-- block, cold: the first re-read of that length (includes compiling);
-- block, warm: the same length again;
+`/load`, a context overflow and a new conversation on the server read a
+whole conversation at once. `Decoder.feed` reads it as blocks of `block`
+tokens (`src.model.decode_block`: each token attends to what it would fed
+alone, all of a block's tokens in one call). For each context this times,
+on the same randomly initialized model (the decode benchmark's shape: 4
+layers, d_model 256, 4 heads, LSH chunk 64, 1 hash):
+- blocks, cold: the first re-read (includes compiling the block program);
+- blocks, warm: the same again;
 - first reply token after the re-read (block warm + one step);
 - token by token: `--sample` tokens fed one at a time, scaled to the
   context (a step costs the same at any position: the memory is allocated
@@ -71,13 +71,12 @@ def measure(context: int, sample: int) -> dict:
   t0 = time.time()
   d.feed([int(np.argmax(logits))])
   out['first_token_after_s'] = out['block_warm_s'] + time.time() - t0
-  d.min_block = 10**9  # Token by token, as before.
   n = min(sample, len(ids))
   d.reset()
-  d.feed(ids[:1])  # Compile the one-token step.
+  d.feed(ids[:1], blocks=False)  # Compile the one-token step.
   d.reset()
   t0 = time.time()
-  d.feed(ids[:n])
+  d.feed(ids[:n], blocks=False)
   per_token = (time.time() - t0) / n
   out['step_ms'] = per_token * 1000
   out['token_by_token_s'] = per_token * len(ids)
@@ -91,8 +90,8 @@ def main(argv=None):
   parser.add_argument('--sample', type=int, default=2048)
   args = parser.parse_args(argv)
   print(
-    '| context | tokens re-read | token by token | block (cold: compile + '
-    'run) | block (warm) | first reply token after re-read |\n'
+    '| context | tokens re-read | token by token | blocks (cold: compile + '
+    'run) | blocks (warm) | first reply token after re-read |\n'
     '|-|-|-|-|-|-|'
   )
   for context in (int(c) for c in args.contexts.split(',')):

@@ -124,7 +124,8 @@ def test_second_turn_does_not_recompile(decoder):
   traces = decoder.traces
   s.reply('How are you doing?')
   s.reply('What is your last name?')
-  assert decoder.traces == traces == 1
+  # One program for a token, one for a block (every block has one length).
+  assert decoder.traces == traces == 2
 
 
 def test_stdin_repl_with_commands_and_save(decoder, tmp_path, monkeypatch):
@@ -194,8 +195,11 @@ def test_a_chat_context_starts_like_a_conversation_in_training(
   """[pad, EOS, user turn, start marker]: in training every conversation
   follows the EOS of the one before it."""
   fed = []
-  step = decoder._step
+  step, block = decoder._step, decoder._read_block
   monkeypatch.setattr(decoder, '_step', lambda i: fed.append(i) or step(i))
+  monkeypatch.setattr(
+    decoder, '_read_block', lambda ids: fed.extend(ids) or block(ids)
+  )
   s = session(decoder, temperature=0.0, max_new_tokens=3)
   s.reply('Hello')
   tok = decoder.tokenizer
@@ -354,15 +358,15 @@ def test_ctrl_c_while_feeding_keeps_the_session(decoder, monkeypatch):
   s = session(decoder)
   s.reply('Hello')
   kept = list(s.turns)
-  step, calls = decoder._step, []
+  block, calls = decoder._read_block, []
 
-  def interrupted(i):
-    calls.append(i)
-    if len(calls) == 3:
+  def interrupted(ids):
+    calls.append(ids)
+    if len(calls) == 1:  # The message's first block.
       raise KeyboardInterrupt
-    return step(i)
+    return block(ids)
 
-  monkeypatch.setattr(decoder, '_step', interrupted)
+  monkeypatch.setattr(decoder, '_read_block', interrupted)
   chat.run_repl(s, interactive=False, stdin=io.StringIO('a long message\n'))
   assert 'interrupted' in s.out.getvalue()
   assert s.turns == kept  # The cut message is dropped, the rest kept.
@@ -410,34 +414,32 @@ def test_piped_replies_take_one_line_and_backslash_continues(
   assert chat.read_message(False, io.StringIO('a\\\n')) == 'a'
 
 
-@pytest.mark.parametrize('drop', [32, 128])
-def test_block_reading_equals_token_by_token(tiny_run, drop):
-  """At position 0 the decoder reads a block in one call. With attention
-  made exact (as in test_greedy_incremental_equals_full_forward) block
-  and token-by-token reading give the same logits and the same state.
-  Also when the block is no longer than the memory's drop length (as in
-  gin/reformer_32k.gin: 4096), where Trax's predict step takes it for a
-  few appended tokens and its local attention cannot read it."""
-  d = exact_decoder(
-    tiny_run['out'],
-    (
-      f'LSHSelfAttention.predict_drop_len = {drop}',
-      f'SelfAttention.predict_drop_len = {drop}',
-    ),
-  )
+@pytest.mark.parametrize('first', [0, 37])
+def test_blocks_read_what_each_token_read_alone_would(tiny_run, first):
+  """A block (`decode_block`) gives each of its tokens what that token fed
+  alone attends to, at any position: the tiny run's own LSH (not made
+  exact), blocks from position 0 or after `first` tokens fed one at a
+  time (a piece up to the grid, whole blocks, a padded rest), then tokens
+  one at a time after them: the same logits, to rounding."""
+  d = decoding.Decoder.load(tiny_run['out'])
   tok = d.tokenizer
-  assert d.block == 64 and d.min_block == decoding.MIN_BLOCK
-  d.min_block = 64  # The tiny context holds 128 tokens.
-  ids = list(np.random.default_rng(1).integers(3, tok.vocab_size, 100))
-  traces = d.traces
-  by_block = [d.feed(ids)] + [d.feed([t]) for t in (5, 9, 11)]
-  # One compilation for the block, one for the one-token step.
-  assert d.position == 104 and d.traces == traces + 2
-  d.block = 10**9  # Token by token.
+  assert d.block == 32  # MICRO's LSH chunk 16, tiny.gin's local 32.
+  ids = [int(i) for i in np.random.default_rng(1).integers(3, 300, 100)]
+  later = [5, 9, 11]
+  by_token = [d.feed(ids, blocks=False)]
+  by_token += [d.feed([t]) for t in later]
   d.reset()
-  by_token = [d.feed(ids)] + [d.feed([t]) for t in (5, 9, 11)]
+  traces = d.traces
+  for i in ids[:first]:
+    d.feed([i])
+  by_block = [d.feed(ids[first:], blocks=True)]
+  by_block += [d.feed([t]) for t in later]
+  assert d.position == 1 + len(ids) + len(later)
+  assert d.traces <= traces + 2  # One block program, one token program.
   for a, b in zip(by_block, by_token):
-    np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    assert np.argmax(a) == np.argmax(b)
+  assert tok.vocab_size == by_block[0].shape[-1]
 
 
 def test_local_blocks_read_their_training_window_while_chatting():

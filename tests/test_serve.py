@@ -654,16 +654,25 @@ def test_reuse_gives_the_fresh_reads_logits_bit_for_bit(decoder):
 
   slot = engine.Conversations(decoder)
   turn = slot._turn
-  earlier = [turn('user', 'Hello'), turn('ai', 'Hi there')]
+  earlier = [
+    turn('user', 'Hello, I am Robin and I would like to talk about trains'),
+    turn('ai', 'Hi there, trains are great and I like them a lot'),
+  ]
   more = earlier + [turn('user', 'How are you?'), turn('ai', 'Fine, thanks')]
   slot.context.reread(earlier)
-  assert slot._reuse(more, slot.context.ids(more), exact=True) > 0
+  d = slot.decoder
+  assert d.block and d.mark >= d.block  # Past the first block.
+  # The reply as generated: one token at a time after the kept state.
+  for i in slot.context.ids(more)[len(slot.context.ids()) :][:5]:
+    d.feed([i])
+  kept = slot._reuse(more, slot.context.ids(more), exact=True)
+  assert kept == d.mark > 0 and kept % d.block == 0
   reused = slot.context.ask('And you?', 8)
   slot.context.reread(more)  # What a fresh server reads.
   fresh = slot.context.ask('And you?', 8)
   np.testing.assert_array_equal(reused, fresh)
-  # A kept state that is not a prefix is never extended.
-  slot.context.reread([turn('user', 'Something else')])
+  # A kept state that does not share tokens up to its mark is not kept.
+  slot.context.reread([turn('user', 'Something else ' * 8)])
   assert slot._reuse(more, slot.context.ids(more), exact=True) == 0
 
 

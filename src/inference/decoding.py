@@ -2,23 +2,28 @@
 
 `Decoder` loads a run folder (tokenizer, `model.gin`, checkpoint) or an
 export (`src.storage.export`: `model.safetensors` instead of a checkpoint)
-and keeps the model's predict-mode state (LSH attention memory, position
-counters) between calls, so each new token costs one step of one token. The
-step is jitted once and its state buffers are donated, so the attention
-memory is updated in place instead of copied every token.
+and keeps the model's predict-mode state (LSH attention memory and key
+cache, position counters) between calls, so each generated token costs one
+step of one token, and a message (or a whole conversation) is read in
+blocks of tokens at any position (`src.model.decode_block`). The step and
+the block are jitted once each and their state buffers are donated, so the
+memories are updated in place instead of copied every token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import numpy as np
 import trax
+from trax import layers as tl
 
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import attention, decode_cache, ginconf, reformer
+from src.model import attention, decode_block, decode_cache, ginconf, reformer
+from src.model.positions import AxialPositions
 from src.storage import checkpoints, curves, modelfolder
 
 MODEL_DIR_FIX = (
@@ -108,7 +113,48 @@ def _turned_weights(model, lsh, local) -> list[bool]:
   return [id(w) in turned for w in jax.tree_util.tree_leaves(model.weights)]
 
 
-MIN_BLOCK = 1024  # Tokens fed at position 0 from which a block is read.
+def block_size(model, max_len: int) -> int:
+  """Tokens the decoder reads as one block (`decode_block`), or 0 when
+  this model's layers cannot read blocks (then tokens go one at a time).
+
+  A multiple of every attention layer's chunk length that divides the
+  context (blocks fall on a fixed grid, see `Decoder.feed`) and is short
+  enough that a block's own earlier tokens are in each of its tokens' LSH
+  window (`decode_block.lsh_block`)."""
+  lsh = reformer.lsh_layers(model)
+  local = reformer.local_layers(model)
+  attention_layers = [  # Every layer with a predict-mode memory.
+    node
+    for node in reformer.all_layers(model)
+    if hasattr(node, '_predict_mem_len')
+  ]
+  positions = [
+    node
+    for node in reformer.all_layers(model)
+    if isinstance(node, (tl.PositionalEncoding, tl.AxialPositionalEncoding))
+  ]
+  if any(
+    not isinstance(node, attention._Ours) or not node._reads_blocks()
+    for node in attention_layers
+  ) or any(not isinstance(node, AxialPositions) for node in positions):
+    return 0
+  size = math.lcm(*[layer._chunk_len for layer in lsh + local] or [64])
+  limit = min(
+    [2 * decode_cache.keep_count(layer) - 1 for layer in lsh] or [size]
+  )
+  if size > limit or max_len % size:
+    return 0
+  return size
+
+
+@dataclasses.dataclass
+class Held:
+  """A conversation's decoder state, moved out of the decoder (`take`)."""
+
+  state: object
+  position: int
+  mark: int
+  saved: list | None
 
 
 class Decoder:
@@ -118,6 +164,9 @@ class Decoder:
     tokenizer: The run's tokenizer.
     max_len: The model's context length.
     position: Tokens fed since the last reset.
+    block: Tokens read as one block (0: one token at a time).
+    mark: The state is exactly a fresh read's up to this position (a
+      multiple of `block`); `rewind` goes back to it.
     traces: How many times the step function was traced (compiled).
   """
 
@@ -143,27 +192,39 @@ class Decoder:
           f'{name}.predict_mem_len {layer._predict_mem_len} is '
           f'below max_len {max_len}; set it to {max_len} in model.gin'
         )
+    self._mem_len = min(
+      [layer._predict_mem_len for layer in lsh + local] or [max_len]
+    )
     self.tokenizer = tok
     self.step = step
     self.curves = None  # Where the model's training curves are, in words.
     self._turned = _turned_weights(predict_model, lsh, local)
     self.weights = predict_model.weights
     self._fresh_state = jax.tree_util.tree_map(np.asarray, predict_model.state)
+    # What `rewind` restores: all but the memories indexed by position
+    # (written only at or after the position, so kept as they are).
+    self._positional = [
+      _by_position(np.shape(leaf), self._mem_len)
+      for leaf in jax.tree_util.tree_leaves(self._fresh_state)
+    ]
     self._rng = jax.random.PRNGKey(0)
     self.traces = 0
     self._step_fn = jax.jit(self._pure_step, donate_argnums=(1,))
-    # Block reading at position 0 (see feed): the model without its output
-    # layer, then the output layer on the last position only, so the
-    # `[length, vocab]` logits never exist. One compilation per block
-    # length; lengths are multiples of `block`.
+    # A block: the model without its output layer, then the output layer
+    # on the last real position only, so `[length, vocab]` logits never
+    # exist. One compilation: every block is `block` tokens long.
     *body, self._head = predict_model.sublayers
     self._body = trax.layers.Serial(*body)
-    # A block is read in chunks, as training reads a window: a multiple
-    # of every attention layer's chunk length.
-    self.block = math.lcm(*[layer._chunk_len for layer in lsh + local] or [64])
-    # Shorter feeds go token by token: compiling a block length costs
-    # seconds (bench/reread.py), about what 1k tokens cost one at a time.
-    self.min_block = MIN_BLOCK
+    self._readers = (
+      lsh
+      + local
+      + [
+        node
+        for node in reformer.all_layers(predict_model)
+        if isinstance(node, AxialPositions)
+      ]
+    )
+    self.block = block_size(predict_model, max_len)
     self._block_fn = jax.jit(self._pure_block, donate_argnums=(1,))
     self.reset()
 
@@ -214,14 +275,16 @@ class Decoder:
     logits, state = self.model.pure_fn(tokens, weights, state, rng)
     return logits[0, -1], state
 
-  def _pure_block(self, weights, state, tokens, rng):
+  def _pure_block(self, weights, state, tokens, n, rng):
     self.traces += 1
     weights = self._model_weights(weights)
-    x, body_state = self._body.pure_fn(
-      tokens, tuple(weights[:-1]), tuple(state[:-1]), rng, use_cache=True
-    )
+    with decode_block.reading(self._readers, n):
+      x, body_state = self._body.pure_fn(
+        tokens, tuple(weights[:-1]), tuple(state[:-1]), rng, use_cache=True
+      )
+    last = jax.lax.dynamic_slice_in_dim(x, n - 1, 1, axis=1)
     logits, head_state = self._head.pure_fn(
-      x[:, -1:], weights[-1], state[-1], rng, use_cache=True
+      last, weights[-1], state[-1], rng, use_cache=True
     )
     return logits[0, -1], (*body_state, head_state)
 
@@ -229,15 +292,46 @@ class Decoder:
     """Forgets the conversation: a fresh state, position 0."""
     self.state = jax.tree_util.tree_map(jax.numpy.asarray, self._fresh_state)
     self.position = 0
-    self.block_read = 0  # Tokens the state read as one block at position 0.
+    self.mark = 0
+    self._saved = None  # What `rewind` restores (None: nothing to undo).
 
-  def block_part(self, n: int) -> int:
-    """How many of `n` tokens fed at position 0 (the pad included) are
-    read as one block (see `feed`); the rest go one at a time. A state
-    equals a fresh read only if both read the same block."""
-    return (n // self.block) * self.block if n >= self.min_block else 0
+  def take(self) -> Held:
+    """Moves the conversation out (its state is moved, not copied); the
+    decoder starts a fresh one."""
+    held = Held(self.state, self.position, self.mark, self._saved)
+    self.reset()
+    return held
+
+  def put(self, held: Held):
+    """Makes `held` (from `take`) the decoder's conversation again."""
+    self.state, self.position = held.state, held.position
+    self.mark, self._saved = held.mark, held.saved
+
+  def rewind(self):
+    """Goes back to `mark`: the state is then exactly what a fresh read of
+    the first `mark` tokens gives."""
+    if self._saved is None:
+      return
+    leaves, tree = jax.tree_util.tree_flatten(self.state)
+    leaves = [
+      now if kept is None else kept for now, kept in zip(leaves, self._saved)
+    ]
+    self.state = jax.tree_util.tree_unflatten(tree, leaves)
+    self.position, self._saved = self.mark, None
+
+  def _leave_mark(self):
+    """Keeps what `rewind` needs before the state moves past `mark` in a
+    way a fresh read would not (a token alone, a partial block)."""
+    if self.position == self.mark and self._saved is None:
+      self._saved = [
+        None if positional else jax.numpy.array(leaf, copy=True)
+        for leaf, positional in zip(
+          jax.tree_util.tree_leaves(self.state), self._positional
+        )
+      ]
 
   def _step(self, token_id: int):
+    self._leave_mark()
     token = np.array([[token_id]], np.int32)
     logits, self.state = self._step_fn(
       self.weights, self.state, token, self._rng
@@ -245,20 +339,35 @@ class Decoder:
     self.position += 1
     return logits
 
-  def feed(self, ids) -> np.ndarray:
+  def _read_block(self, ids):
+    """Reads `ids` (at most `block`, not past the grid cell) as a block."""
+    if len(ids) == self.block and self.position == self.mark:
+      self.mark += self.block  # Exactly as a fresh read reads it.
+    else:
+      self._leave_mark()
+    tokens = np.zeros((1, self.block), np.int32)
+    tokens[0, : len(ids)] = ids
+    n = np.int32(len(ids))
+    logits, self.state = self._block_fn(
+      self.weights, self.state, tokens, n, self._rng
+    )
+    self.position += len(ids)
+    return logits
+
+  def feed(self, ids, blocks: bool | None = None) -> np.ndarray:
     """Feeds tokens; returns the logits after the last.
 
-    At position 0 (`/load`, a re-read after dropping old turns), when at
-    least `min_block` tokens come at once, Trax's predict mode takes a block
-    in one call: the longest multiple of `block` (the LSH chunk length) goes
-    at once, the rest one token at a time. Later tokens go one at a time.
-    A block is read the way training reads a window (LSH buckets sorted
-    over the whole block); one token at a time, each token attends to the
-    candidates predict mode keeps for it. With exact attention both agree
-    (tests/test_chat.py); with LSH both are approximations of it.
+    Several tokens (or any with `blocks=True`) are read as blocks of
+    `block` tokens on a fixed grid of positions (`decode_block`: each
+    token attends to what it would attend to fed alone, all at once): a
+    piece up to the next multiple of `block`, then whole blocks, then the
+    rest. One token is one step. A fresh read of a conversation and a kept
+    state rewound to `mark` and given the rest read the same blocks, so
+    their states (and replies) are identical (`rewind`).
 
     Args:
       ids: Token ids to append to the context.
+      blocks: Read as blocks (default: when there are several).
 
     Returns:
       `[vocab] float32` logits for the next token.
@@ -274,16 +383,27 @@ class Decoder:
         f'context full: {self.position} + {len(ids)} tokens exceed '
         f'{self.max_len}'
       )
+    if blocks is None:
+      blocks = len(ids) > 1
     logits = None
-    n_block = self.block_part(len(ids)) if self.position == 0 else 0
-    if n_block:
-      self.block_read = n_block
-      tokens = np.asarray(ids[:n_block], np.int32)[None, :]
-      logits, self.state = self._block_fn(
-        self.weights, self.state, tokens, self._rng
-      )
-      self.position += n_block
-      ids = ids[n_block:]
-    for i in ids:
-      logits = self._step(i)
+    while ids:
+      if not (blocks and self.block):
+        logits, ids = self._step(ids[0]), ids[1:]
+        continue
+      room = self.block - self.position % self.block
+      piece, ids = ids[:room], ids[room:]
+      if self.position + self.block <= self._mem_len:
+        logits = self._read_block(piece)
+      else:  # A padded block would run past the memory.
+        for i in piece:
+          logits = self._step(i)
     return np.asarray(logits)
+
+
+def _by_position(shape, mem_len: int) -> bool:
+  """Whether a state array is a memory indexed by position (`[batch or
+  heads, mem, ...]` inputs or key cache, `[heads, n_hashes * mem]`
+  buckets): written only at or after the position, so `rewind` keeps it."""
+  if len(shape) == 3:
+    return shape[1] == mem_len
+  return len(shape) == 2 and shape[1] >= mem_len and shape[1] % mem_len == 0

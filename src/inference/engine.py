@@ -19,13 +19,17 @@ import threading
 import numpy as np
 
 from src.data import chatformat
-from src.inference import generate, sampling
+from src.inference import decoding, generate, sampling
 from src.inference.decoding import Decoder
 
 # Characters one token stands for at most (sentencepiece's pieces are up
 # to 16, the markers are single tokens of about 20): a text longer than
 # this times a room cannot fit in it, and is not tokenized to find out.
 MAX_PIECE_CHARS = 64
+
+
+# Decoder positions before a context's first token: the pad and START.
+_LEAD = 1 + len(generate.START)
 
 
 class Refused(ValueError):
@@ -120,11 +124,19 @@ def _send(emit, shown: str, text: str) -> str:
 class _Parked:
   """A conversation kept out of the decoder: its state and what it read."""
 
-  state: object  # The decoder's state (moved out, never copied).
-  position: int
-  block: int  # Tokens it read as one block at position 0.
+  held: decoding.Held  # The decoder's state (moved out, never copied).
   turns: list  # The context's turns.
   conversation: list  # The conversation as its client knows it.
+
+  def ids(self) -> list[int]:
+    return [i for t in self.turns for i in t.ids]
+
+
+def common_prefix(a, b) -> int:
+  """How many leading tokens `a` and `b` share."""
+  n = min(len(a), len(b))
+  at = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+  return int(at[0]) if len(at) else n
 
 
 class Conversations:
@@ -133,13 +145,13 @@ class Conversations:
 
   A reply that must be reproducible (temperature 0, or a seed) is computed
   from the state a fresh server would read: the request is tokenized as
-  its text reads, and the kept state is extended only when its tokens are
-  a prefix of that and extending gives exactly the fresh read's state
-  (`_reuse`); else the conversation is read again. So such a follow-up's
-  reply is the one a fresh server gives, and a reply the model generated
-  in pieces its text does not tokenize to (or cut by a stop string) is
-  read again. Unseeded sampling, which no one can reproduce, reuses the
-  kept state whenever the client's conversation is the one it read.
+  its text reads, the kept state whose tokens share the longest prefix
+  with it is rewound to its `mark` (what a fresh read of those tokens
+  gives, exactly) and the rest read as blocks (`_reuse`); so such a
+  follow-up's reply is the one a fresh server gives, and costs the tokens
+  since the mark (the last reply, the new message, less than a block
+  before them). Unseeded sampling, which no one can reproduce, extends a
+  kept state whose tokens (or text) are the client's without rewinding.
   """
 
   def __init__(self, decoder: Decoder, slots: int = 1):
@@ -159,15 +171,9 @@ class Conversations:
     not copied: the decoder then starts a fresh one), dropping the least
     recently used beyond `slots`."""
     if self.context.used() and self.slots > 1:
-      d = self.decoder
+      held = self.decoder.take()
       self.parked.append(
-        _Parked(
-          d.state,
-          d.position,
-          d.block_read,
-          list(self.context.turns),
-          list(self.conversation),
-        )
+        _Parked(held, list(self.context.turns), list(self.conversation))
       )
       del self.parked[: max(0, len(self.parked) - (self.slots - 1))]
     self.reset()
@@ -177,8 +183,7 @@ class Conversations:
     parked first)."""
     self.parked.remove(kept)
     self._park()
-    d = self.decoder
-    d.state, d.position, d.block_read = kept.state, kept.position, kept.block
+    self.decoder.put(kept.held)
     self.context.turns = kept.turns
     self.conversation = kept.conversation
 
@@ -194,21 +199,20 @@ class Conversations:
     return False
 
   def _choose(self, want: list[int], exact: bool):
-    """Moves into the decoder the kept conversation whose state extends to
-    the request's tokens `want` with the most tokens reused (the current
-    one first on a tie); parks the current one when another is better, or
-    when none fits and it is not empty."""
-    mine = self.context.ids()
-    if not self._extends(mine, self.decoder.block_read, want, exact):
-      mine = []
-    best, most = None, len(mine)
+    """Moves into the decoder the kept conversation that keeps the most
+    of the request's tokens `want` (the current one first on a tie);
+    parks the current one when another is better, or when none fits and
+    it is not empty."""
+    d = self.decoder
+    most = self._kept(self.context.ids(), d.mark, want, exact)
+    best = None
     for kept in self.parked:
-      ids = [i for t in kept.turns for i in t.ids]
-      if len(ids) > most and self._extends(ids, kept.block, want, exact):
-        best, most = kept, len(ids)
+      n = self._kept(kept.ids(), kept.held.mark, want, exact)
+      if n > most:
+        best, most = kept, n
     if best is not None:
       self._unpark(best)
-    elif not mine and self.slots > 1:
+    elif not most and self.slots > 1:
       self._park()  # Keep it for its owner; this one starts afresh.
 
   def _turn(self, role: str, content: str) -> generate.Turn:
@@ -283,28 +287,33 @@ class Conversations:
     return logits, reused, dropped
 
   def _reuse(self, turns: list[generate.Turn], want, exact: bool) -> int:
-    """Extends the kept state to `turns` when its tokens are a prefix of
-    theirs (as the request's text tokenizes) and, if `exact`, when that
-    gives exactly the state a fresh read would (both read the same block
-    at position 0; past MIN_BLOCK tokens a follow-up that crosses a block
-    is read again); `want`: the tokens of `turns`. Returns the tokens
-    reused, 0 when it cannot."""
+    """Makes the decoder's state hold `turns` (`want`: their tokens) by
+    keeping what it can of what it read (`_kept`) and reading the rest;
+    returns the tokens kept, 0 when nothing could be (then nothing moved)."""
+    d = self.decoder
     have = self.context.ids()
-    if not self._extends(have, self.decoder.block_read, want, exact):
+    kept = self._kept(have, d.mark, want, exact)
+    if not kept:
       return 0
-    reused = self.context.used()
+    if kept < len(have):  # Back to the mark: a fresh read's state.
+      d.rewind()
     self.context.turns = list(turns)
-    if len(want) > len(have):
-      self.decoder.feed(want[len(have) :])
-    return reused
+    if len(want) > kept:
+      d.feed(want[kept:], blocks=True)
+    return kept + _LEAD
 
-  def _extends(self, have: list[int], block: int, want, exact) -> bool:
-    """Whether a state that read `have` (a block of `block` tokens at
-    position 0) can be extended to the tokens `want` (see `_reuse`)."""
-    if not have or not want or want[: len(have)] != have:
-      return False
-    first = 1 + len(generate.START) + len(want)  # A fresh read's first feed.
-    return not exact or self.decoder.block_part(first) == block
+  def _kept(self, have: list[int], mark: int, want, exact: bool) -> int:
+    """How many of the tokens `want` a state that read `have` (and a fresh
+    read's state up to decoder position `mark`) keeps: all of `have` if
+    they begin `want` and the reply need not be exact, else up to the
+    mark if `have` and `want` agree that far, else 0."""
+    if not have or not want:
+      return 0
+    common = common_prefix(have, want)
+    if not exact and common == len(have):
+      return common
+    at_mark = mark - _LEAD  # In the context's tokens.
+    return at_mark if 0 < at_mark <= common else 0
 
   def run(self, job: Request, cancel: threading.Event, emit=None) -> dict:
     """Generates the reply of `job` (in a worker thread).

@@ -33,9 +33,8 @@ from trax import fastmath
 from trax import layers as tl
 from trax.layers.research import efficient_attention as ea
 
-from src.model import decode_cache, lsh_hash
-
-_TRAX_MASK = ea.mask_self_attention
+from src.model import decode_block, decode_cache, lsh_hash
+from src.model.decode_block import TRAX_MASK, window_mask
 
 
 def settings_name(cls) -> str:
@@ -94,6 +93,27 @@ class _Ours:
       self, inputs, state, super()._use_predict_mem
     )
 
+  def forward_and_or_backward(self, inputs, weights, state, rng, **kwargs):
+    """Trax's, except for a block of new tokens of the chat decoder
+    (`decode_block`: each token as if fed alone, all at once)."""
+    block = decode_block.wants_block(
+      self,
+      inputs,
+      kwargs.get('update_state', True),
+      kwargs.get('compute_output', True),
+      kwargs.get('output_grad'),
+    )
+    if block and self._reads_blocks():
+      out, new_state = self._read_block(inputs, weights, state, rng)
+      return out, new_state, None, None
+    return super().forward_and_or_backward(
+      inputs, weights, state, rng, **kwargs
+    )
+
+  def _reads_blocks(self) -> bool:
+    """Whether `_read_block` can read this layer's blocks."""
+    return False
+
 
 class LocalSelfAttention(_Ours, tl.SelfAttention):
   """Trax's `SelfAttention`; chunked, a local attention whose predict
@@ -130,7 +150,13 @@ class LocalSelfAttention(_Ours, tl.SelfAttention):
     try:
       return trax_step(x, mask, **kwargs)
     finally:
-      ea.mask_self_attention = _TRAX_MASK
+      ea.mask_self_attention = TRAX_MASK
+
+  def _reads_blocks(self) -> bool:
+    return bool(self._chunk_len) and not self._bias
+
+  def _read_block(self, x, weights, state, rng):
+    return decode_block.local_block(self, x, weights, state, rng)
 
 
 class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
@@ -154,11 +180,24 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
     vecs = jax.lax.stop_gradient(vecs)
     return lsh_hash.hash_rounds(vecs, turns, self._n_buckets)
 
-  def _scored(self, q, k_unit, x_q, x_k, weights):
-    """Queries and keys of a predict step's `attend` (`x_q`, `x_k`: the
-    inputs they came from): Trax's shared ones."""
-    del x_q, x_k, weights
-    return q, k_unit
+  def _key_width(self) -> int:
+    """Floats a position keeps in the decode cache (`_key_parts`)."""
+    return self._d_qk + self._d_v
+
+  def _key_parts(self, x_k, weights):
+    """What a predict step reads of the positions `x_k` (`[n, d]`), their
+    keys and values side by side (`[n, _key_width]`): Trax's shared keys
+    (`length_normalized`) and values."""
+    k = ea.length_normalized(jnp.matmul(x_k, weights[0]))
+    return jnp.concatenate([k, jnp.matmul(x_k, weights[1])], -1)
+
+  def _cached_qkv(self, q, parts, x_q, weights):
+    """Queries, keys and values of a predict step's `attend`, from the
+    query `q`, the candidates' `parts` (`_key_parts`) and the query's
+    input `x_q`: Trax's shared ones."""
+    del x_q, weights
+    d = self._d_qk
+    return q, parts[:, :d], parts[:, d : d + self._d_v]
 
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
     return lsh_forward(self, x, mask, weights=weights, **kwargs)
@@ -172,6 +211,12 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
     return decode_cache.forward_and_or_backward(
       self, trax_fab, inputs, weights, state, rng, **kwargs
     )
+
+  def _reads_blocks(self) -> bool:
+    return decode_cache.indexed(self)
+
+  def _read_block(self, x, weights, state, rng):
+    return decode_block.lsh_block(self, x, weights, state, rng)
 
 
 class DirectedLSHSelfAttention(FastLSHSelfAttention):
@@ -197,9 +242,18 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
     w_b = self._kernel_initializer(shape, rng_b)
     return (*weights, w_a, w_b)
 
-  def _scored(self, q, k_unit, x_q, x_k, weights):
-    w_a, w_b = weights[3:]
-    return directed_qk(q, k_unit, jnp.matmul(x_q, w_a), jnp.matmul(x_k, w_b))
+  def _key_width(self) -> int:
+    return super()._key_width() + self._d_qk  # And `b`.
+
+  def _key_parts(self, x_k, weights):
+    parts = super()._key_parts(x_k, weights)
+    return jnp.concatenate([parts, jnp.matmul(x_k, weights[4])], -1)
+
+  def _cached_qkv(self, q, parts, x_q, weights):
+    q, k_unit, v = super()._cached_qkv(q, parts, x_q, weights)
+    b = parts[:, self._d_qk + self._d_v :]
+    q, k = directed_qk(q, k_unit, jnp.matmul(x_q, weights[3]), b)
+    return q, k, v
 
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
     w_q, w_v, w_o, w_a, w_b = weights
@@ -350,19 +404,6 @@ def lsh_forward(
   out = jnp.matmul(o, w_o)
   out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
   return out, state
-
-
-def window_mask(dots, q_info, kv_info, *, chunk_len, n_chunks_before, **kw):
-  """Trax's self-attention mask plus the local window training used.
-
-  Chunked `SelfAttention` in training lets a query in chunk c see chunks
-  c - n_chunks_before .. c. `attend` numbers positions from 1.
-  """
-  dots = _TRAX_MASK(dots, q_info, kv_info, **kw)
-  q = q_info.astype(jnp.int32) - 1
-  k = kv_info.astype(jnp.int32) - 1
-  first = (q // chunk_len - n_chunks_before) * chunk_len
-  return dots - 1e9 * (k < first).astype(dots.dtype)
 
 
 def local_one_token_step(self, x, *, q_start, weights, rng):

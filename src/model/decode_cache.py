@@ -165,13 +165,17 @@ def create_state(self, state, rng):
   """Trax's state `state`, plus (predict mode) the bucket index: for each hash
   round and bucket, a ring of its last `keep_count` positions
   (`[n_hashes, n_buckets, n_keep] int32`, -1 where empty) and how many
-  positions it holds (`[n_hashes, n_buckets] int32`); and the head's
-  random rotations (`rotations`)."""
+  positions it holds (`[n_hashes, n_buckets] int32`); the head's random
+  rotations (`rotations`); and the key cache: each position's key, value
+  (and directed key) as the layer's `_key_parts` makes them (`[mem,
+  width]`), so that a token's candidates are read, not projected again."""
   if not indexed(self):
     return state
   shape = (self._n_hashes, self._n_buckets)
   ring = jnp.full(shape + (keep_count(self),), -1, jnp.int32)
-  return (*state, ring, jnp.zeros(shape, jnp.int32), rotations(self, rng))
+  keys = jnp.zeros((self._predict_mem_len, self._key_width()), jnp.float32)
+  counts = jnp.zeros(shape, jnp.int32)
+  return (*state, ring, counts, rotations(self, rng), keys)
 
 
 def rotations(self, hash_rng):
@@ -245,7 +249,11 @@ def select_indexed(all_buckets, q_buckets, lists, q_start, n_keep: int):
     [(window >= 0) & (window < mem), (listed >= 0) & (listed < low)]
   )
   safe = jnp.clip(cand, 0, mem - 1)
-  valid = jnp.any(all_buckets[:, safe] == q_buckets[:, None], axis=0)
+  # A one-token step reads the buckets of positions before it; from its own
+  # on they are zero (not written yet). A block has written them, or an
+  # older conversation left them: read them as the step does.
+  seen = jnp.where(safe < q_start, all_buckets[:, safe], 0)
+  valid = jnp.any(seen == q_buckets[:, None], axis=0)
   valid = valid | (cand == q_start)
   priority = jnp.where(cand <= q_start + 1, cand, -(mem + cand))
   none = -4 * mem
@@ -280,17 +288,15 @@ def query_buckets(self, x, q_start, w_q, hash_rng, rotations=None):
   return q, q_buckets[:, 0]
 
 
-def attend_selected(self, x, q, q_start, kv_indices, weights, rng):
-  """Attention of the new token (query `q`) over the memory positions
-  `kv_indices` of `x` (`[mem, d]`), as Trax's one-token step: `[1, d]`."""
+def attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng):
+  """Attention of the new token at `q_start` (query `q`, `[2, d_qk]`;
+  input row `x_q`, `[1, d]`) over the memory positions `kv_indices`,
+  whose keys and values are `parts` (`[n, width]`, the layer's
+  `_key_parts`), as Trax's one-token step computes it: `[1, d]`."""
   attend_rng, output_rng = fastmath.random.split(rng)
-  w_q, w_v, w_o = weights[:3]
   q_range = q_start + jnp.arange(1, dtype=jnp.int32)
-  x_attend_to = x[kv_indices]
-  k = ea.length_normalized(jnp.matmul(x_attend_to, w_q))
-  x_q = jnp.concatenate([x[q_range]] * 2, 0)
-  q, k = self._scored(q, k, x_q, x_attend_to, weights)
-  v = jnp.matmul(x_attend_to, w_v)
+  # Trax duplicates the query row so matmul rounding matches its tests.
+  q, k, v = self._cached_qkv(q, parts, jnp.concatenate([x_q] * 2, 0), weights)
   mask_fn = functools.partial(
     ea.mask_self_attention, causal=True, masked=True, exclude_self=True
   )
@@ -304,29 +310,50 @@ def attend_selected(self, x, q, q_start, kv_indices, weights, rng):
     dropout=self._attention_dropout,
     rng=attend_rng,
   )
-  out = jnp.matmul(o, w_o)[:1]
+  out = jnp.matmul(o, weights[2])[:1]
   return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
 
 
-def indexed_token(self, x, *, q_start, weights, q, qb, buckets, lists, rng):
+def attend_selected(self, x, q, q_start, kv_indices, weights, rng):
+  """`attend_parts` for a memory without a key cache: the candidates'
+  keys and values projected from the memory `x` (`[mem, d]`)."""
+  x_q = x[q_start + jnp.arange(1, dtype=jnp.int32)]
+  parts = self._key_parts(x[kv_indices], weights)
+  return attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng)
+
+
+def indexed_token(
+  self, x_q, *, q_start, weights, q, qb, buckets, lists, keys, rng
+):
   """One head's attention of the newest token through the bucket index
-  (the token already written into it, `write_index`).
+  (the token already written into it, `write_index`) and the key cache
+  (its own entry written, `write_keys`).
 
   Args:
-    x: `[mem, d]` the memory, the new token at `q_start`.
-    q, qb: the token's query and buckets (`_query_buckets`).
-    buckets: `[n_hashes * mem]` each position's buckets (the new
-      token's own entry is not read).
+    x_q: `[1, d]` the token's input.
+    q, qb: the token's query and buckets (`query_buckets`).
+    buckets: `[n_hashes * mem]` each position's buckets (read only
+      before `q_start`).
     lists: `[n_hashes, n_keep]` the rings of the token's buckets.
+    keys: `[mem, width]` the key cache.
 
   Returns:
-    `[1, d_v]`, exactly as Trax's one-token step.
+    `[1, d_v]`: Trax's one-token step over the positions its sort keeps.
   """
-  mem = x.shape[0]
+  mem = keys.shape[0]
   all_buckets = jnp.reshape(buckets, (self._n_hashes, mem))
   n_keep = min(keep_count(self), mem)
   kv_indices = select_indexed(all_buckets, qb, lists, q_start, n_keep)
-  return attend_selected(self, x, q, q_start, kv_indices, weights, rng)
+  parts = keys[kv_indices]
+  return attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng)
+
+
+def write_keys(keys, parts, q_start):
+  """The key cache `keys` (`[..., mem, width]`) with `parts` (`[...,
+  n, width]`, new positions' `_key_parts`) written from `q_start` on, in
+  place."""
+  at = (0,) * (keys.ndim - 2) + (q_start, 0)
+  return jax.lax.dynamic_update_slice(keys, parts.astype(keys.dtype), at)
 
 
 def one_token_step(
@@ -335,34 +362,39 @@ def one_token_step(
   """LSH attention of the newest token over the memory `x` (`[mem, d]`),
   one head, in Trax's per-head loop.
 
-  With `index` (`(ring, counts)`, see `create_state`; only for
-  a memory that never rolls) the candidates come from the bucket index in
-  O(n_keep) (`indexed_token`); without it, from `select_kv` over the whole
-  memory. Both give the positions Trax's sort keeps.
+  With `index` (`(ring, counts, keys)`, see `create_state`; only for a
+  memory that never rolls) the candidates come from the bucket index in
+  O(n_keep) and their keys from the key cache (`indexed_token`); without
+  it, from `select_kv` over the whole memory. Both give the positions
+  Trax's sort keeps.
 
   Returns:
-    `(out [1, d_v], new_state)` exactly as Trax's one-token path (the
-    state with the updated index, if any).
+    `(out [1, d_v], new_state)` as Trax's one-token path (the state with
+    the updated index, if any).
   """
   buckets, buckets_idx, hash_rng = state
   new_idx = jnp.array(q_start + 1, dtype=buckets_idx.dtype)
   if index is not None:
+    ring, counts, keys = index
     q, qb = query_buckets(self, x, q_start, weights[0], hash_rng, rotations)
     own = own_buckets(self, qb)
-    ring, counts = write_index(*(i[None] for i in index), own[None], q_start)
+    ring, counts = write_index(ring[None], counts[None], own[None], q_start)
+    x_q = x[q_start + jnp.arange(1, dtype=jnp.int32)]
+    keys = write_keys(keys, self._key_parts(x_q, weights), q_start)
     out = indexed_token(
       self,
-      x,
+      x_q,
       q_start=q_start,
       weights=weights,
       q=q,
       qb=qb,
       buckets=buckets,
       lists=bucket_lists(ring, own[None])[0],
+      keys=keys,
       rng=rng,
     )
     buckets = write_buckets(buckets[None], qb[None], q_start)[0]
-    return out, (buckets, new_idx, hash_rng, ring[0], counts[0])
+    return out, (buckets, new_idx, hash_rng, ring[0], counts[0], keys)
   buckets = roll_buckets(self, buckets, buckets_idx, q_start)
   q, qb = query_buckets(self, x, q_start, weights[0], hash_rng)
   all_buckets = fastmath.dynamic_update_slice_in_dim(
@@ -450,10 +482,12 @@ def incremental_forward(
 ):
   """LSH's predict step for `x` (`[mem, d]`, one head): one token through
   `one_token_step`, anything else through Trax's (`trax_step`), after
-  which the bucket index is rebuilt from what it read."""
-  index = rotations = None
-  if indexed(self):  # The state holds the index (`create_state`).
-    state, index, rotations = tuple(state[:3]), tuple(state[3:5]), state[5]
+  which the bucket index is rebuilt from what it read (the key cache is
+  filled only for a memory that never rolls: its blocks are read by
+  `decode_block`)."""
+  extra = None
+  if indexed(self):  # (ring, counts, rotations, keys): `create_state`.
+    state, extra = tuple(state[:3]), tuple(state[3:])
   if q_len != 1 or self._n_chunks_after != 0 or not update_state:
     out, new = trax_step(
       x,
@@ -464,13 +498,15 @@ def incremental_forward(
       rng=rng,
       update_state=update_state,
     )
-    if index is not None:  # A block at the start: index what it read.
+    if extra is not None:  # A block at the start: index what it read.
+      ring, _, rotations, keys = extra
       buckets = jnp.reshape(new[0], (self._n_hashes, -1))
-      ring = index[0]
-      new = (*new, *rebuilt_index(buckets, new[1], *ring.shape[1:]), rotations)
+      index = rebuilt_index(buckets, new[1], *ring.shape[1:])
+      new = (*new, *index, rotations, keys)
     return out, new
   # A memory that may roll moves its positions: its index is not used.
-  used = index is not None and self._never_rolls
+  used = extra is not None and self._never_rolls
+  ring, counts, rotations, keys = extra if extra is not None else (None,) * 4
   out, new = one_token_step(
     self,
     x,
@@ -478,12 +514,13 @@ def incremental_forward(
     weights=weights,
     state=state,
     rng=rng,
-    index=index if used else None,
+    index=(ring, counts, keys) if used else None,
     rotations=rotations if used else None,
   )
-  if index is not None and not used:
-    new = (*new, *index)
-  return out, new if index is None else (*new, rotations)
+  if used:
+    buckets, idx, hash_rng, ring, counts, keys = new
+    return out, (buckets, idx, hash_rng, ring, counts, rotations, keys)
+  return out, new if extra is None else (*new, *extra)
 
 
 def forward_and_or_backward(
@@ -541,23 +578,23 @@ def indexed_layer_step(self, x, weights, state, rng):
   (the `[n_hashes * mem]` buckets, the index) and scatters it back: every
   token copied those arrays, a cost that grew with the memory. Here the
   few entries a token changes are written into the (donated) state in
-  place (`write_index`, `write_buckets`) and each head only reads
-  (`indexed_token`). The output is Trax's: all heads at once, summed over
-  heads.
+  place (`write_index`, `write_buckets`, `write_keys`) and each head only
+  reads (`indexed_token`). The output is Trax's: all heads at once,
+  summed over heads.
 
   Args:
     x: `[batch, 1, d_model]` the new token's input.
     state: `(mem_end, mem, (buckets, buckets_idx, hash_rng, ring, counts,
-      rotations))` with the per-head entries stacked `[batch * n_heads,
-      ...]`.
+      rotations, keys))` with the per-head entries stacked `[batch *
+      n_heads, ...]`.
 
   Returns:
     `(out [batch, 1, d_model], new_state)`.
   """
-  (mem,), per_head, q_start, new_mem, new_mem_end = self._use_predict_mem(
+  _, per_head, q_start, new_mem, new_mem_end = self._use_predict_mem(
     (x,), state
   )
-  buckets, buckets_idx, hash_rng, ring, counts, turns = per_head
+  buckets, buckets_idx, hash_rng, ring, counts, turns, keys = per_head
   batch, heads = x.shape[0], self._n_heads
 
   def by_example(a):
@@ -566,26 +603,27 @@ def indexed_layer_step(self, x, weights, state, rng):
   def flat(a):
     return jnp.reshape(a, (batch * heads,) + a.shape[2:])
 
-  def query(x_b, w_h, turns_h):
-    return query_buckets(self, x_b, q_start, w_h[0], None, turns_h)
+  def query(x_b, w_h, turns_h):  # The row as a memory of one position.
+    q, qb = query_buckets(self, x_b, 0, w_h[0], None, turns_h)
+    return q, qb, self._key_parts(x_b, w_h)
 
-  q, qb = _each_head(query, mem, weights, by_example(turns))
+  q, qb, parts = _each_head(query, x, weights, by_example(turns))
   own = own_buckets(self, qb)
   ring, counts = write_index(ring, counts, flat(own), q_start)
+  keys = write_keys(keys, flat(parts), q_start)
 
   def attend(x_b, w_h, per):
-    q_h, qb_h, buckets_h, lists_h = per
+    q_h, qb_h, buckets_h, lists_h, keys_h = per
     return indexed_token(
       self, x_b, q_start=q_start, weights=w_h, q=q_h, qb=qb_h,
-      buckets=buckets_h, lists=lists_h, rng=rng,
+      buckets=buckets_h, lists=lists_h, keys=keys_h, rng=rng,
     )  # fmt: skip
 
   lists = bucket_lists(ring, flat(own))
-  out = _each_head(
-    attend, mem, weights, (q, qb, by_example(buckets), by_example(lists))
-  )
+  per = (q, qb, by_example(buckets), by_example(lists), by_example(keys))
+  out = _each_head(attend, x, weights, per)
   out = jnp.sum(out, axis=1).astype(x.dtype)  # Over heads: [batch, 1, d].
   buckets = write_buckets(buckets, flat(qb), q_start)
   buckets_idx = jnp.full_like(buckets_idx, q_start + 1)
-  per_head = (buckets, buckets_idx, hash_rng, ring, counts, turns)
+  per_head = (buckets, buckets_idx, hash_rng, ring, counts, turns, keys)
   return out, (new_mem_end, new_mem, per_head)

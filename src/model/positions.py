@@ -21,6 +21,8 @@ from jax import numpy as jnp
 from trax import fastmath
 from trax import layers as tl
 
+from src.model import decode_block
+
 OFFSETS = ('zero', 'random')
 
 
@@ -67,17 +69,19 @@ class AxialPositions(tl.AxialPositionalEncoding):
   def forward(self, inputs):
     """`inputs + ` the embeddings of their positions.
 
-    Predict mode, one token: its row is looked up by its coordinates (Trax
-    builds the whole table every token and slices one row out). A window
+    Predict mode: each new token's row is looked up by its coordinates
+    (Trax builds the whole table every token and slices rows out). A window
     of the full grid length starting at 0 takes Trax's own path.
     """
     length = inputs.shape[1]
     if self._mode == 'predict':
-      if length != 1:
-        return super().forward(inputs)
+      # One token, or a block of a chat decoder (`decode_block.reading`:
+      # its real tokens move the position): each row looked up alone.
       position = self.state
-      self.state = position + 1
-      return inputs + self._one_position(position)[None]
+      self.state = position + decode_block.valid(self, length)
+      at = position + jnp.arange(length)
+      rows = jax.vmap(self._one_position)(at)[:, 0]
+      return inputs + rows[None].astype(inputs.dtype)
     grid = math.prod(self._shape)
     if length >= grid:
       return super().forward(inputs)
