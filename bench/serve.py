@@ -8,10 +8,12 @@ and latency under concurrent clients, and memory over many requests.
    prefix reuse (only the new 20-token message is fed; unseeded
    sampling), without (the conversation read again as one block), greedy
    (the state a fresh server reads: reused only when that is exact), one
-   fresh one-token decoder step for scale, and two users alternating
-   follow-ups with 1 and 2 `--slots`. The model is the decode bench's
-   shape (4 layers, d256, 4160-token context, random
-   weights: speed does not depend on them) with the run's tokenizer.
+   fresh one-token decoder step for scale, what each follow-up read after
+   what it kept read alone as blocks at that position (the block's own
+   cost), and two users alternating follow-ups with 1 and 2 `--slots`.
+   The model is the decode bench's shape (4 layers, d256, 4160-token
+   context, random weights: speed does not depend on them) with the run's
+   tokenizer.
 2. The run's model served over HTTP on 127.0.0.1 (uvicorn in this process):
    1, 4 and 8 concurrent clients, each sending its own one-message
    conversations (max_tokens 16, temperature 0.8, seeded): requests/s,
@@ -112,6 +114,23 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
     t0 = time.perf_counter()
     decoder.feed([7])
     steps.append(time.perf_counter() - t0)
+  # What each follow-up read after what it kept, read alone as blocks at
+  # that position of a ~4k context: the block's own cost.
+  read = {
+    'unseeded': reused[0][1]['prompt_tokens'] - reused[0][1]['reused_tokens'],
+    'greedy': exact[0][1]['prompt_tokens'] - exact[0][1]['reused_tokens'],
+  }
+  block_ms = {}
+  for name, n in read.items():
+    times = []
+    for _ in range(repeats):
+      decoder.reset()
+      at = exact[0][1]['prompt_tokens'] - n
+      decoder.feed([10 + i % 200 for i in range(at)])
+      t0 = time.perf_counter()
+      decoder.feed([20 + i % 200 for i in range(n)], blocks=True)
+      times.append(time.perf_counter() - t0)
+    block_ms[name] = 1000 * float(np.median(times))
   return {
     'history_tokens': reused[0][1]['prompt_tokens'],
     'reused_tokens': reused[0][1]['reused_tokens'],
@@ -120,6 +139,8 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
     'greedy_follow_up_ms': 1000 * float(np.median([r[0] for r in exact])),
     'greedy_reused_tokens': exact[0][1]['reused_tokens'],
     'one_step_ms': 1000 * float(np.median(steps)),
+    'tokens_read': read,
+    'block_ms': block_ms,
     'alternating_ms': {f'slots {n}': ms for n, ms in alternating.items()},
   }
 

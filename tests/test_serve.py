@@ -676,6 +676,39 @@ def test_reuse_gives_the_fresh_reads_logits_bit_for_bit(decoder):
   assert slot._reuse(more, slot.context.ids(more), exact=True) == 0
 
 
+def test_exact_reuse_needs_the_start_block_a_fresh_read_takes(decoder):
+  """A long conversation starts with one start block (`Decoder.feed`); a
+  kept state is rewound and extended only when a fresh read of the
+  follow-up takes the same start block, and then gives its logits."""
+  import numpy as np
+
+  from src.inference import decoding, engine
+
+  slot = engine.Conversations(decoder)
+  turn = slot._turn
+  words = ' '.join(f'word{i}' for i in range(12))
+  history = [turn('user', words), turn('ai', words), turn('user', words)]
+  follow = history + [turn('ai', 'Fine'), turn('user', 'And?')]
+  decoder.min_start = 64
+  try:
+    slot.context.reread(history)
+    assert decoder.start == 64 and decoder.position > 64
+    want = slot.context.ids(follow)
+    assert decoder.start_part(2 + len(want)) == 64
+    assert slot._reuse(follow, want, exact=True) == decoder.mark
+    reused = slot.context.ask('So?', 4)
+    slot.context.reread(follow)
+    np.testing.assert_array_equal(reused, slot.context.ask('So?', 4))
+    # Read from the start without a start block: a fresh read of the
+    # follow-up takes one, so nothing is kept.
+    slot.context.reread(history[:1])
+    assert decoder.start == 0
+    assert slot._reuse(follow, want, exact=True) == 0
+  finally:
+    decoder.min_start = decoding.MIN_START
+    slot.reset()
+
+
 def test_fuzzed_requests_get_a_reply_or_an_openai_error(decoder):
   """Random bodies over the request schema (every field a random JSON
   value, messages of random roles and contents): never a plain 500."""

@@ -147,12 +147,18 @@ def block_size(model, max_len: int) -> int:
   return size
 
 
+# Tokens from which a read at position 0 starts with one long block, read
+# as Trax reads a context's start (`Decoder.feed`). A multiple of it.
+MIN_START = 1024
+
+
 @dataclasses.dataclass
 class Held:
   """A conversation's decoder state, moved out of the decoder (`take`)."""
 
   state: object
   position: int
+  start: int
   mark: int
   saved: list | None
 
@@ -165,8 +171,10 @@ class Decoder:
     max_len: The model's context length.
     position: Tokens fed since the last reset.
     block: Tokens read as one block (0: one token at a time).
+    start: Tokens the state read as one start block at position 0.
     mark: The state is exactly a fresh read's up to this position (a
-      multiple of `block`); `rewind` goes back to it.
+      multiple of `block`) for a read of the same `start`; `rewind` goes
+      back to it.
     traces: How many times the step function was traced (compiled).
   """
 
@@ -226,6 +234,8 @@ class Decoder:
     )
     self.block = block_size(predict_model, max_len)
     self._block_fn = jax.jit(self._pure_block, donate_argnums=(1,))
+    self._start_fn = jax.jit(self._pure_start, donate_argnums=(1,))
+    self.min_start = MIN_START
     self.reset()
 
   @classmethod
@@ -276,9 +286,18 @@ class Decoder:
     return logits[0, -1], state
 
   def _pure_block(self, weights, state, tokens, n, rng):
+    return self._through(weights, state, tokens, n, rng, start=False)
+
+  def _pure_start(self, weights, state, tokens, rng):
+    n = tokens.shape[1]
+    return self._through(weights, state, tokens, n, rng, start=True)
+
+  def _through(self, weights, state, tokens, n, rng, start):
+    """A block through the model: the output layer on its last real
+    position only, so the `[length, vocab]` logits never exist."""
     self.traces += 1
     weights = self._model_weights(weights)
-    with decode_block.reading(self._readers, n):
+    with decode_block.reading(self._readers, n, start):
       x, body_state = self._body.pure_fn(
         tokens, tuple(weights[:-1]), tuple(state[:-1]), rng, use_cache=True
       )
@@ -292,20 +311,32 @@ class Decoder:
     """Forgets the conversation: a fresh state, position 0."""
     self.state = jax.tree_util.tree_map(jax.numpy.asarray, self._fresh_state)
     self.position = 0
+    self.start = 0
     self.mark = 0
     self._saved = None  # What `rewind` restores (None: nothing to undo).
 
   def take(self) -> Held:
     """Moves the conversation out (its state is moved, not copied); the
     decoder starts a fresh one."""
-    held = Held(self.state, self.position, self.mark, self._saved)
+    held = Held(self.state, self.position, self.start, self.mark, self._saved)
     self.reset()
     return held
 
   def put(self, held: Held):
     """Makes `held` (from `take`) the decoder's conversation again."""
-    self.state, self.position = held.state, held.position
+    self.state, self.position, self.start = (
+      held.state,
+      held.position,
+      held.start,
+    )
     self.mark, self._saved = held.mark, held.saved
+
+  def start_part(self, n: int) -> int:
+    """How many of `n` tokens read at position 0 (the pad included) a
+    fresh read takes as its start block (see `feed`)."""
+    if not self.block or n < self.min_start:
+      return 0
+    return n // self.min_start * self.min_start
 
   def rewind(self):
     """Goes back to `mark`: the state is then exactly what a fresh read of
@@ -345,13 +376,34 @@ class Decoder:
       self.mark += self.block  # Exactly as a fresh read reads it.
     else:
       self._leave_mark()
-    tokens = np.zeros((1, self.block), np.int32)
+    tokens = np.zeros((1, self.padded(len(ids))), np.int32)
     tokens[0, : len(ids)] = ids
     n = np.int32(len(ids))
     logits, self.state = self._block_fn(
       self.weights, self.state, tokens, n, self._rng
     )
     self.position += len(ids)
+    return logits
+
+  def padded(self, n: int) -> int:
+    """The length of the block that reads a piece of `n` tokens: `block`,
+    or a half or a quarter of it for a short piece (each length is one
+    compilation; a block costs about its length, padding included)."""
+    size = self.block
+    while size % 2 == 0 and size // 2 >= max(n, 8):
+      if size <= self.block // 4:
+        break
+      size //= 2
+    return size
+
+  def _read_start(self, ids):
+    """Reads the start block of `ids` at position 0 (`start_part`)."""
+    n = self.start_part(len(ids))
+    tokens = np.asarray(ids[:n], np.int32)[None, :]
+    logits, self.state = self._start_fn(
+      self.weights, self.state, tokens, self._rng
+    )
+    self.position = self.start = self.mark = n
     return logits
 
   def feed(self, ids, blocks: bool | None = None) -> np.ndarray:
@@ -361,9 +413,13 @@ class Decoder:
     `block` tokens on a fixed grid of positions (`decode_block`: each
     token attends to what it would attend to fed alone, all at once): a
     piece up to the next multiple of `block`, then whole blocks, then the
-    rest. One token is one step. A fresh read of a conversation and a kept
-    state rewound to `mark` and given the rest read the same blocks, so
-    their states (and replies) are identical (`rewind`).
+    rest. One token is one step. A long read at position 0 first takes
+    the longest multiple of `min_start` tokens in one start block, read as
+    Trax reads a context's start (as training reads a window): far
+    cheaper per token for a long conversation. A fresh read of a
+    conversation and a kept state of the same `start` rewound to `mark`
+    and given the rest read the same blocks, so their states (and
+    replies) are identical (`rewind`).
 
     Args:
       ids: Token ids to append to the context.
@@ -386,13 +442,15 @@ class Decoder:
     if blocks is None:
       blocks = len(ids) > 1
     logits = None
+    if blocks and self.position == 0 and self.start_part(len(ids)):
+      logits, ids = self._read_start(ids), ids[self.start_part(len(ids)) :]
     while ids:
       if not (blocks and self.block):
         logits, ids = self._step(ids[0]), ids[1:]
         continue
       room = self.block - self.position % self.block
       piece, ids = ids[:room], ids[room:]
-      if self.position + self.block <= self._mem_len:
+      if self.position + self.padded(len(piece)) <= self._mem_len:
         logits = self._read_block(piece)
       else:  # A padded block would run past the memory.
         for i in piece:

@@ -204,10 +204,11 @@ class Conversations:
     parks the current one when another is better, or when none fits and
     it is not empty."""
     d = self.decoder
-    most = self._kept(self.context.ids(), d.mark, want, exact)
+    most = self._kept(self.context.ids(), d.start, d.mark, want, exact)
     best = None
     for kept in self.parked:
-      n = self._kept(kept.ids(), kept.held.mark, want, exact)
+      held = kept.held
+      n = self._kept(kept.ids(), held.start, held.mark, want, exact)
       if n > most:
         best, most = kept, n
     if best is not None:
@@ -292,7 +293,7 @@ class Conversations:
     returns the tokens kept, 0 when nothing could be (then nothing moved)."""
     d = self.decoder
     have = self.context.ids()
-    kept = self._kept(have, d.mark, want, exact)
+    kept = self._kept(have, d.start, d.mark, want, exact)
     if not kept:
       return 0
     if kept < len(have):  # Back to the mark: a fresh read's state.
@@ -302,16 +303,19 @@ class Conversations:
       d.feed(want[kept:], blocks=True)
     return kept + _LEAD
 
-  def _kept(self, have: list[int], mark: int, want, exact: bool) -> int:
-    """How many of the tokens `want` a state that read `have` (and a fresh
-    read's state up to decoder position `mark`) keeps: all of `have` if
-    they begin `want` and the reply need not be exact, else up to the
-    mark if `have` and `want` agree that far, else 0."""
+  def _kept(self, have, start: int, mark: int, want, exact: bool) -> int:
+    """How many of the tokens `want` a state that read `have` keeps (a
+    fresh read's state up to decoder position `mark`, after a start block
+    of `start`): all of `have` if they begin `want` and the reply need
+    not be exact, else up to the mark if `have` and `want` agree that far
+    and a fresh read of `want` takes the same start block, else 0."""
     if not have or not want:
       return 0
     common = common_prefix(have, want)
     if not exact and common == len(have):
       return common
+    if self.decoder.start_part(_LEAD + len(want)) != start:
+      return 0
     at_mark = mark - _LEAD  # In the context's tokens.
     return at_mark if 0 < at_mark <= common else 0
 

@@ -197,7 +197,16 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
     input `x_q`: Trax's shared ones."""
     del x_q, weights
     d = self._d_qk
-    return q, parts[:, :d], parts[:, d : d + self._d_v]
+    return q, parts[..., :d], parts[..., d : d + self._d_v]
+
+  def _block_scores(self, q, parts, x_q, weights):
+    """`attend`'s scores of each of a block's queries (`q`, `[length,
+    d_qk]`; inputs `x_q`) over its own candidates (`parts`, `[length, n,
+    width]`), without building the concatenated keys: `[length, n]`."""
+    del x_q, weights
+    d = self._d_qk
+    dots = jnp.sum(q[:, None, :] * parts[..., :d], -1)  # XLA fuses it.
+    return dots / jnp.sqrt(jnp.asarray(d, dots.dtype))
 
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
     return lsh_forward(self, x, mask, weights=weights, **kwargs)
@@ -251,9 +260,18 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
 
   def _cached_qkv(self, q, parts, x_q, weights):
     q, k_unit, v = super()._cached_qkv(q, parts, x_q, weights)
-    b = parts[:, self._d_qk + self._d_v :]
+    b = parts[..., self._d_qk + self._d_v :]
     q, k = directed_qk(q, k_unit, jnp.matmul(x_q, weights[3]), b)
     return q, k, v
+
+  def _block_scores(self, q, parts, x_q, weights):
+    # `directed_qk`'s keys are scaled by sqrt(2) and `attend` divides by
+    # sqrt(2 d): the score is (q . k + a . b) / sqrt(d).
+    d = self._d_qk
+    a = jnp.matmul(x_q, weights[3])
+    dots = jnp.sum(q[:, None, :] * parts[..., :d], -1)
+    dots += jnp.sum(a[:, None, :] * parts[..., d + self._d_v :], -1)
+    return dots / jnp.sqrt(jnp.asarray(d, dots.dtype))
 
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
     w_q, w_v, w_o, w_a, w_b = weights

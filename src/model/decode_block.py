@@ -47,16 +47,18 @@ def window_mask(dots, q_info, kv_info, *, chunk_len, n_chunks_before, **kw):
 
 
 @contextlib.contextmanager
-def reading(layers, n):
+def reading(layers, n=None, start: bool = False):
   """While a block function is traced: `layers` (attention and position
-  layers) take `n` (a traced int) of the block's tokens as real."""
+  layers) take `n` (a traced int) of the block's tokens as real; `start`:
+  the block starts an empty context and is read as Trax reads one there
+  (as training reads a window: buckets sorted over the block)."""
   for layer in layers:
-    layer._block_valid = n
+    layer._block_valid, layer._block_start = n, start
   try:
     yield
   finally:
     for layer in layers:
-      layer._block_valid = None
+      layer._block_valid, layer._block_start = None, False
 
 
 def valid(layer, length: int):
@@ -73,6 +75,7 @@ def wants_block(self, inputs, update_state, compute_output, output_grad):
     one
     and inputs.shape[-2] > 1
     and self._never_rolls
+    and not getattr(self, '_block_start', False)
     and update_state
     and compute_output
     and output_grad is None
@@ -150,18 +153,15 @@ def lsh_block(self, x, weights, state, rng):
   h = jnp.arange(batch * heads)[:, None, None]
   lists = ring[h, jnp.arange(n_hashes)[None, None, :], own]
 
+  def select(buckets_h, qb_i, lists_i, at):
+    return decode_cache.select_indexed(buckets_h, qb_i, lists_i, at, n_keep)
+
   def head(x_b, w_h, per):
     q_h, qb_h, lists_h, buckets_h, keys_h = per
-
-    def token(x_row, q_i, qb_i, lists_i, at):
-      kv = decode_cache.select_indexed(buckets_h, qb_i, lists_i, at, n_keep)
-      q2 = jnp.stack([q_i, q_i])  # As `query_buckets` duplicates the row.
-      out = decode_cache.attend_parts(
-        self, x_row[None], q2, at, kv, keys_h[kv], w_h, rng
-      )
-      return out[0]
-
-    return jax.vmap(token)(x_b, q_h, qb_h, lists_h, positions)
+    kv = jax.vmap(select, in_axes=(None, 0, 0, 0))(
+      buckets_h, qb_h, lists_h, positions
+    )
+    return attend_block(self, x_b, q_h, positions, kv, keys_h[kv], w_h, rng)
 
   per = (q, qb, by_example(lists), by_example(buckets), by_example(keys))
   out = _per_head(head, x, weights, per)
@@ -175,6 +175,23 @@ def lsh_block(self, x, weights, state, rng):
   buckets_idx = jnp.full_like(buckets_idx, q_start + n)
   per_head = (buckets, buckets_idx, hash_rng, ring, counts, turns, keys)
   return out, (mem_end + n, append(mem, x, mem_end), per_head)
+
+
+def attend_block(self, x_rows, q, positions, kv, parts, weights, rng):
+  """`decode_cache.attend_parts` for all of a block's tokens at once, one
+  head: each query (`q`, `[length, d_qk]`, at `positions`) over its own
+  candidates `kv` (`[length, n]`), whose keys and values are `parts`
+  (`[length, n, width]`): `[length, d_model]`. (Dropout is off outside
+  training.)"""
+  dots = self._block_scores(q, parts, x_rows, weights)
+  dots = ea.mask_self_attention(
+    dots, positions[:, None], kv, causal=True, exclude_self=True, masked=True
+  )
+  dots = jnp.exp(dots - fastmath.logsumexp(dots, axis=-1, keepdims=True))
+  d = self._d_qk
+  o = jnp.sum(dots[..., None] * parts[..., d : d + self._d_v], 1)
+  del rng
+  return jnp.matmul(o, weights[2])
 
 
 def local_block(self, x, weights, state, rng):

@@ -502,6 +502,8 @@ def incremental_forward(
       ring, _, rotations, keys = extra
       buckets = jnp.reshape(new[0], (self._n_hashes, -1))
       index = rebuilt_index(buckets, new[1], *ring.shape[1:])
+      if self._never_rolls:  # Its keys: `x` holds it from position 0.
+        keys = write_keys(keys, self._key_parts(x[:q_len], weights), 0)
       new = (*new, *index, rotations, keys)
     return out, new
   # A memory that may roll moves its positions: its index is not used.
