@@ -97,9 +97,15 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
     follow = slot.conversation + [(chatformat.USER, new)]
     if not reuse:  # Another conversation came in between.
       slot.reset()
+    shown = []  # When the reply's first text reached the client.
     t0 = time.perf_counter()
-    r = slot.run(job(follow, exact), threading.Event())
-    return time.perf_counter() - t0, r
+    r = slot.run(
+      job(follow, exact),
+      threading.Event(),
+      emit=lambda text: shown or shown.append(time.perf_counter()),
+    )
+    # The reply's one token, or (a token that shows nothing) its end.
+    return (shown[0] if shown else time.perf_counter()) - t0, r
 
   first_token(True)  # Compile the block and step paths.
   first_token(False)

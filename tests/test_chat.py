@@ -376,7 +376,7 @@ def test_ctrl_c_while_feeding_keeps_the_session(decoder, monkeypatch):
 
 def test_a_nan_model_is_reported_not_crashed(decoder, monkeypatch):
   monkeypatch.setattr(
-    decoder, 'feed', lambda ids: np.full([decoder_vocab(decoder)], np.nan)
+    decoder, 'feed', lambda ids, **kw: np.full([decoder_vocab(decoder)], np.nan)
   )
   s = session(decoder)
   with pytest.raises(UserError, match='NaN/inf: its weights are broken'):

@@ -647,6 +647,13 @@ def test_a_follow_up_is_answered_as_a_fresh_server_would(server, settings):
   assert warm == fresh
 
 
+def _fresh_read(slot, turns):
+  """What a fresh server reads for an exact reply (`engine.prepare`)."""
+  slot.context.reset()
+  slot.context.turns = list(turns)
+  slot.context.feed(slot.context.ids(), exact=True)
+
+
 def test_reuse_gives_the_fresh_reads_logits_bit_for_bit(decoder):
   import numpy as np
 
@@ -659,21 +666,21 @@ def test_reuse_gives_the_fresh_reads_logits_bit_for_bit(decoder):
     turn('ai', 'Hi there, trains are great and I like them a lot'),
   ]
   more = earlier + [turn('user', 'How are you?'), turn('ai', 'Fine, thanks')]
-  slot.context.reread(earlier)
+  _fresh_read(slot, earlier)
   d = slot.decoder
   assert d.block and d.mark >= d.block  # Past the first block.
   # The reply as generated: one token at a time after the kept state.
   for i in slot.context.ids(more)[len(slot.context.ids()) :][:5]:
     d.feed([i])
-  kept = slot._reuse(more, slot.context.ids(more), exact=True)
+  kept, _ = slot._reuse(more, slot.context.ids(more), exact=True)
   assert kept == d.mark > 0 and kept % d.block == 0
   reused = slot.context.ask('And you?', 8)
-  slot.context.reread(more)  # What a fresh server reads.
+  _fresh_read(slot, more)
   fresh = slot.context.ask('And you?', 8)
   np.testing.assert_array_equal(reused, fresh)
   # A kept state that does not share tokens up to its mark is not kept.
-  slot.context.reread([turn('user', 'Something else ' * 8)])
-  assert slot._reuse(more, slot.context.ids(more), exact=True) == 0
+  _fresh_read(slot, [turn('user', 'Something else ' * 8)])
+  assert slot._reuse(more, slot.context.ids(more), exact=True)[0] == 0
 
 
 def test_exact_reuse_needs_the_start_block_a_fresh_read_takes(decoder):
@@ -691,19 +698,19 @@ def test_exact_reuse_needs_the_start_block_a_fresh_read_takes(decoder):
   follow = history + [turn('ai', 'Fine'), turn('user', 'And?')]
   decoder.min_start = 64
   try:
-    slot.context.reread(history)
+    _fresh_read(slot, history)
     assert decoder.start == 64 and decoder.position > 64
     want = slot.context.ids(follow)
     assert decoder.start_part(2 + len(want)) == 64
-    assert slot._reuse(follow, want, exact=True) == decoder.mark
+    assert slot._reuse(follow, want, exact=True)[0] == decoder.mark
     reused = slot.context.ask('So?', 4)
-    slot.context.reread(follow)
+    _fresh_read(slot, follow)
     np.testing.assert_array_equal(reused, slot.context.ask('So?', 4))
     # Read from the start without a start block: a fresh read of the
     # follow-up takes one, so nothing is kept.
-    slot.context.reread(history[:1])
+    _fresh_read(slot, history[:1])
     assert decoder.start == 0
-    assert slot._reuse(follow, want, exact=True) == 0
+    assert slot._reuse(follow, want, exact=True)[0] == 0
   finally:
     decoder.min_start = decoding.MIN_START
     slot.reset()
@@ -811,3 +818,24 @@ def test_allow_host_admits_a_reverse_proxys_name(decoder):
     server = serve.Server(decoder, 'out', allow_hosts=allowed)
     with TestClient(server.app(), base_url='https://chat.example.org') as c:
       assert c.post('/v1/chat/completions', json=body).status_code == status
+
+
+def test_messages_are_tokenized_once_within_a_bound(decoder, monkeypatch):
+  """A client resends its conversation every turn: each message is
+  tokenized once (its tokens are a function of its text), and what is
+  kept is bounded by characters, least recently used dropped first."""
+  from src.inference import engine
+
+  slot = engine.Conversations(decoder)
+  calls = []
+  encode = slot.context.user_ids
+  monkeypatch.setattr(
+    slot.context, 'user_ids', lambda text: calls.append(text) or encode(text)
+  )
+  monkeypatch.setattr(engine, 'TOKENIZED_CHARS', 12)
+  first = slot._turn('user', 'Hello there')
+  assert slot._turn('user', 'Hello there') is first and len(calls) == 1
+  assert slot._turn('ai', 'Hello there').ids[0] == decoder.tokenizer.ai_start_id
+  assert len(calls) == 2  # Another role: another turn.
+  assert ('user', 'Hello there') not in slot._tokenized  # Over 12 chars.
+  assert slot._cached_chars == len('Hello there')

@@ -331,12 +331,14 @@ class Decoder:
     )
     self.mark, self._saved = held.mark, held.saved
 
-  def start_part(self, n: int) -> int:
+  def start_part(self, n: int, exact: bool = True) -> int:
     """How many of `n` tokens read at position 0 (the pad included) a
-    fresh read takes as its start block (see `feed`)."""
+    fresh read takes as its start block (see `feed`): a multiple of
+    `min_start`, or (not `exact`) of `block`."""
     if not self.block or n < self.min_start:
       return 0
-    return n // self.min_start * self.min_start
+    unit = self.min_start if exact else self.block
+    return n // unit * unit
 
   def rewind(self):
     """Goes back to `mark`: the state is then exactly what a fresh read of
@@ -396,9 +398,8 @@ class Decoder:
       size //= 2
     return size
 
-  def _read_start(self, ids):
-    """Reads the start block of `ids` at position 0 (`start_part`)."""
-    n = self.start_part(len(ids))
+  def _read_start(self, ids, n: int):
+    """Reads the first `n` of `ids` as a start block at position 0."""
     tokens = np.asarray(ids[:n], np.int32)[None, :]
     logits, self.state = self._start_fn(
       self.weights, self.state, tokens, self._rng
@@ -406,7 +407,9 @@ class Decoder:
     self.position = self.start = self.mark = n
     return logits
 
-  def feed(self, ids, blocks: bool | None = None) -> np.ndarray:
+  def feed(
+    self, ids, blocks: bool | None = None, exact: bool = True
+  ) -> np.ndarray:
     """Feeds tokens; returns the logits after the last.
 
     Several tokens (or any with `blocks=True`) are read as blocks of
@@ -414,12 +417,13 @@ class Decoder:
     token attends to what it would attend to fed alone, all at once): a
     piece up to the next multiple of `block`, then whole blocks, then the
     rest. One token is one step. A long read at position 0 first takes
-    the longest multiple of `min_start` tokens in one start block, read as
-    Trax reads a context's start (as training reads a window): far
-    cheaper per token for a long conversation. A fresh read of a
-    conversation and a kept state of the same `start` rewound to `mark`
-    and given the rest read the same blocks, so their states (and
-    replies) are identical (`rewind`).
+    the longest multiple of `min_start` tokens (1024; of `block` if not
+    `exact`) in one start block, read as Trax reads a context's start (as
+    training reads a window: ~10x cheaper per token than blocks). A fresh
+    read of a conversation and a kept state of the same `start` rewound to
+    `mark` and given the rest read the same blocks, so their states (and
+    replies) are identical (`rewind`); a read that need not be exact
+    takes the longer start block.
 
     Args:
       ids: Token ids to append to the context.
@@ -442,8 +446,9 @@ class Decoder:
     if blocks is None:
       blocks = len(ids) > 1
     logits = None
-    if blocks and self.position == 0 and self.start_part(len(ids)):
-      logits, ids = self._read_start(ids), ids[self.start_part(len(ids)) :]
+    start = self.start_part(len(ids), exact) if self.position == 0 else 0
+    if blocks and start:
+      logits, ids = self._read_start(ids, start), ids[start:]
     while ids:
       if not (blocks and self.block):
         logits, ids = self._step(ids[0]), ids[1:]

@@ -13,6 +13,7 @@ HTTP: what a request asks that cannot fit is `Refused`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 
@@ -27,6 +28,10 @@ from src.inference.decoding import Decoder
 # this times a room cannot fit in it, and is not tokenized to find out.
 MAX_PIECE_CHARS = 64
 
+
+# Characters of messages whose tokens `Conversations` keeps (`_turn`):
+# several long conversations' worth, a few MB with their tokens.
+TOKENIZED_CHARS = 4_000_000
 
 # Decoder positions before a context's first token: the pad and START.
 _LEAD = 1 + len(generate.START)
@@ -165,6 +170,9 @@ class Conversations:
     # least recently used first: each holds its own decoder state.
     self.slots = slots
     self.parked: list[_Parked] = []
+    # Messages tokenized lately (`_turn`), least recently used first.
+    self._tokenized: collections.OrderedDict = collections.OrderedDict()
+    self._cached_chars = 0
 
   def _park(self):
     """Moves the decoder's conversation into `parked` (its state is moved,
@@ -217,10 +225,22 @@ class Conversations:
       self._park()  # Keep it for its owner; this one starts afresh.
 
   def _turn(self, role: str, content: str) -> generate.Turn:
+    """A message as the context holds it, tokenized once: a client sends
+    its whole conversation every turn (a message's tokens are a function
+    of its text, so reading them from `_tokenized` changes nothing)."""
+    key = (role, content)
+    if key in self._tokenized:
+      self._tokenized.move_to_end(key)  # The most recently used last.
+      return self._tokenized[key]
     text, ids = self.context.user_ids(content)
     if role == chatformat.AI:
       ids = [self.tok.ai_start_id] + ids + [self.tok.ai_end_id]
-    return generate.Turn(role, text, ids)
+    turn = self._tokenized[key] = generate.Turn(role, text, ids)
+    self._cached_chars += len(content)
+    while self._cached_chars > TOKENIZED_CHARS:
+      (_, old), _ = self._tokenized.popitem(last=False)
+      self._cached_chars -= len(old)
+    return turn
 
   def _fitting(self, earlier, needed: int) -> list[generate.Turn]:
     """The newest of `earlier` that can fit beside `needed` tokens, each
@@ -255,7 +275,7 @@ class Conversations:
         f'of max_tokens={job.settings.max_new_tokens}',
         'messages',
       )
-    _, last_ids = self.context.user_ids(last)
+    last_text, last_ids = self.context.user_ids(last)
     if not last_ids:
       raise Refused('the last message is empty', 'messages')
     if len(last_ids) > room:
@@ -274,34 +294,43 @@ class Conversations:
     )
     if not exact and self._take_text(earlier):
       reused, dropped = self.context.used(), 0  # The text is what it read.
+      logits = self.context.ask(last, job.settings.max_new_tokens)
     else:
       needed = len(last_ids) + 2 + job.settings.max_new_tokens
       turns = self.context.keep_last(self._fitting(earlier, needed), needed)
       dropped = len(earlier) - len(turns)
-      want = self.context.ids(turns)
+      # The question and the AI start marker are read with the rest, in
+      # one read: a later follow-up then keeps them (see `_reuse`).
+      turns.append(generate.Turn(chatformat.USER, last_text, last_ids))
+      want = self.context.ids(turns) + [self.tok.ai_start_id]
       self._choose(want, exact)
-      reused = self._reuse(turns, want, exact)
+      reused, logits = self._reuse(turns, want, exact)
       if not reused:
-        self.context.reread(turns)
-    logits = self.context.ask(last, job.settings.max_new_tokens)
+        self.context.reset()
+        self.context.turns = turns
+        logits = self.context.feed(want, exact)
     self.conversation = list(earlier) + [(chatformat.USER, last)]
     return logits, reused, dropped
 
-  def _reuse(self, turns: list[generate.Turn], want, exact: bool) -> int:
-    """Makes the decoder's state hold `turns` (`want`: their tokens) by
-    keeping what it can of what it read (`_kept`) and reading the rest;
-    returns the tokens kept, 0 when nothing could be (then nothing moved)."""
+  def _reuse(self, turns: list[generate.Turn], want, exact: bool):
+    """Makes the decoder's state hold `want` (the tokens of `turns`, and
+    the AI start marker if they end on a question) by keeping what it can
+    of what it read (`_kept`) and reading the rest as a fresh read would.
+
+    Returns:
+      `(kept, logits)`: the decoder positions kept and the logits after
+      `want`; `(0, None)` when nothing could be kept (then nothing moved).
+    """
     d = self.decoder
     have = self.context.ids()
     kept = self._kept(have, d.start, d.mark, want, exact)
     if not kept:
-      return 0
+      return 0, None
     if kept < len(have):  # Back to the mark: a fresh read's state.
       d.rewind()
     self.context.turns = list(turns)
-    if len(want) > kept:
-      d.feed(want[kept:], blocks=True)
-    return kept + _LEAD
+    logits = d.feed(want[kept:], blocks=True) if len(want) > kept else None
+    return kept + _LEAD, logits
 
   def _kept(self, have, start: int, mark: int, want, exact: bool) -> int:
     """How many of the tokens `want` a state that read `have` keeps (a

@@ -73,20 +73,30 @@ class Context:
     """The token ids of `turns` (default: all of them), in order."""
     return [i for t in (self.turns if turns is None else turns) for i in t.ids]
 
-  def feed(self, ids):
+  def last_ids(self, n: int) -> list[int]:
+    """The last `n` token ids of the turns (without listing them all)."""
+    found: list[int] = []
+    for turn in reversed(self.turns):
+      if len(found) >= n:
+        break
+      found[:0] = turn.ids
+    return found[-n:] if n > 0 else []
+
+  def feed(self, ids, exact: bool = True):
     """Feeds `ids`, after the start of a context if it is empty; returns
-    the logits after the last one."""
+    the logits after the last one (`exact`: see `Decoder.feed`)."""
     if self.used() == 0:
       ids = START + list(ids)
-    return self.decoder.feed(ids)
+    return self.decoder.feed(ids, exact=exact)
 
   def reread(self, turns: list[Turn]):
-    """Makes `turns` the context: resets and reads them (one block)."""
+    """Makes `turns` the context: resets and reads them (in blocks; no
+    later request compares its state with a fresh read's)."""
     self.turns = list(turns)
     self.decoder.reset()
     ids = self.ids()
     if ids:
-      self.feed(ids)
+      self.feed(ids, exact=False)
 
   def recover(self):
     """Rebuilds the context from the finished turns after a reply was cut
@@ -190,7 +200,7 @@ def generate(
     UserError: the model computes NaN/inf (broken weights).
   """
   tok = context.tok
-  recent = context.ids()[-settings.repetition_window :]
+  recent = context.last_ids(settings.repetition_window)
   banned = [tokenizer.PAD_ID, tok.ai_start_id]  # Never inside a reply.
   n = 0
   while n < settings.max_new_tokens and not stop():
