@@ -82,12 +82,14 @@ class Context:
       found[:0] = turn.ids
     return found[-n:] if n > 0 else []
 
-  def feed(self, ids, exact: bool = True):
+  def feed(self, ids, exact: bool = False):
     """Feeds `ids`, after the start of a context if it is empty; returns
-    the logits after the last one (`exact`: see `Decoder.feed`)."""
+    the logits after the last one (`exact`: read as a fresh read of an
+    exact reply reads them, see `Decoder.feed`)."""
     if self.used() == 0:
       ids = START + list(ids)
-    return self.decoder.feed(ids, exact=exact)
+    # A read that must equal a fresh one reads every piece as a block.
+    return self.decoder.feed(ids, blocks=exact or None, exact=exact)
 
   def reread(self, turns: list[Turn]):
     """Makes `turns` the context: resets and reads them (in blocks; no
@@ -96,7 +98,7 @@ class Context:
     self.decoder.reset()
     ids = self.ids()
     if ids:
-      self.feed(ids, exact=False)
+      self.feed(ids)
 
   def recover(self):
     """Rebuilds the context from the finished turns after a reply was cut
