@@ -66,7 +66,7 @@ def measure(context: int, sample: int) -> dict:
   for name in ('block_cold_s', 'block_warm_s'):
     d.reset()
     t0 = time.time()
-    logits = d.feed(ids)
+    logits = d.feed(ids, exact=False)  # As `/load` and an overflow read.
     out[name] = time.time() - t0
   t0 = time.time()
   d.feed([int(np.argmax(logits))])

@@ -532,3 +532,38 @@ def test_a_start_block_then_blocks_read_what_tokens_read(tiny_run):
   by_block += [d.feed([t]) for t in (5, 9)]
   for a, b in zip(by_block, by_token):
     np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize('ending', ['stop string', 'cancel', 'length', 'end'])
+def test_the_context_holds_every_token_shown_however_a_reply_ends(
+  decoder, monkeypatch, ending
+):
+  """A token is shown as soon as it is drawn and fed to the decoder
+  afterwards (`generate.generate`): a reply cut by a stop string, a
+  cancel or its length, or ended by the model, leaves the context
+  holding exactly the turns' tokens."""
+  from src.inference import engine, generate
+
+  tok = decoder.tokenizer
+  words = tok.encode('one two three four five six')
+  monkeypatch.setattr(
+    sampling, 'next_token', scripted(words[:4] + [tok.ai_end_id])
+  )
+  decoder.reset()
+  context = generate.Context(decoder)
+  settings = sampling.SamplingSettings(
+    max_new_tokens=3 if ending == 'length' else 8
+  )
+  logits = context.ask('Hello', settings.max_new_tokens)
+  shown = []
+  reply = engine.stream_reply(
+    context,
+    logits,
+    settings,
+    np.random.default_rng(0),
+    stop=lambda: ending == 'cancel' and len(shown) >= 2,
+    stops=['three'] if ending == 'stop string' else (),
+    emit=shown.append,
+  )
+  assert decoder.position == 2 + sum(len(t.ids) for t in context.turns)
+  assert context.turns[-1].ids[1:-1] == reply.ids

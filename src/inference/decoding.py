@@ -359,11 +359,11 @@ class Decoder:
     """Keeps what `rewind` needs before the state moves past `mark` in a
     way a fresh read would not (a token alone, a partial block)."""
     if self.position == self.mark and self._saved is None:
-      self._saved = [
-        None if positional else jax.numpy.array(leaf, copy=True)
-        for leaf, positional in zip(
-          jax.tree_util.tree_leaves(self.state), self._positional
-        )
+      leaves = jax.tree_util.tree_leaves(self.state)
+      small = [x for x, by in zip(leaves, self._positional) if not by]
+      copies = iter(_copies(small))  # One call: a dispatch per array cost
+      self._saved = [  # ~0.1 ms each.
+        None if by else next(copies) for by in self._positional
       ]
 
   def _step(self, token_id: int):
@@ -468,6 +468,12 @@ class Decoder:
         for i in piece:
           logits = self._step(i)
     return np.asarray(logits)
+
+
+@jax.jit
+def _copies(arrays):
+  """New buffers with the values of `arrays` (a list)."""
+  return [jax.numpy.copy(a) for a in arrays]
 
 
 def _by_position(shape, mem_len: int) -> bool:

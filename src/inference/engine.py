@@ -14,6 +14,7 @@ HTTP: what a request asks that cannot fit is `Refused`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 
@@ -91,18 +92,20 @@ def stream_reply(
   hold = max((len(s) for s in stops), default=1) - 1
   ids: list[int] = []
   text, shown, finish = '', '', 'length'
-  for token in generate.generate(context, logits, settings, rng, stop=stop):
-    ids.append(token)
-    text = generate.display(tok, ids, one_line)
-    cut = stop_at(text, stops)
-    if cut is not None:
-      text, finish = text[:cut], 'stop'
-      break
-    # What cannot be the start of a stop string yet.
-    shown = _send(emit, shown, text[: len(text) - hold])
-  else:
-    if len(ids) < settings.max_new_tokens and not stop():
-      finish = 'stop'  # The model ended its reply.
+  tokens = generate.generate(context, logits, settings, rng, stop=stop)
+  with contextlib.closing(tokens):  # Its last token fed however it ends.
+    for token in tokens:
+      ids.append(token)
+      text = generate.display(tok, ids, one_line)
+      cut = stop_at(text, stops)
+      if cut is not None:
+        text, finish = text[:cut], 'stop'
+        break
+      # What cannot be the start of a stop string yet.
+      shown = _send(emit, shown, text[: len(text) - hold])
+    else:
+      if len(ids) < settings.max_new_tokens and not stop():
+        finish = 'stop'  # The model ended its reply.
   context.answer(ids)
   cancelled = bool(stop())
   if not cancelled:
@@ -135,13 +138,6 @@ class _Parked:
 
   def ids(self) -> list[int]:
     return [i for t in self.turns for i in t.ids]
-
-
-def common_prefix(a, b) -> int:
-  """How many leading tokens `a` and `b` share."""
-  n = min(len(a), len(b))
-  at = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-  return int(at[0]) if len(at) else n
 
 
 class Conversations:
@@ -340,13 +336,13 @@ class Conversations:
     and a fresh read of `want` takes the same start block, else 0."""
     if not have or not want:
       return 0
-    common = common_prefix(have, want)
-    if not exact and common == len(have):
-      return common
+    if not exact and want[: len(have)] == have:
+      return len(have)
     if self.decoder.start_part(_LEAD + len(want)) != start:
       return 0
     at_mark = mark - _LEAD  # In the context's tokens.
-    return at_mark if 0 < at_mark <= common else 0
+    same = 0 < at_mark <= len(want) and have[:at_mark] == want[:at_mark]
+    return at_mark if same else 0
 
   def run(self, job: Request, cancel: threading.Event, emit=None) -> dict:
     """Generates the reply of `job` (in a worker thread).

@@ -194,9 +194,12 @@ def generate(
 ) -> Iterator[int]:
   """The reply's token ids after `logits` (from `Context.ask`).
 
-  Each token is fed to the decoder before it is yielded, so the context
-  holds every token yielded so far; the AI end marker and EOS end the
-  reply and are not yielded (`Context.answer` closes the turn).
+  Each token is yielded as soon as it is drawn (the client sees it a
+  decoder step sooner) and fed to the decoder when the next one is asked
+  for, or when the generator ends or is closed: once it is done, the
+  context holds every token yielded (close it if you stop early:
+  `contextlib.closing`). The AI end marker and EOS end the reply and are
+  not yielded (`Context.answer` closes the turn).
 
   Raises:
     UserError: the model computes NaN/inf (broken weights).
@@ -204,22 +207,28 @@ def generate(
   tok = context.tok
   recent = context.last_ids(settings.repetition_window)
   banned = [tokenizer.PAD_ID, tok.ai_start_id]  # Never inside a reply.
-  n = 0
-  while n < settings.max_new_tokens and not stop():
-    logits = np.array(logits, np.float64)
-    if not np.isfinite(logits).all():
-      raise UserError(
-        'the model computes NaN/inf: its weights are broken (a training '
-        'run that diverged?); retrain with a lower learning rate'
-      )
-    logits[banned] = -np.inf
-    token = sampling.next_token(logits, settings, rng, recent)
-    if token in (tok.ai_end_id, tokenizer.EOS_ID):
-      return
-    recent.append(token)
-    n += 1
-    logits = context.decoder.feed([token])
-    yield token
+  n, drawn = 0, None
+  try:
+    while n < settings.max_new_tokens and not stop():
+      if drawn is not None:
+        logits, drawn = context.decoder.feed([drawn]), None
+      logits = np.array(logits, np.float64)
+      if not np.isfinite(logits).all():
+        raise UserError(
+          'the model computes NaN/inf: its weights are broken (a training '
+          'run that diverged?); retrain with a lower learning rate'
+        )
+      logits[banned] = -np.inf
+      token = sampling.next_token(logits, settings, rng, recent)
+      if token in (tok.ai_end_id, tokenizer.EOS_ID):
+        return
+      recent.append(token)
+      n += 1
+      drawn = token
+      yield token
+  finally:
+    if drawn is not None:  # The context holds every token yielded.
+      context.decoder.feed([drawn])
 
 
 def reply(
