@@ -50,6 +50,7 @@ def build(context: int) -> Decoder:
     f'ReformerLM.pos_axial_shape = ({rows}, {context // rows})',
     f'LSHSelfAttention.n_buckets = {context // 64}',
     f'LSHSelfAttention.predict_mem_len = {context}',
+    f'SelfAttention.predict_mem_len = {context}',
     *decoding.predict_bindings(4),
   )
   ginconf.parse(GIN, bindings)

@@ -270,14 +270,16 @@ print('ok')
 """
 
 
-def test_tensorflow_loads_on_first_use(tmp_path):
-  result = subprocess.run(
-    [sys.executable, '-c', USE_TENSORFLOW, str(tmp_path)],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
+def _python(code: str, *args):
+  """`code` run by a fresh Python in the project folder."""
+  command = [sys.executable, '-c', code, *args]
+  return subprocess.run(
+    command, cwd=ROOT, capture_output=True, text=True, timeout=300
   )
+
+
+def test_tensorflow_loads_on_first_use(tmp_path):
+  result = _python(USE_TENSORFLOW, str(tmp_path))
   assert result.stdout.strip() == 'ok', result.stderr[-2000:]
   events = _events(str(tmp_path))
   assert events.Scalars('number')[0].value == 2.5
@@ -322,13 +324,7 @@ def test_light_trax_import_patches_modules_as_they_are_imported():
   """`bootstrap(light=True)` (the chat, the server) leaves Trax's data
   pipeline and training loop unimported, and the safe checkpoint reading
   and quiet log fixes still hold once anything imports them."""
-  result = subprocess.run(
-    [sys.executable, '-c', LIGHT_IMPORT],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  result = _python(LIGHT_IMPORT)
   assert result.returncode == 0, result.stderr[-2000:]
   assert 'before: []' in result.stdout
   assert 'training patched: True True' in result.stdout

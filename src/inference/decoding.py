@@ -211,13 +211,24 @@ class Decoder:
     self.curves = None  # Where the model's training curves are, in words.
     self._turned = _turned_weights(predict_model, lsh, local)
     self.weights = predict_model.weights
-    self._fresh_state = jax.tree_util.tree_map(np.asarray, predict_model.state)
+    leaves, self._state_tree = jax.tree_util.tree_flatten(predict_model.state)
     # What `rewind` restores: all but the memories indexed by position
     # (written only at or after the position, so kept as they are).
     self._positional = [
-      _by_position(np.shape(leaf), self._mem_len)
-      for leaf in jax.tree_util.tree_leaves(self._fresh_state)
+      _by_position(np.shape(leaf), self._mem_len) for leaf in leaves
     ]
+    # A fresh state: its memories are zeros, made at `reset` (a 32k model's
+    # are ~1 GB: kept once, by the live state, not also as a template).
+    self._fresh = [
+      jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+      if by and not np.any(leaf)
+      else np.array(leaf)
+      for leaf, by in zip(leaves, self._positional)
+    ]
+    predict_model.state = jax.tree_util.tree_unflatten(
+      self._state_tree,
+      [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in self._fresh],
+    )  # The decoder passes its own state; the layer's is not read.
     self._rng = jax.random.PRNGKey(0)
     self.traces = 0
     self._step_fn = jax.jit(self._pure_step, donate_argnums=(1,))
@@ -312,7 +323,15 @@ class Decoder:
 
   def reset(self):
     """Forgets the conversation: a fresh state, position 0."""
-    self.state = jax.tree_util.tree_map(jax.numpy.asarray, self._fresh_state)
+    self.state = jax.tree_util.tree_unflatten(
+      self._state_tree,
+      [
+        jax.numpy.zeros(x.shape, x.dtype)
+        if isinstance(x, jax.ShapeDtypeStruct)
+        else jax.numpy.asarray(x)
+        for x in self._fresh
+      ],
+    )
     self.position = 0
     self.start = 0
     self.mark = 0

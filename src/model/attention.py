@@ -429,47 +429,11 @@ def local_one_token_step(self, x, *, q_start, weights, rng):
 
   Reads only the `chunk_len * (1 + n_chunks_before)` positions that can
   be in the token's training window (a fixed-size slice of the memory
-  `x`, `[mem, d]`), so a token costs the same at any position; Trax's
-  step projects the whole memory's keys for every token.
+  `x`, `[mem, d]`, `decode_block.local_window`), so a token costs the
+  same at any position; Trax's step projects the whole memory's keys for
+  every token.
 
   Returns:
     `[1, d_v]`, as Trax's one-token path with `window_mask`.
   """
-  attend_rng, output_rng = fastmath.random.split(rng)
-  if self._share_qk:
-    w_q, w_v, w_o = weights
-  else:
-    w_q, w_k, w_v, w_o = weights
-  chunk, before = int(self._chunk_len), int(self._n_chunks_before)
-  size = min(chunk * (1 + before), x.shape[0])
-  first = jnp.maximum((q_start // chunk - before) * chunk, 0)
-  start = jnp.minimum(first, x.shape[0] - size)
-  window = fastmath.dynamic_slice_in_dim(x, start, size, axis=0)
-  q_range = q_start + jnp.arange(1, dtype=jnp.int32)
-  # Trax duplicates the query row so matmul rounding matches its tests.
-  q = jnp.matmul(jnp.concatenate([x[q_range]] * 2, 0), w_q)
-  if self._share_qk:
-    k = ea.length_normalized(jnp.matmul(window, w_q))
-  else:
-    k = jnp.matmul(window, w_k)
-  v = jnp.matmul(window, w_v)
-  mask_fn = functools.partial(
-    window_mask,
-    chunk_len=chunk,
-    n_chunks_before=before,
-    causal=True,
-    exclude_self=self._share_qk,
-    masked=False,
-  )
-  o, _ = ea.attend(
-    q,
-    k,
-    v,
-    mask_fn=mask_fn,
-    q_info=q_range.astype(jnp.int32),
-    kv_info=(start + jnp.arange(size)).astype(jnp.int32),
-    dropout=self._attention_dropout,
-    rng=attend_rng,
-  )
-  out = jnp.matmul(o, w_o)[:1]
-  return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+  return decode_block.local_window(self, x, q_start, 1, weights, rng)

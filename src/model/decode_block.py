@@ -194,20 +194,30 @@ def attend_block(self, x_rows, q, positions, kv, parts, weights, rng):
   return jnp.matmul(o, weights[2])
 
 
-def local_block(self, x, weights, state, rng):
-  """A block of tokens through a chunked local attention layer, each token
-  over the window `attention.local_one_token_step` gives it: `(out
-  [batch, length, d_model], new_state)`."""
-  mem_end, mem, per_head = state
-  length = x.shape[1]
-  n = valid(self, length)
-  q_start = mem_end
-  mem = append(mem, x, mem_end)
-  mem_len = mem[0].shape[1]
+def local_window(self, x, q_start, length: int, weights, rng):
+  """One head of a chunked local attention layer: the `length` positions
+  of the memory `x` (`[mem, d]`) from `q_start`, each over the window
+  training gave it (`window_mask`), read from one fixed-size slice:
+  `[length, d_model]`."""
+  attend_rng, output_rng = fastmath.random.split(rng)
+  if self._share_qk:
+    w_q, w_v, w_o = weights
+  else:
+    w_q, w_k, w_v, w_o = weights
+  mem_len = x.shape[0]
   chunk, before = int(self._chunk_len), int(self._n_chunks_before)
-  size = min(chunk * (1 + before) + length, mem_len)
+  size = min(chunk * (1 + before) + length - 1, mem_len)
   first = jnp.maximum((q_start // chunk - before) * chunk, 0)
   start = jnp.minimum(first, mem_len - size)
+  window = fastmath.dynamic_slice_in_dim(x, start, size, axis=0)
+  rows = fastmath.dynamic_slice_in_dim(x, q_start, length, axis=0)
+  if length == 1:  # Trax duplicates a lone query row (matmul rounding).
+    rows = jnp.concatenate([rows] * 2, 0)
+  q = jnp.matmul(rows, w_q)
+  if self._share_qk:
+    k = ea.length_normalized(jnp.matmul(window, w_q))
+  else:
+    k = jnp.matmul(window, w_k)
   mask_fn = functools.partial(
     window_mask,
     chunk_len=chunk,
@@ -216,32 +226,31 @@ def local_block(self, x, weights, state, rng):
     exclude_self=self._share_qk,
     masked=False,
   )
+  o, _ = ea.attend(
+    q,
+    k,
+    jnp.matmul(window, w_v),
+    mask_fn=mask_fn,
+    q_info=(q_start + jnp.arange(q.shape[0]) * (length > 1)).astype(jnp.int32),
+    kv_info=(start + jnp.arange(size)).astype(jnp.int32),
+    dropout=self._attention_dropout,
+    rng=attend_rng,
+  )
+  out = jnp.matmul(o, w_o)[:length]
+  return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+
+
+def local_block(self, x, weights, state, rng):
+  """A block of tokens through a chunked local attention layer, each token
+  over the window `local_window` gives it: `(out [batch, length,
+  d_model], new_state)`."""
+  mem_end, mem, per_head = state
+  length = x.shape[1]
+  n = valid(self, length)
+  mem = append(mem, x, mem_end)
 
   def head(x_b, w_h, _):
-    attend_rng, output_rng = fastmath.random.split(rng)
-    if self._share_qk:
-      w_q, w_v, w_o = w_h
-    else:
-      w_q, w_k, w_v, w_o = w_h
-    window = fastmath.dynamic_slice_in_dim(x_b, start, size, axis=0)
-    rows = fastmath.dynamic_slice_in_dim(x_b, q_start, length, axis=0)
-    q = jnp.matmul(rows, w_q)
-    if self._share_qk:
-      k = ea.length_normalized(jnp.matmul(window, w_q))
-    else:
-      k = jnp.matmul(window, w_k)
-    o, _ = ea.attend(
-      q,
-      k,
-      jnp.matmul(window, w_v),
-      mask_fn=mask_fn,
-      q_info=(q_start + jnp.arange(length)).astype(jnp.int32),
-      kv_info=(start + jnp.arange(size)).astype(jnp.int32),
-      dropout=self._attention_dropout,
-      rng=attend_rng,
-    )
-    out = jnp.matmul(o, w_o)
-    return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+    return local_window(self, x_b, mem_end, length, w_h, rng)
 
   none = jnp.zeros((x.shape[0], self._n_heads))
   out = _per_head(head, mem[0], weights, none)
