@@ -839,3 +839,17 @@ def test_messages_are_tokenized_once_within_a_bound(decoder, monkeypatch):
   assert len(calls) == 2  # Another role: another turn.
   assert ('user', 'Hello there') not in slot._tokenized  # Over 12 chars.
   assert slot._cached_chars == len('Hello there')
+
+
+def test_a_request_sent_again_that_ends_at_the_mark_is_read(decoder):
+  """A kept state whose mark falls exactly where the request ends (the
+  same question sent again, the grid aligned there) is not reused up to
+  it: there would be no token left to read for the reply's logits."""
+  from src.inference import engine
+
+  slot = engine.Conversations(decoder)
+  want = list(range(10, 40))
+  have = want + [7, 8, 9]
+  lead = 1 + 1  # The pad and START.
+  assert slot._kept(have, 0, lead + len(want), want, exact=True) == 0
+  assert slot._kept(have, 0, lead + 16, want, exact=True) == 16

@@ -341,7 +341,9 @@ class Conversations:
     if self.decoder.start_part(_LEAD + len(want)) != start:
       return 0
     at_mark = mark - _LEAD  # In the context's tokens.
-    same = 0 < at_mark <= len(want) and have[:at_mark] == want[:at_mark]
+    # At least one token is read after it (its logits start the reply; a
+    # request sent again can end exactly at the mark).
+    same = 0 < at_mark < len(want) and have[:at_mark] == want[:at_mark]
     return at_mark if same else 0
 
   def run(self, job: Request, cancel: threading.Event, emit=None) -> dict:
