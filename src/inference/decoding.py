@@ -234,7 +234,8 @@ class Decoder:
     self._step_fn = jax.jit(self._pure_step, donate_argnums=(1,))
     # A block: the model without its output layer, then the output layer
     # on the last real position only, so `[length, vocab]` logits never
-    # exist. One compilation: every block is `block` tokens long.
+    # exist. One compilation per block length (`padded`: at most three)
+    # and per start block length (multiples of `min_start` or `block`).
     *body, self._head = predict_model.sublayers
     self._body = trax.layers.Serial(*body)
     self._readers = (

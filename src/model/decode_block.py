@@ -161,7 +161,7 @@ def lsh_block(self, x, weights, state, rng):
     kv = jax.vmap(select, in_axes=(None, 0, 0, 0))(
       buckets_h, qb_h, lists_h, positions
     )
-    return attend_block(self, x_b, q_h, positions, kv, keys_h[kv], w_h, rng)
+    return attend_block(self, x_b, q_h, positions, kv, keys_h[kv], w_h)
 
   per = (q, qb, by_example(lists), by_example(buckets), by_example(keys))
   out = _per_head(head, x, weights, per)
@@ -177,7 +177,7 @@ def lsh_block(self, x, weights, state, rng):
   return out, (mem_end + n, append(mem, x, mem_end), per_head)
 
 
-def attend_block(self, x_rows, q, positions, kv, parts, weights, rng):
+def attend_block(self, x_rows, q, positions, kv, parts, weights):
   """`decode_cache.attend_parts` for all of a block's tokens at once, one
   head: each query (`q`, `[length, d_qk]`, at `positions`) over its own
   candidates `kv` (`[length, n]`), whose keys and values are `parts`
@@ -190,7 +190,6 @@ def attend_block(self, x_rows, q, positions, kv, parts, weights, rng):
   dots = jnp.exp(dots - fastmath.logsumexp(dots, axis=-1, keepdims=True))
   d = self._d_qk
   o = jnp.sum(dots[..., None] * parts[..., d : d + self._d_v], 1)
-  del rng
   return jnp.matmul(o, weights[2])
 
 
@@ -211,8 +210,9 @@ def local_window(self, x, q_start, length: int, weights, rng):
   start = jnp.minimum(first, mem_len - size)
   window = fastmath.dynamic_slice_in_dim(x, start, size, axis=0)
   rows = fastmath.dynamic_slice_in_dim(x, q_start, length, axis=0)
+  at = q_start + jnp.arange(length, dtype=jnp.int32)
   if length == 1:  # Trax duplicates a lone query row (matmul rounding).
-    rows = jnp.concatenate([rows] * 2, 0)
+    rows, at = jnp.concatenate([rows] * 2, 0), jnp.concatenate([at] * 2)
   q = jnp.matmul(rows, w_q)
   if self._share_qk:
     k = ea.length_normalized(jnp.matmul(window, w_q))
@@ -231,7 +231,7 @@ def local_window(self, x, q_start, length: int, weights, rng):
     k,
     jnp.matmul(window, w_v),
     mask_fn=mask_fn,
-    q_info=(q_start + jnp.arange(q.shape[0]) * (length > 1)).astype(jnp.int32),
+    q_info=at,
     kv_info=(start + jnp.arange(size)).astype(jnp.int32),
     dropout=self._attention_dropout,
     rng=attend_rng,

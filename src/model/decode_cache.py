@@ -19,8 +19,9 @@ token). Other predict-mode layers find them with prefix sums in one linear
 pass over the memory (`select_kv`; `lax.top_k` is no help here: XLA on CPU
 lowers it to a sort). The priorities are distinct integers, so either way
 the selection is exactly the set and order the sort kept: outputs are
-bit-identical (pinned by tests/test_attention.py). A block read in predict
-mode goes through Trax's step and then rebuilds the index.
+bit-identical (pinned by tests/test_attention.py). A start block (position 0)
+goes through Trax's step and then rebuilds the index; other blocks are
+`decode_block`'s.
 """
 
 from __future__ import annotations
@@ -58,14 +59,15 @@ def use_predict_mem(self, inputs, state, trax_mem):
   if not self._never_rolls:
     return trax_mem(inputs, state)
   if seqlen > 1:
-    # The chat decoder feeds blocks only at the start of a context. Trax
-    # takes a block longer than `predict_drop_len` for one (start 0, a
-    # Python int) but a shorter one for a few appended tokens (a traced
-    # start), which its chunked local attention cannot read (it asserts
-    # the start is 0): a 1k-4k-token re-read of a gin/reformer_32k.gin
-    # model (drop length 4096) failed. So every block takes Trax's
-    # start-of-context branch (which turns the output to NaN if the
-    # memory was not empty, so a misuse cannot pass silently).
+    # Only the chat decoder's start block comes here (its other blocks go
+    # through `decode_block`). Trax takes a block longer than
+    # `predict_drop_len` for one (start 0, a Python int) but a shorter one
+    # for a few appended tokens (a traced start), which its chunked local
+    # attention cannot read (it asserts the start is 0): a 1k-4k-token
+    # re-read of a gin/reformer_32k.gin model (drop length 4096) failed.
+    # So a start block takes Trax's start-of-context branch (which turns
+    # the output to NaN if the memory was not empty, so a misuse cannot
+    # pass silently).
     drop, self._predict_drop_len = self._predict_drop_len, 0
     try:
       return trax_mem(inputs, state)
