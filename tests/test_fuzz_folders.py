@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from src.core import safe_pickle
 from src.core.errors import UserError
-from src.storage import checkpoints, modelfolder, snapshots
+from src.storage import checkpoints, curves, modelfolder, snapshots
 
 from .conftest import json_values, reseal_export
 
@@ -208,3 +208,69 @@ def test_the_fuzz_targets_load_unmutated(pristine, tmp_path):
   assert safe_pickle.read_weights_file(
     os.path.join(run, 'model.weights.npy.gz')
   )
+
+
+@pytest.fixture(scope='module')
+def events(tiny_run, tmp_path_factory):
+  """A copy of the shared run's TensorBoard folders (train, eval)."""
+  root = tmp_path_factory.mktemp('events')
+  for part in ('train', 'eval'):
+    shutil.copytree(os.path.join(tiny_run['out'], part), root / part)
+  return root
+
+
+@FUZZ
+@given(part=st.sampled_from(['train', 'eval']), edit=_edits)
+def test_fuzz_event_files(events, tmp_path_factory, part, edit):
+  """A source run's event files (read by `--init-from RUN` and the export)
+  mutated as bytes: the curves are read up to the damage, with at most one
+  note a file, never a crash, within the bound."""
+  tmp_path = tmp_path_factory.mktemp('ev')
+  run = tmp_path / 'run'
+  shutil.copytree(events, run)
+  folder = run / part
+  name = sorted(n for n in os.listdir(folder) if 'tfevents' in n)[-1]
+  data = (folder / name).read_bytes()
+  (folder / name).write_bytes(_edit(data, edit))
+  found = []
+  _bounded(lambda: found.append(curves.collect(str(run))))
+  assert found[0] is None or found[0]['format'] == curves.FORMAT
+  _outside_untouched(tmp_path, ['run'])
+
+
+@FUZZ
+@given(
+  part=st.sampled_from(['train', 'eval']),
+  where=st.sampled_from(['point', 'value', 'step', 'tag', 'part', 'top']),
+  value=_json,
+)
+def test_fuzz_curves_json_fields(
+  pristine, tmp_path_factory, part, where, value
+):
+  """`curves.json` fields replaced by any JSON value (huge integers
+  included), resealed: the model loads, with the curves or without them."""
+  tmp_path = tmp_path_factory.mktemp('c')
+  folder = _fresh(pristine, tmp_path, 'export')
+  path = os.path.join(folder, 'curves.json')
+  scalars = json.load(open(path))
+  tag = next(iter(scalars[part]))
+  if where == 'point':
+    scalars[part][tag][0] = value
+  elif where == 'value':
+    scalars[part][tag][0][1] = value
+  elif where == 'step':
+    scalars[part][tag][0][0] = value
+  elif where == 'tag':
+    scalars[part][tag] = value
+  elif where == 'part':
+    scalars[part] = value
+  else:
+    scalars = value
+  with open(path, 'w') as f:
+    json.dump(scalars, f)
+  reseal_export(folder, 'curves.json')
+  loaded = []
+  _bounded(
+    lambda: loaded.append(modelfolder.load(folder, 'model-dir', 'copy it'))
+  )
+  assert loaded and loaded[0].step > 0

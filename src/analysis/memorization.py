@@ -91,15 +91,12 @@ def held_out_loss(run_dir: str, data: str | None = None) -> float | None:
 
 def final_training_loss(run_dir: str) -> float | None:
   """The last `training/loss` TensorBoard logged (mean of the last steps)."""
-  from tensorboard.backend.event_processing import event_accumulator
+  from src.storage import eventfile
 
-  acc = event_accumulator.EventAccumulator(
-    os.path.join(run_dir, rundir.TRAIN_EVENTS)
-  )
-  acc.Reload()
-  if 'training/loss' not in acc.Tags()['scalars']:
-    return None
-  return float(acc.Scalars('training/loss')[-1].value)
+  points = eventfile.scalars(
+    os.path.join(run_dir, rundir.TRAIN_EVENTS), 64, 1 << 16, lambda t: None
+  ).get('training/loss')
+  return float(points[max(points)]) if points else None
 
 
 def window_losses(run_dir: str, data=None, last_steps=64, shifts=SHIFTS):

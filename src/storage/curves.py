@@ -46,8 +46,14 @@ def _thin(points: list, limit: int = MAX_POINTS) -> list:
 def collect(run_dir: str, until: int | None = None) -> dict | None:
   """The scalars of a run's TensorBoard event files (`run_dir/train`,
   `run_dir/eval`) up to step `until` (default all), or None if it logged
-  none."""
-  from tensorboard.backend.event_processing import event_accumulator as ea
+  none. The files are read with bounds (`src.storage.eventfile`): a
+  damaged or crafted one is a note, never a crash."""
+  from src.storage import eventfile
+
+  def note(text):
+    print(
+      f'note: {text}; the curves keep what was read before it', file=sys.stderr
+    )
 
   parts = {}
   for part in PARTS:
@@ -55,36 +61,39 @@ def collect(run_dir: str, until: int | None = None) -> dict | None:
     if not os.path.isdir(folder) or os.path.islink(folder):
       continue
     found = files.links_inside(folder)
-    if found:  # TensorBoard's reader would follow a link or block on a FIFO.
+    if found:  # Never read through a link, never block on a FIFO.
       path, problem = found[0]
       print(
         f'note: {path} {problem}; the curves of {folder} are left out',
         file=sys.stderr,
       )
       continue
-    acc = ea.EventAccumulator(
-      folder, size_guidance={ea.SCALARS: 4 * MAX_POINTS}
-    )
-    acc.Reload()
+    read = eventfile.scalars(folder, MAX_TAGS, MAX_POINTS, note)
     tags = {}
-    for tag in sorted(acc.Tags().get('scalars', []))[:MAX_TAGS]:
-      points = {}
-      for event in acc.Scalars(tag):
-        if math.isfinite(event.value) and (
-          until is None or event.step <= until
-        ):
-          points[int(event.step)] = float(f'{event.value:.6g}')
+    for tag in sorted(read):
+      points = {
+        step: float(f'{value:.6g}')
+        for step, value in read[tag].items()
+        if math.isfinite(value) and (until is None or step <= until)
+      }
       if points:
         tags[tag] = _thin(sorted([s, v] for s, v in points.items()))
     if tags:
       parts[part] = tags
   if not parts:
     return None
-  return {
-    'format': FORMAT,
-    'run': os.path.basename(os.path.normpath(run_dir)),
-    **parts,
-  }
+  return {'format': FORMAT, **parts}
+
+
+def _finite(value) -> bool:
+  """Whether `value` is a JSON number within float range (a 400-digit
+  integer is not: `float()` of it overflows)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return False
+  try:
+    return math.isfinite(float(value))
+  except OverflowError:
+    return False
 
 
 def parse(data: bytes, path: str) -> dict:
@@ -116,12 +125,10 @@ def parse(data: bytes, path: str) -> dict:
             and isinstance(point[0], int)
             and not isinstance(point[0], bool)
             and 0 <= point[0] < 1 << 53
-            and isinstance(point[1], (int, float))
-            and not isinstance(point[1], bool)
-            and math.isfinite(point[1])
+            and _finite(point[1])
           ):
             raise ValueError(f'{part} tag {tag[:40]!r} has a bad point')
-  except (ValueError, UnicodeDecodeError) as e:
+  except (ValueError, UnicodeDecodeError, RecursionError) as e:
     raise UserError(
       f'{path}: damaged ({str(e)[:120]}); the curves are left out (the '
       'model itself is fine)'
