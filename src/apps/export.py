@@ -36,6 +36,13 @@ def main(argv=None):
     metavar='ID',
     help='the license of the weights for the model card (e.g. apache-2.0)',
   )
+  parser.add_argument(
+    '--name',
+    default=None,
+    help="the model's name, the model card's title (default: "
+    '"Jade V8 chat model"; never the folder\'s name, which may name a '
+    'person)',
+  )
   args = parser.parse_args(argv)
   runtime.bootstrap()  # Before Trax is imported (by src.storage.export).
   from src.storage import export
@@ -46,6 +53,7 @@ def main(argv=None):
     args.step,
     datasets=tuple(args.dataset),
     license=args.license,
+    name=args.name,
   )
   return 0
 

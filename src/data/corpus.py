@@ -337,6 +337,9 @@ def _build(folder, scanned, tok, parse_kwargs, workers, key, log):
   meta = {
     'version': FORMAT_VERSION,
     'key': key,
+    # The data's bytes and file names hashed (`scan`): what an export says
+    # of the data, without naming it.
+    'data_sha256': scanned.digest,
     'tokens': n_tokens,
     'dtype': np.dtype(dtype).name,
     'turns': n_turns,

@@ -55,14 +55,76 @@ def _last_eval(meta: dict) -> tuple[int, float] | None:
 
 
 def _base_model(run_dir: str) -> str | None:
-  """The name of the model a fine-tuned run started from (its init.json),
-  else None."""
+  """What a fine-tuned run started from (its init.json): the name its
+  export declared, else the start of its weights' SHA-256; None for a run
+  trained from scratch. Never the folder it was read from (a local
+  path)."""
   path = os.path.join(run_dir, rundir.INIT)
   try:
     record = files.read_json(path)
-    return os.path.basename(os.path.normpath(str(record['path'])))
-  except (OSError, UserError, KeyError, TypeError, ValueError):
+  except (OSError, UserError):
     return None
+  if not isinstance(record, dict):
+    return None
+  name = record.get('name')
+  if isinstance(name, str) and name.strip():
+    return clean_name(name)
+  digest = record.get('weights_sha256')
+  if isinstance(digest, str) and digest:
+    return f'jade-v8 weights sha256:{clean_name(digest)[:16]}'
+  return None
+
+
+DEFAULT_NAME = 'Jade V8 chat model'
+# Numbers of the token cache's meta.json that describe the data.
+DATA_COUNTS = ('files', 'conversations', 'turns', 'tokens', 'bytes')
+clean_name = modelfolder.clean_name
+
+
+def describe_data(run_dir: str) -> dict | None:
+  """What the run trained on, by what it is and never by name or path:
+  the line format, its file, conversation, turn and token counts and a
+  hash of its bytes (the run's token cache `cache/train-*/meta.json`);
+  None when the run has no such cache."""
+  root = os.path.join(run_dir, rundir.CACHE)
+  try:
+    names = sorted(n for n in os.listdir(root) if n.startswith('train-'))
+  except OSError:
+    return None
+  for name in names:
+    try:
+      meta = files.read_json(os.path.join(root, name, 'meta.json'))
+    except (OSError, UserError):
+      continue
+    if not isinstance(meta, dict):
+      continue
+    described = {'format': 'jade-v8 conversations (line format)'}
+    for key in DATA_COUNTS:
+      value = meta.get(key)
+      if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        described[key] = value
+    digest = meta.get('data_sha256')
+    if isinstance(digest, str) and len(digest) == 64:
+      described['sha256'] = digest
+    return described
+  return None
+
+
+def data_text(info: dict) -> str:
+  """One line on what the model was trained on, for the card and the
+  export's report."""
+  parts = []
+  data = info.get('data') or {}
+  if info.get('datasets'):
+    parts.append(', '.join(clean_name(d) for d in info['datasets']))
+  counts = [
+    f'{data[k]:,} {k}' for k in ('conversations', 'tokens') if k in data
+  ]
+  if counts:
+    parts.append(' and '.join(counts) + ' of conversations')
+  if 'sha256' in data:
+    parts.append(f'data sha256 {data["sha256"][:16]}')
+  return '; '.join(parts) or 'not recorded'
 
 
 def _yaml(value) -> str:
@@ -93,14 +155,6 @@ def front_matter(info: dict) -> str:
     lines += [f'- {_yaml(d)}' for d in info['datasets']]
   lines += [f'context_length: {int(info["context_length"])}', '---', '']
   return '\n'.join(lines)
-
-
-def _run_settings(run_dir: str) -> dict:
-  path = os.path.join(run_dir, rundir.SETTINGS)
-  try:
-    return dict(files.read_json(path)['train'])
-  except (OSError, UserError, ValueError, KeyError, TypeError):
-    return {}
 
 
 def _md_code(value, limit: int = 120) -> str:
@@ -158,13 +212,19 @@ def export(
   log=print,
   datasets: tuple[str, ...] = (),
   license: str | None = None,  # noqa: A002 (the card's word)
+  name: str | None = None,
 ):
   """Writes the export of `run_dir` (see the module docstring).
+
+  Nothing in the export names a local path, a folder or a data file: the
+  data is described by what it is (`describe_data`), the model by `name`.
 
   Args:
     datasets: Names of the data the model was trained on, for the card's
       metadata (the user's words; nothing is read from them).
     license: The card's license identifier (e.g. "apache-2.0").
+    name: The model's name: the card's title and its picture's (default
+      `DEFAULT_NAME`; never the folder's name, which may name a person).
 
   Returns:
     The export's metadata (`export.json`).
@@ -188,7 +248,11 @@ def export(
   ]
   scalars = curves.collect(run_dir, until=model.step)
   info = _info(run_dir, folder, model, flat, scalars)
-  info.update(datasets=list(datasets), license=license)
+  info.update(
+    datasets=[clean_name(d) for d in datasets],
+    license=license,
+    name=clean_name(name) if name and clean_name(name) else None,
+  )
   parent = os.path.dirname(os.path.abspath(out_dir))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=f'.{os.path.basename(out_dir)}.')
@@ -205,6 +269,11 @@ def export(
     f'{size / 1e6:.2f} MB (the checkpoint is {run_size / 1e6:.2f} MB with '
     'optimizer slots); '
     f'{info["n_weights"]:,} weights'
+  )
+  log(
+    f'the card calls it {info["name"] or DEFAULT_NAME!r} (--name) and says '
+    f'it was trained on: {data_text(info)} (--dataset); no path, folder or '
+    'file name of yours is in the export'
   )
   return info
 
@@ -231,8 +300,7 @@ def _info(run_dir: str, folder: str, model, flat, scalars) -> dict:
     'held_out_loss': evaluated and evaluated[1],
     'held_out_perplexity': evaluated and losses.perplexity(evaluated[1]),
     'held_out_step': evaluated and evaluated[0],
-    'trained_on': _run_settings(run_dir).get('data'),
-    'exported_from': os.path.abspath(run_dir),
+    'data': describe_data(run_dir),
     'exported_at': datetime.datetime.now(datetime.UTC).isoformat(
       timespec='seconds'
     ),
@@ -259,8 +327,8 @@ def _write(tmp, run_dir, out_dir, model, flat, info, scalars):
       f.write(data)
   with open(os.path.join(tmp, ginconf.MODEL_GIN), 'w', encoding='utf-8') as f:
     f.write(
-      f'# Model settings of {os.path.basename(os.path.normpath(run_dir))} '
-      f'at step {step} (read as data; see README.md).\n' + model.gin_text
+      f'# Model settings at step {step} (read as data; see README.md).\n'
+      + model.gin_text
     )
   if scalars:
     with open(os.path.join(tmp, curves.CURVES), 'w', encoding='utf-8') as f:
@@ -268,10 +336,10 @@ def _write(tmp, run_dir, out_dir, model, flat, info, scalars):
     curves.plot(
       scalars,
       os.path.join(tmp, curves.PICTURE),
-      f'{os.path.basename(os.path.normpath(out_dir))}: loss by step',
+      f'{info["name"] or DEFAULT_NAME}: loss by step',
     )
   with open(os.path.join(tmp, rundir.MODEL_CARD), 'w', encoding='utf-8') as f:
-    f.write(model_card(info, model.setup, out_dir, scalars))
+    f.write(model_card(info, model.setup, scalars))
   info['files'] = {
     name: {
       'size': os.path.getsize(os.path.join(tmp, name)),
@@ -307,7 +375,7 @@ shows this run beside yours.
 """
 
 
-def model_card(info: dict, setup, out_dir: str, scalars=None) -> str:
+def model_card(info: dict, setup, scalars=None) -> str:
   """The export's README.md: front matter, then the card."""
   loss = info['held_out_loss']
   quality = (
@@ -320,15 +388,15 @@ def model_card(info: dict, setup, out_dir: str, scalars=None) -> str:
   m, a = setup.model, setup.attention
   return (
     front_matter(info)
-    + f"""# Jade V8 model: {os.path.basename(os.path.normpath(out_dir))}
+    + f"""# {_md_code(info.get('name') or DEFAULT_NAME)}
 
 A ReformerLM chat model exported from a Jade V8 training run at step
 {info['step']}.
 
 | | |
 |---|---|
-| trained on | `{_md_code(info['trained_on'])}` ({
-      f'{tokens:,} tokens with loss' if tokens else 'token count not recorded'
+| trained on | {_md_code(data_text(info))} ({
+      f'{tokens:,} tokens seen with loss' if tokens else 'not recorded'
     }) |
 | quality | {quality} |
 | context | {info['context_length']} tokens |
@@ -340,11 +408,13 @@ A ReformerLM chat model exported from a Jade V8 training run at step
 {_curves_text(scalars)}
 ## Chat with it
 
-    python evaluate.py --model-dir {out_dir}
+Put this folder where you like (here `MODEL`), then:
+
+    python evaluate.py --model-dir MODEL
 
 ## Fine-tune it on your own chats
 
-    python train.py --init-from {out_dir} --gin gin/finetune.gin \\
+    python train.py --init-from MODEL --gin gin/finetune.gin \\
       --data data/mine --out-dir runs/mine --steps 1000
     python evaluate.py --model-dir runs/mine
 

@@ -45,6 +45,8 @@ class ModelFolder:
       they are also the current gin state).
     curves: An export's `curves.json`, checked (`src.storage.curves`);
       None for a run folder (its event files hold them) or without.
+    name: The name an export declares for its model (`export.json`'s
+      `name`, one printable line), else None.
   """
 
   path: str
@@ -57,6 +59,7 @@ class ModelFolder:
   gin_path: str
   setup: ginconf.GinSetup
   curves: dict | None = None
+  name: str | None = None
 
   @functools.cached_property
   def digest(self) -> str:
@@ -104,8 +107,27 @@ def load(
       model = _load(
         path, 'export', what, bindings, checkpoint, check_memory, meta
       )
-    return dataclasses.replace(model, curves=_export_curves(path, contents))
+    return dataclasses.replace(
+      model, curves=_export_curves(path, contents), name=_name(meta)
+    )
   return _load(path, 'run', what, bindings, checkpoint, check_memory, None)
+
+
+NAME_LIMIT = 80  # Characters of a model's declared name.
+
+
+def clean_name(text) -> str:
+  """A name for a model card: printable, one line, at most NAME_LIMIT
+  characters."""
+  shown = ''.join(c if c.isprintable() else ' ' for c in str(text))
+  return shown.strip()[:NAME_LIMIT]
+
+
+def _name(meta: dict) -> str | None:
+  """The model name an export's metadata declares (`clean_name`), else
+  None."""
+  name = meta.get('name')
+  return (clean_name(name) or None) if isinstance(name, str) else None
 
 
 def _export_curves(path: str, contents: dict) -> dict | None:

@@ -196,6 +196,9 @@ def record(out_dir: str, source: modelfolder.ModelFolder):
     'kind': source.kind,
     'step': source.step,
     'weights_sha256': source.digest,
+    # The name the source export declares (what a later export of this
+    # run calls its base model; never the local path above).
+    'name': source.name,
     'started_at': datetime.datetime.now(datetime.UTC).isoformat(
       timespec='seconds'
     ),
