@@ -63,27 +63,3 @@ def test_free_memory_goes_back_after_long_steps_only():
   after = resident()
   libc.free(blocks[-1])
   assert before - after > 50 * 1024 * 1024
-
-
-def test_the_compile_cache_is_the_users_own_folder_only(tmp_path, monkeypatch):
-  from src.runtime import xla
-
-  monkeypatch.setenv('JADE_COMPILE_CACHE', 'off')
-  assert xla.cache_folder() is None
-  monkeypatch.delenv('JADE_COMPILE_CACHE')
-  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
-  folder = xla.cache_folder()
-  top = tmp_path / 'cache' / 'jade-v8' / 'jax'
-  # One subfolder per jaxlib and CPU (a shared home, a reinstalled jaxlib).
-  assert os.path.dirname(folder) == str(top)
-  assert os.path.basename(folder).startswith('jaxlib-')
-  assert os.stat(top).st_mode & 0o777 == 0o700
-  shared = tmp_path / 'shared'
-  shared.mkdir(mode=0o777)
-  os.chmod(shared, 0o777)  # Others could plant executables: unused.
-  monkeypatch.setenv('JADE_COMPILE_CACHE', str(shared))
-  assert xla.cache_folder() is None
-  link = tmp_path / 'link'
-  link.symlink_to(top)
-  monkeypatch.setenv('JADE_COMPILE_CACHE', str(link))
-  assert xla.cache_folder() is None

@@ -12,18 +12,19 @@ _DONE: list[bool] = []
 
 def bootstrap(light: bool = False):
   """Once per process: XLA's CPU flags (`xla`), library noise silenced
-  (`quiet`), JAX's compilation cache in the user's cache folder (`xla`),
+  (`quiet`), JAX's compilation cache in the user's checked cache folder
+  (`compile_cache`),
   then Trax imported and patched (`trax_patches`). Later calls do nothing.
   Call it before JAX starts its backend. `light` (a process that only
   decodes): Trax's data pipeline and training loop are imported only if
   something uses them."""
   if _DONE:
     return
-  from src.runtime import quiet, trax_patches, xla
+  from src.runtime import compile_cache, quiet, trax_patches, xla
 
   xla.configure()
   quiet.silence_libraries()
-  xla.compile_cache()
+  compile_cache.install()
   trax_patches.install(light)
   quiet.silence_loggers()
   _DONE.append(True)
