@@ -183,7 +183,7 @@ def test_a_crafted_source_run_exports_and_fine_tunes_with_one_note(
   source = _crafted_source(tiny_run, tmp_path)
   env = {**os.environ, 'JADE_COMPILE_CACHE': 'off'}
   run = subprocess.run(
-    [sys.executable, '-m', 'src.apps.export', source, str(tmp_path / 'e')],
+    [sys.executable, 'export.py', source, str(tmp_path / 'e')],
     cwd=ROOT,
     env=env,
     capture_output=True,

@@ -1,25 +1,25 @@
 """Importers into the line format, and an exporter back to messages JSONL.
 
-  python -m src.apps.convert messages   chats.jsonl      data/mine
-  python -m src.apps.convert sharegpt   sharegpt.json    data/mine
-  python -m src.apps.convert chatterbot a.yml b.yml data/mine --ai-side second
-  python -m src.apps.convert chatterbot english data/chatterbot-english --trim
-  python -m src.apps.convert chatterbot english data/smalltalk --trim \
+  python convert.py messages   chats.jsonl      data/mine
+  python convert.py sharegpt   sharegpt.json    data/mine
+  python convert.py chatterbot a.yml b.yml data/mine --ai-side second
+  python convert.py chatterbot english data/chatterbot-english --trim
+  python convert.py chatterbot english data/smalltalk --trim \
       --skip coding,computers,tech_support,trivia
-  python -m src.apps.convert transcript log.txt data/mine --user-prefix "Me:"
-  python -m src.apps.convert cornell    cornell-corpus/  data/movies --trim
-  python -m src.apps.convert taskmaster tm1.json ccpe.json data/tasks --trim
-  python -m src.apps.convert subtitles  a.srt b.srt  data/films --gap 5 --trim
-  python -m src.apps.convert to-messages data/           chats.jsonl
+  python convert.py transcript log.txt data/mine --user-prefix "Me:"
+  python convert.py cornell    cornell-corpus/  data/movies --trim
+  python convert.py taskmaster tm1.json ccpe.json data/tasks --trim
+  python convert.py subtitles  a.srt b.srt  data/films --gap 5 --trim
+  python convert.py to-messages data/           chats.jsonl
 
 A person's own chats, from the apps' exports (`--ai NAME`: whose messages
 the model learns to write; everyone else is the user):
 
-  python -m src.apps.convert whatsapp  "WhatsApp Chat with Sam.txt" data/me \
+  python convert.py whatsapp  "WhatsApp Chat with Sam.txt" data/me \
       --ai "Alex Doe" --trim
-  python -m src.apps.convert telegram  result.json      data/me --ai "Alex"
-  python -m src.apps.convert discord   general.json     data/me --ai alex
-  python -m src.apps.convert messenger inbox/sam_1/message_*.json data/me \
+  python convert.py telegram  result.json      data/me --ai "Alex"
+  python convert.py discord   general.json     data/me --ai alex
+  python convert.py messenger inbox/sam_1/message_*.json data/me \
       --ai "Alex Doe" --gap 3h --names --redact
 
 Each importer (`src/data/importers/`, one module per format) writes
@@ -111,10 +111,10 @@ def _chat_options(parser: argparse.ArgumentParser):
   )
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
   """The command line (see the module docstring)."""
   parser = argparse.ArgumentParser(
-    prog='python -m src.apps.convert', description=__doc__.split('\n')[0]
+    prog='python convert.py', description=__doc__.split('\n')[0]
   )
   parser.add_argument('format', choices=[*FORMATS, *CHATS, 'to-messages'])
   parser.add_argument(
@@ -172,8 +172,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-  parser = _parser()
-  args = parser.parse_args(argv)
+  args = parser().parse_args(argv)
   if args.format in CHATS:
     return _convert_chats(args)
   if args.ai or args.names or args.redact:

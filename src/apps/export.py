@@ -1,4 +1,5 @@
-"""`python -m src.apps.export RUN_DIR OUT_DIR [--step N]`: a weights-only export
+"""`python export.py RUN_DIR OUT_DIR [--step N]` (or `python -m
+src.apps.export`): a weights-only export
 (see `src.storage.export`)."""
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ import sys
 from src import runtime
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+  """The command line of `python export.py`."""
   parser = argparse.ArgumentParser(
-    prog='python -m src.apps.export',
+    prog='python export.py',
     description='A shareable, weights-only copy of a training run.',
   )
   parser.add_argument('run_dir', help='a training out-dir')
@@ -43,7 +45,11 @@ def main(argv=None):
     '"Jade V8 chat model"; never the folder\'s name, which may name a '
     'person)',
   )
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   runtime.bootstrap()  # Before Trax is imported (by src.storage.export).
   from src.storage import export
 

@@ -38,6 +38,12 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     'gin/reformer_32k.gin',
     'Gin file with the model, optimizer and learning-rate schedule.',
   ),
+  'gin-bindings': (
+    [],
+    'Gin bindings applied after the gin file, e.g. ["lr_schedule.peak = '
+    '0.004"] (a preset\'s settings; --bind on the command line comes after '
+    'these).',
+  ),
   'tpu-ip': (
     None,
     'Unused: JAX on a TPU VM finds its TPU cores itself. Leave null.',
@@ -147,7 +153,7 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
   ),
   'init-from': (
     None,
-    'Fine-tune: a training out-dir or an export (python -m src.apps.export) to '
+    'Fine-tune: a training out-dir or an export (python export.py) to '
     'start from. Its tokenizer, model settings and weights are taken over '
     '(the gin file then sets only optimizer, schedule and dropout: use '
     'gin/finetune.gin); the step count and optimizer start fresh.',

@@ -26,7 +26,7 @@ from src.core.safe_pickle import (
 )
 from src.storage import snapshots
 
-# ---- Weights-only exports (`python -m src.apps.export`) ------------------
+# ---- Weights-only exports (`python export.py`) ------------------
 #
 # An export is a folder with `model.safetensors` (the weights, flat, named
 # `weights.00000`, ...), `export.json` (metadata and the SHA-256 of every
@@ -65,7 +65,7 @@ def read_export_meta(folder: str) -> dict:
   except (ValueError, KeyError, TypeError) as e:
     raise UserError(
       f'{path}: damaged ({type(e).__name__}: {e}); it must be the JSON '
-      'that python -m src.apps.export wrote (download the model again)'
+      'that python export.py wrote (download the model again)'
     ) from None
   return meta
 

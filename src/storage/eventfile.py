@@ -1,7 +1,7 @@
 """TensorBoard event files read with bounds: the scalars of a folder.
 
 A run folder may come from someone else (`train.py --init-from RUN`,
-`python -m src.apps.export RUN`), so its event files are untrusted input.
+`python export.py RUN`), so its event files are untrusted input.
 TensorFlow's native record reader allocates whatever a record's length
 field claims (a length of 2**60 with a valid header checksum ends the
 process with SIGSEGV), and TensorBoard's accumulator keeps every tag. Here

@@ -1,6 +1,6 @@
 """A shareable, weights-only copy of a training run.
 
-  python -m src.apps.export runs/pretrained exports/pretrained [--step N]
+  python export.py runs/pretrained exports/pretrained [--step N]
 
 writes a folder another person can chat with (`python evaluate.py
 --model-dir FOLDER`) and fine-tune from (`python train.py --init-from

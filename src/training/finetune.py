@@ -64,8 +64,7 @@ def read_record(out_dir: str) -> dict | None:
 
 
 INIT_FROM_FIX = (
-  'give a training out-dir or an export (python -m src.apps.export RUN_DIR '
-  'OUT_DIR)'
+  'give a training out-dir or an export (python export.py RUN_DIR OUT_DIR)'
 )
 
 

@@ -143,7 +143,8 @@ def prepare(
   out_dir = check_out_dir(settings)
   s, fine, base = _with_pretrained(settings, out_dir, leader)
   markers = _markers(s)
-  setup = ginconf.parse(s['gin'], tuple(gin_bindings), base=base)
+  bindings = tuple(s['gin-bindings']) + tuple(gin_bindings)
+  setup = ginconf.parse(s['gin'], bindings, base=base)
   if fine is not None and fine.source is not None:
     finetune.check_settings(setup, fine.source, s['gin'])
   start_step, checkpoint_folder, damage = _resume_point(setup, out_dir, leader)

@@ -8,7 +8,7 @@ The chat exports of messenger apps (`CHATS`) yield messages with their
 sender and time instead; `chatlog` chooses the sides and the
 conversations. `base.write` turns them into one
 line-format file with the same warnings, summary, `--strict` and `--trim`
-for every format. `python -m src.apps.convert` is the shared command line.
+for every format. `python convert.py` is the shared command line.
 """
 
 from src.data.importers import (
