@@ -132,8 +132,8 @@ def problems_of(text: str) -> list[str]:
       continue
     for word in rest:
       value = word.split('=', 1)[-1]
-      if value.startswith(PROJECT) and not os.path.exists(
-        os.path.join(ROOT, value)
+      if value.startswith(PROJECT) and not glob.glob(
+        os.path.join(ROOT, value)  # A shell pattern must match a file.
       ):
         found.append(f'{value}: no such file in the project')
     if parse is not None:
