@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -58,7 +59,14 @@ def server(tiny_run, tmp_path_factory):
   log = tmp_path_factory.mktemp('serve') / 'server.log'
   with open(log, 'w') as out:
     proc = _serve(
-      tiny_run['out'], port, out, '--api-key', KEY, '--max-queue', '8'
+      tiny_run['out'],
+      port,
+      out,
+      '--api-key',
+      KEY,
+      '--max-queue',
+      '8',
+      '--debug-headers',
     )
   base = f'http://127.0.0.1:{port}'
   deadline = time.time() + 300
@@ -315,12 +323,14 @@ def test_a_full_queue_is_refused_with_503(decoder):
   server = serve.Server(decoder, 'out', None, 2)
 
   async def scenario():
-    await server._turn()  # Answering one request.
-    waiting = [asyncio.ensure_future(server._turn()) for _ in range(2)]
+    await server._turn(server._enter())  # Answering one request.
+    waiting = [
+      asyncio.ensure_future(server._turn(server._enter())) for _ in range(2)
+    ]
     await asyncio.sleep(0)
     assert server.waiting == 2
     with pytest.raises(openai_api.ApiError) as e:
-      await server._turn()
+      server._enter()
     assert e.value.status == 503 and 'max-queue 2' in e.value.message
     server._lock.release()
     await waiting[0]
@@ -560,7 +570,7 @@ def test_a_full_queue_refuses_a_stream_before_its_200(decoder):
   server = serve.Server(decoder, 'out', None, 0)
 
   async def busy():
-    await server._turn()  # The model is answering; no one may wait.
+    await server._turn(server._enter())  # Answering; no one may wait.
 
   asyncio.run(busy())
   with TestClient(server.app(), base_url='http://127.0.0.1:8000') as http:
@@ -853,3 +863,282 @@ def test_a_request_sent_again_that_ends_at_the_mark_is_read(decoder):
   lead = 1 + 1  # The pad and START.
   assert slot._kept(have, 0, lead + len(want), want, exact=True) == 0
   assert slot._kept(have, 0, lead + 16, want, exact=True) == 16
+
+
+# ---- Round 3 (issue 52): disconnects, bursts, CORS, options.
+
+
+@contextlib.contextmanager
+def _in_process(server):
+  """`server` (a serve.Server) on a free loopback port in a thread, as
+  `serve.serve` runs it; yields the port."""
+  import uvicorn
+
+  from src.apps import serve
+
+  port = _free_port()
+  config = uvicorn.Config(
+    server.app(),
+    host='127.0.0.1',
+    port=port,
+    log_level='warning',
+    http=serve._protocol(),
+    timeout_keep_alive=5,
+    timeout_graceful_shutdown=3,
+  )
+  http = uvicorn.Server(config)
+  thread = threading.Thread(target=http.run, daemon=True)
+  thread.start()
+  while not http.started:
+    time.sleep(0.02)
+  try:
+    yield port
+  finally:
+    http.should_exit = True
+    thread.join(10)
+
+
+def _slow(server):
+  """Makes `server`'s model answer only when cancelled (or after 60 s):
+  `calls` counts the replies begun, `ended` the ones that stopped."""
+  calls, ended = [], []
+
+  def run(job, cancel, emit=None):
+    calls.append(job)
+    cancel.wait(60)
+    ended.append(job)
+    return {
+      'text': 'x',
+      'finish_reason': 'length',
+      'prompt_tokens': 1,
+      'completion_tokens': 1,
+      'reused_tokens': 0,
+      'dropped_turns': 0,
+    }
+
+  server._run = run
+  return calls, ended
+
+
+def _send_and_leave(port, stream=False):
+  body = json.dumps(
+    {
+      'messages': [{'role': 'user', 'content': 'Hi'}],
+      'max_tokens': 64,
+      'stream': stream,
+    }
+  ).encode()
+  s = socket.create_connection(('127.0.0.1', port), 10)
+  s.sendall(
+    (
+      f'POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n'
+      'Content-Type: application/json\r\n'
+      f'Content-Length: {len(body)}\r\n\r\n'
+    ).encode()
+    + body
+  )
+  return s
+
+
+def _until(condition, seconds=10.0):
+  deadline = time.time() + seconds
+  while not condition():
+    assert time.time() < deadline, 'not within the time allowed'
+    time.sleep(0.02)
+  return time.time()
+
+
+def test_abandoned_requests_free_the_model_queued_or_running(decoder):
+  from src.apps import serve
+
+  server = serve.Server(decoder, 'out', max_queue=8)
+  calls, ended = _slow(server)
+  with _in_process(server) as port:
+    running = _send_and_leave(port)
+    _until(lambda: len(calls) == 1)
+    queued = [_send_and_leave(port) for _ in range(3)]
+    _until(lambda: server.waiting == 3)
+    for s in queued:  # Gone while waiting: their places are given back.
+      s.close()
+    _until(lambda: server.waiting == 0, 2)
+    left = time.time()
+    running.close()  # Gone while its reply is generated: it stops.
+    done = _until(lambda: len(ended) == 1, 2)
+    assert done - left < 1.5
+    _until(lambda: not server._lock.locked(), 2)
+    assert len(calls) == 1  # The abandoned queued requests never ran.
+
+
+def test_a_burst_of_streams_gets_whole_streams_or_json_503s(decoder):
+  """40 streams at once, a queue of 4: every answer is a 503 in JSON before
+  any 200, or a stream that is served to its end."""
+  from src.apps import serve
+
+  server = serve.Server(decoder, 'out', max_queue=4)
+  body = {
+    'messages': [{'role': 'user', 'content': 'Hello'}],
+    'max_tokens': 8,
+    'stream': True,
+  }
+
+  def one(port):
+    req = urllib.request.Request(
+      f'http://127.0.0.1:{port}/v1/chat/completions',
+      json.dumps(body).encode(),
+      {'Content-Type': 'application/json'},
+    )
+    try:
+      with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+        text = r.read().decode()
+      return 200, text
+    except urllib.error.HTTPError as e:
+      return e.code, e.read().decode()
+
+  with _in_process(server) as port:
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+      answers = list(pool.map(lambda _: one(port), range(40)))
+  statuses = [status for status, _ in answers]
+  assert set(statuses) <= {200, 503} and 200 in statuses and 503 in statuses
+  for status, text in answers:
+    if status == 503:
+      assert json.loads(text)['error']['type'] == 'server_busy'
+    else:
+      assert 'error' not in text and text.endswith('data: [DONE]\n\n')
+  assert server.waiting == 0
+
+
+_NEEDS_CHROMIUM = pytest.mark.skipif(
+  not (_chromium() and shutil.which('chromedriver')),
+  reason='no Chromium and chromedriver here (Debian: apt install chromium '
+  'chromium-driver); the browser test is SKIPPED',
+)
+
+
+@contextlib.contextmanager
+def _browser():
+  from selenium import webdriver
+  from selenium.webdriver.chrome.service import Service
+
+  options = webdriver.ChromeOptions()
+  options.binary_location = _chromium()
+  for flag in ('--headless=new', '--no-sandbox', '--disable-gpu'):
+    options.add_argument(flag)
+  driver = webdriver.Chrome(
+    service=Service(shutil.which('chromedriver')), options=options
+  )
+  try:
+    driver.set_page_load_timeout(60)
+    yield driver
+  finally:
+    driver.quit()
+
+
+@contextlib.contextmanager
+def _static_page(html: dict):
+  """Serves `html['page']` at / of a free loopback port (another origin);
+  yields that origin."""
+  import http.server
+
+  class Page(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (the stdlib's name)
+      data = html['page'].encode()
+      self.send_response(200)
+      self.send_header('Content-Type', 'text/html; charset=utf-8')
+      self.send_header('Content-Length', str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
+
+    def log_message(self, *args):
+      pass
+
+  httpd = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Page)
+  thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+  thread.start()
+  try:
+    yield f'http://127.0.0.1:{httpd.server_address[1]}'
+  finally:
+    httpd.shutdown()
+
+
+_CALLER = """<!doctype html><title>waiting</title><script>
+const api = %(api)r, key = %(key)r;
+const body = s => JSON.stringify({messages: [{role: 'user', content: 'Hi'}],
+  max_tokens: 8, temperature: 0, stream: s});
+const headers = {'Authorization': 'Bearer ' + key,
+  'Content-Type': 'application/json'};
+(async () => {
+  try {
+    const whole = await (await fetch(api, {method: 'POST', headers,
+      body: body(false)})).json();
+    const streamed = await (await fetch(api, {method: 'POST', headers,
+      body: body(true)})).text();
+    document.title = 'ok:' + JSON.stringify(
+      [whole.choices[0].message.content, streamed.endsWith('[DONE]\\n\\n')]);
+  } catch (e) {
+    document.title = 'failed:' + e;
+  }
+})();
+</script>"""
+
+
+@_NEEDS_CHROMIUM
+def test_a_page_of_an_allowed_origin_chats_and_another_is_refused(decoder):
+  from selenium.webdriver.support.ui import WebDriverWait
+
+  from src.apps import serve
+
+  allowed, refused = {'page': ''}, {'page': ''}
+  with _static_page(allowed) as origin, _static_page(refused) as other:
+    server = serve.Server(
+      decoder, 'out', api_key=KEY, allow_origins=(origin + '/',)
+    )
+    with _in_process(server) as port, _browser() as driver:
+      api = f'http://127.0.0.1:{port}/v1/chat/completions'
+      allowed['page'] = refused['page'] = _CALLER % {'api': api, 'key': KEY}
+      driver.get(origin + '/')
+      WebDriverWait(driver, 60).until(lambda d: d.title != 'waiting')
+      assert driver.title.startswith('ok:'), driver.title
+      text, done = json.loads(driver.title[3:])
+      assert isinstance(text, str) and done is True
+      driver.get(other + '/')  # Not named by --allow-origin.
+      WebDriverWait(driver, 60).until(lambda d: d.title != 'waiting')
+      assert driver.title.startswith('failed:'), driver.title
+
+
+def test_cors_preflight_and_headers_for_allowed_origins_only(decoder):
+  from starlette.testclient import TestClient
+
+  from src.apps import serve
+
+  origin = 'http://127.0.0.1:5173'
+  server = serve.Server(decoder, 'out', api_key=KEY, allow_origins=(origin,))
+  with TestClient(server.app(), base_url='http://127.0.0.1:8000') as http:
+    pre = http.options(
+      '/v1/chat/completions',
+      headers={
+        'Origin': origin,
+        'Access-Control-Request-Method': 'POST',
+        'Access-Control-Request-Headers': 'authorization,content-type',
+      },
+    )
+    assert pre.status_code == 200
+    assert pre.headers['access-control-allow-origin'] == origin
+    allowed = pre.headers['access-control-allow-headers'].lower()
+    assert 'authorization' in allowed and 'content-type' in allowed
+    assert 'POST' in pre.headers['access-control-allow-methods']
+    r = http.post(
+      '/v1/chat/completions',
+      headers={'Origin': origin, 'Authorization': f'Bearer {KEY}'},
+      json={'messages': [{'role': 'user', 'content': 'Hi'}], 'max_tokens': 2},
+    )
+    assert r.status_code == 200
+    assert r.headers['access-control-allow-origin'] == origin
+    other = http.options(
+      '/v1/chat/completions',
+      headers={
+        'Origin': 'http://evil.example',
+        'Access-Control-Request-Method': 'POST',
+      },
+    )
+    assert other.status_code == 403
+    assert 'access-control-allow-origin' not in other.headers

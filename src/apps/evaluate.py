@@ -55,6 +55,13 @@ def add_serving_arguments(parser):
     'start)',
   )
   serve.add_argument(
+    '--debug-headers',
+    action='store_true',
+    help='add X-Jade-Reused-Tokens (context tokens kept from an earlier '
+    'request) to replies: it tells a client how much of its conversation '
+    "matches another client's, so it is off by default",
+  )
+  serve.add_argument(
     '--max-queue',
     type=int,
     default=16,
@@ -171,6 +178,7 @@ def main(argv=None):
       open_without_key=args.open_without_key,
       slots=args.slots,
       allow_hosts=tuple(args.allow_host),
+      debug_headers=args.debug_headers,
     )
     return 0
   session = chat.ChatSession(decoder, sampler)

@@ -36,6 +36,8 @@ Host names (DNS rebinding) are refused with 403.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hmac
 import json
 import os
@@ -74,8 +76,10 @@ class Server:
     allow_origins: tuple[str, ...] = (),
     slots: int = 1,
     allow_hosts: tuple[str, ...] = (),
+    debug_headers: bool = False,
   ):
     self.slot = engine.Conversations(decoder, slots)
+    self.debug_headers = debug_headers
     self.host, self.port = host, port
     self.allow_origins = {o.rstrip('/').lower() for o in allow_origins}
     self.allow_hosts = {h.strip('[]').lower() for h in allow_hosts}
@@ -90,9 +94,11 @@ class Server:
 
   # ---- the model, one request at a time
 
-  def _check_queue(self):
-    """A 503 when the model is busy and the queue full (checked before a
-    stream's 200 too)."""
+  def _enter(self) -> _Place:
+    """A place in the queue, taken now (a 503 when the model is busy and
+    the queue full). A stream takes it before its 200, so once the 200 is
+    sent the stream is served. `_turn` waits with it; `_leave` gives back
+    one that was never used."""
     if self._lock is None:
       self._lock = asyncio.Lock()
     if self._lock.locked() and self.waiting >= self.max_queue:
@@ -101,27 +107,53 @@ class Server:
         f'the server is busy ({self.waiting} requests waiting; '
         f'--max-queue {self.max_queue}); try again shortly',
       )
-
-  async def _turn(self):
-    self._check_queue()
     self.waiting += 1
+    return _Place()
+
+  def _leave(self, place: _Place):
+    if place.held:
+      place.held = False
+      self.waiting -= 1
+
+  async def _turn(self, place: _Place):
+    """Waits for the model with the place `_enter` took."""
     try:
       await self._lock.acquire()
     finally:
-      self.waiting -= 1
+      self._leave(place)
 
-  async def complete(self, job: Job) -> dict:
-    """The whole reply (the lock is held until the model is free)."""
+  async def complete(self, job: Job, place, gone=None) -> dict | None:
+    """The whole reply (the lock is held until the model is free); None
+    when `gone` (an asyncio.Event: the client disconnected) is set first,
+    while waiting or generating: the request stops within a token."""
     import anyio
 
-    await self._turn()
     cancel = threading.Event()
+    watch = asyncio.ensure_future(gone.wait()) if gone is not None else None
     try:
-      return await anyio.to_thread.run_sync(self._run, job, cancel)
+      turn = asyncio.ensure_future(self._turn(place))
+      if watch is not None:
+        await asyncio.wait({turn, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not turn.done():  # Gone while queued: its place is given back.
+          turn.cancel()
+          with contextlib.suppress(asyncio.CancelledError):
+            await turn
+          if not turn.cancelled() and turn.exception() is None:
+            self._lock.release()  # Acquired as it was cancelled.
+          return None
+      await turn
+      try:
+        if watch is not None:
+          watch.add_done_callback(lambda _: cancel.set())
+        result = await anyio.to_thread.run_sync(self._run, job, cancel)
+        return None if cancel.is_set() else result
+      finally:
+        cancel.set()
+        self.served += 1
+        self._lock.release()
     finally:
-      cancel.set()
-      self.served += 1
-      self._lock.release()
+      if watch is not None:
+        watch.cancel()
 
   def _run(self, job: Job, cancel: threading.Event, emit=None) -> dict:
     """The engine's reply to `job`; what it refuses is a 400."""
@@ -130,11 +162,11 @@ class Server:
     except engine.Refused as e:
       raise ApiError(400, str(e), e.param) from None
 
-  async def stream(self, job: Job):
+  async def stream(self, job: Job, place: _Place):
     """Yields the reply's text pieces, then the result dict."""
     import anyio
 
-    await self._turn()
+    await self._turn(place)  # The place `chat` took before the 200.
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     cancel = threading.Event()
@@ -189,6 +221,20 @@ class Server:
       ],
       exception_handlers={404: self.not_found, 405: self.not_allowed},
     )
+    if self.allow_origins:
+      # Pages of the origins given with --allow-origin may call the API
+      # from a browser: their preflight (OPTIONS) is answered, and every
+      # response to them, streams included, names them.
+      from starlette.middleware.cors import CORSMiddleware
+
+      inner = CORSMiddleware(
+        inner,
+        allow_origins=sorted(self.allow_origins),
+        allow_methods=['GET', 'POST'],
+        allow_headers=['Authorization', 'Content-Type'],
+        expose_headers=['X-Jade-System-Dropped', 'X-Jade-Dropped-Turns'],
+        max_age=600,
+      )
 
     async def guarded(scope, receive, send):
       """Every HTTP request passes the origin and host check first."""
@@ -301,7 +347,7 @@ class Server:
     return JSONResponse({'object': 'list', 'data': [self._model()]})
 
   async def chat(self, request):
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response
 
     try:
       self._check_key(request)
@@ -321,21 +367,38 @@ class Server:
       )
       ident = f'chatcmpl-{uuid.uuid4().hex[:24]}'
       headers = {'X-Jade-System-Dropped': str(job.dropped_system)}
+      place = self._enter()  # A full queue is a 503, before any 200.
       if not job.stream:
-        r = await self.complete(job)
+        gone = asyncio.Event()
+        watcher = asyncio.ensure_future(_disconnect(request, gone))
+        try:
+          r = await self.complete(job, place, gone)
+        finally:
+          watcher.cancel()
+          self._leave(place)
+        if r is None:  # The client is gone: nothing to send.
+          return Response(status_code=499)
         headers['X-Jade-Dropped-Turns'] = str(r['dropped_turns'])
-        headers['X-Jade-Reused-Tokens'] = str(r['reused_tokens'])
+        headers.update(self._reuse_header(r))
         return JSONResponse(self._completion(ident, r), headers=headers)
-      self._check_queue()  # A full queue is a 503, not a 200 and an event.
     except ApiError as e:
       return self._error(e)
     except Exception as e:  # Never a plain 500: OpenAI's shape, one line.
       return self._error(_internal(e))
-    return StreamingResponse(
-      self._events(ident, job),
+    return _Stream(
+      self._events(ident, job, place),
+      lambda: self._leave(place),  # A stream that never started.
       media_type='text/event-stream',
       headers={**headers, 'Cache-Control': 'no-cache'},
     )
+
+  def _reuse_header(self, r: dict) -> dict:
+    """How many context tokens were kept from an earlier request: only
+    with --debug-headers (it tells a client how much of its conversation
+    matches what another client sent)."""
+    if not self.debug_headers:
+      return {}
+    return {'X-Jade-Reused-Tokens': str(r['reused_tokens'])}
 
   def _completion(self, ident: str, r: dict) -> dict:
     return {
@@ -365,10 +428,10 @@ class Server:
       chunk['usage'] = usage
     return f'data: {json.dumps(chunk)}\n\n'
 
-  async def _events(self, ident: str, job: Job):
+  async def _events(self, ident: str, job: Job, place: _Place):
     yield self._chunk(ident, {'role': 'assistant', 'content': ''})
     try:
-      async for kind, value in self.stream(job):
+      async for kind, value in self.stream(job, place):
         if kind == 'text':
           yield self._chunk(ident, {'content': value})
         else:
@@ -378,6 +441,37 @@ class Server:
     except Exception as e:  # The stream ends with an error and [DONE].
       yield f'data: {json.dumps(_internal(e).body())}\n\n'
     yield 'data: [DONE]\n\n'
+
+
+class _Place:
+  """A request's place in the queue (see `Server._enter`)."""
+
+  held = True
+
+
+@functools.cache
+def _stream_class():
+  from starlette.responses import StreamingResponse
+
+  class Stream(StreamingResponse):
+    """A streamed response that calls `on_close` however it ends (a
+    client gone before the body started never runs the body)."""
+
+    def __init__(self, content, on_close, **kwargs):
+      super().__init__(content, **kwargs)
+      self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+      try:
+        await super().__call__(scope, receive, send)
+      finally:
+        self.on_close()
+
+  return Stream
+
+
+def _Stream(content, on_close, **kwargs):  # noqa: N802 (a class, made late)
+  return _stream_class()(content, on_close, **kwargs)
 
 
 def _internal(e: Exception) -> ApiError:
@@ -396,6 +490,16 @@ def _usage(r: dict) -> dict:
     'completion_tokens': r['completion_tokens'],
     'total_tokens': r['prompt_tokens'] + r['completion_tokens'],
   }
+
+
+async def _disconnect(request, gone: asyncio.Event):
+  """Sets `gone` when the client of `request` (its body read) disconnects:
+  uvicorn answers the next `receive` with `http.disconnect` then."""
+  while True:
+    message = await request.receive()
+    if message['type'] == 'http.disconnect':
+      gone.set()
+      return
 
 
 async def _read_body(request) -> bytes:
@@ -491,6 +595,7 @@ def serve(
   open_without_key: bool = False,
   slots: int = 1,
   allow_hosts: tuple[str, ...] = (),
+  debug_headers: bool = False,
 ):
   """Serves until interrupted (Ctrl-C, SIGTERM: streams are cut within
   a few seconds)."""
@@ -500,14 +605,15 @@ def serve(
   server = Server(
     decoder,
     model_id,
-    api_key,
-    max_queue,
-    defaults,
-    host,
-    port,
-    allow_origins,
-    slots,
-    allow_hosts,
+    api_key=api_key,
+    max_queue=max_queue,
+    defaults=defaults,
+    host=host,
+    port=port,
+    allow_origins=allow_origins,
+    slots=slots,
+    allow_hosts=allow_hosts,
+    debug_headers=debug_headers,
   )
   where = f'http://{host}:{port}'
   log(
