@@ -81,3 +81,13 @@ def test_set_checks_names_types_and_ranges():
   with pytest.raises(UserError, match='needs a float'):
     s.set('temperature', 'hot')
   assert s.top_p == 0.95  # Unchanged after a refused value.
+
+
+def test_presence_and_frequency_penalties_are_openais():
+  logits = np.zeros(5)
+  out = sampling.apply_presence_frequency(logits, [1, 1, 3], 0.5, 0.25)
+  np.testing.assert_allclose(out, [0, -1.0, 0, -0.75, 0])
+  assert sampling.apply_presence_frequency(logits, [], 1, 1) is logits
+  settings = sampling.SamplingSettings(presence_penalty=3)
+  with pytest.raises(UserError, match='between -2 and 2'):
+    settings.check()

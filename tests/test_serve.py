@@ -914,6 +914,7 @@ def _slow(server):
       'completion_tokens': 1,
       'reused_tokens': 0,
       'dropped_turns': 0,
+      'logprobs': None,
     }
 
   server._run = run
@@ -1142,3 +1143,111 @@ def test_cors_preflight_and_headers_for_allowed_origins_only(decoder):
     )
     assert other.status_code == 403
     assert 'access-control-allow-origin' not in other.headers
+
+
+@pytest.mark.parametrize(
+  'option, value',
+  [
+    ('tools', [{'type': 'function', 'function': {'name': 'f'}}]),
+    ('tool_choice', 'required'),
+    ('tool_choice', {'type': 'function', 'function': {'name': 'f'}}),
+    ('functions', [{'name': 'f'}]),
+    ('response_format', {'type': 'json_object'}),
+    ('response_format', {'type': 'json_schema', 'json_schema': {}}),
+    ('logit_bias', {'5': 10}),
+    ('modalities', ['text', 'audio']),
+    ('audio', {'voice': 'x'}),
+    ('reasoning_effort', 'low'),
+    ('frobnicate', 1),
+    ('top_logprobs', 2),  # Without "logprobs": true.
+    ('presence_penalty', 3),
+  ],
+)
+def test_options_not_done_are_refused_by_name(server, option, value):
+  body = {'messages': [{'role': 'user', 'content': 'Hi'}], option: value}
+  status, data, _ = call(server, '/v1/chat/completions', body)
+  assert status == 400, data
+  assert data['error']['param'] == option
+  assert data['error']['type'] == 'invalid_request_error'
+
+
+def test_harmless_and_empty_options_are_accepted(server):
+  body = {
+    'messages': [{'role': 'user', 'content': 'Hi'}],
+    'max_tokens': 2,
+    'tools': [],
+    'tool_choice': 'none',
+    'response_format': {'type': 'text'},
+    'user': 'u1',
+    'metadata': {'a': 'b'},
+    'store': False,
+    'stream_options': {'include_usage': True},
+    'parallel_tool_calls': True,
+    'modalities': ['text'],
+  }
+  status, data, _ = call(server, '/v1/chat/completions', body)
+  assert status == 200, data
+  assert data['choices'][0]['logprobs'] is None
+
+
+def _tokens_of(server, **extra):
+  body = {
+    'messages': [{'role': 'user', 'content': 'Hello there'}],
+    'temperature': 0,
+    'max_tokens': 16,
+    'logprobs': True,
+    'top_logprobs': 3,
+    **extra,
+  }
+  status, data, _ = call(server, '/v1/chat/completions', body)
+  assert status == 200, data
+  return data['choices'][0], data['usage']
+
+
+def test_logprobs_whole_and_streamed(server):
+  choice, usage = _tokens_of(server, repetition_penalty=1.0)
+  entries = choice['logprobs']['content']
+  assert len(entries) == usage['completion_tokens'] > 0
+  for e in entries:
+    top = e['top_logprobs']
+    assert len(top) == 3 and e['logprob'] <= 0
+    assert [t['logprob'] for t in top] == sorted(
+      (t['logprob'] for t in top), reverse=True
+    )
+    assert top[0]['token'] == e['token']  # Greedy: the most likely one.
+    assert top[0]['logprob'] == pytest.approx(e['logprob'])
+    assert bytes(e['bytes']).decode() == e['token']
+  joined = ''.join(e['token'] for e in entries)
+  assert ' '.join(joined.split()) == ' '.join(
+    choice['message']['content'].split()
+  )
+  streamed = []
+  with client(server).chat.completions.create(
+    model='out',
+    messages=[{'role': 'user', 'content': 'Hello there'}],
+    temperature=0,
+    max_tokens=16,
+    logprobs=True,
+    top_logprobs=3,
+    stream=True,
+    extra_body={'repetition_penalty': 1.0},
+  ) as chunks:
+    for chunk in chunks:
+      if chunk.choices and chunk.choices[0].logprobs:
+        streamed += [e.model_dump() for e in chunk.choices[0].logprobs.content]
+  assert [e['token'] for e in streamed] == [e['token'] for e in entries]
+  assert [e['logprob'] for e in streamed] == pytest.approx(
+    [e['logprob'] for e in entries]
+  )
+
+
+def test_frequency_and_presence_penalties_spread_the_reply(server):
+  def most_repeated(**penalties):
+    choice, _ = _tokens_of(server, repetition_penalty=1.0, **penalties)
+    tokens = [e['token'] for e in choice['logprobs']['content']]
+    return max(tokens.count(t) for t in tokens), len(tokens)
+
+  plain, n = most_repeated()
+  assert plain > 2 and n == 16  # The 4-step model repeats itself.
+  assert most_repeated(frequency_penalty=2.0)[0] < plain
+  assert most_repeated(presence_penalty=2.0)[0] < plain

@@ -11,6 +11,55 @@ from src.data import chatformat
 from src.inference import engine, sampling
 
 MAX_MESSAGES = 4096
+MAX_TOP_LOGPROBS = 20
+# Every chat-completions option, and what this server does with it (the
+# README's table is this one). An option not listed is refused (400).
+DONE = (
+  'model',
+  'messages',
+  'temperature',
+  'top_p',
+  'max_tokens',
+  'max_completion_tokens',
+  'n',
+  'stop',
+  'seed',
+  'stream',
+  'stream_options',
+  'presence_penalty',
+  'frequency_penalty',
+  'logprobs',
+  'top_logprobs',
+  'response_format',
+  'tools',
+  'tool_choice',
+  'parallel_tool_calls',
+  'functions',
+  'function_call',
+  'logit_bias',
+  'modalities',
+  # Not OpenAI's: the sampler's own controls.
+  'top_k',
+  'repetition_penalty',
+)
+# About OpenAI's platform, not the reply: accepted and not used.
+PLATFORM = (
+  'user',
+  'metadata',
+  'store',
+  'service_tier',
+  'prompt_cache_key',
+  'safety_identifier',
+)
+# Refused whenever given: this model has nothing to do them with.
+REFUSED = {
+  'audio': 'the model reads and writes text only',
+  'prediction': 'predicted outputs are not supported',
+  'web_search_options': 'this server has no web search',
+  'reasoning_effort': 'this is not a reasoning model',
+  'verbosity': 'the reply length is max_tokens',
+}
+
 ROLES = {'user': chatformat.USER, 'assistant': chatformat.AI}
 DROPPED_ROLES = ('system', 'developer')
 
@@ -107,6 +156,68 @@ def _messages(raw) -> tuple[list[tuple[str, str]], int]:
   return messages, dropped
 
 
+def _unsupported(body: dict):
+  """A 400 naming the first option this server does not do: tools and
+  functions (the model was trained on conversations; it has no tool
+  format), JSON response formats (it writes chat text; constraining it to
+  JSON would give valid but meaningless JSON), a logit bias, other
+  modalities, the options in REFUSED, and any unknown name."""
+  for name in body:
+    if name not in DONE and name not in PLATFORM:
+      why = REFUSED.get(name, 'it is not an option this server knows')
+      raise ApiError(400, f'{name} is not supported: {why}', name)
+  tools = body.get('tools')
+  if tools not in (None, []):
+    raise ApiError(
+      400,
+      'tools are not supported: the model has no tool-call format',
+      'tools',
+    )
+  if body.get('functions') not in (None, []):
+    raise ApiError(400, 'functions are not supported', 'functions')
+  for name in ('tool_choice', 'function_call'):
+    if body.get(name) not in (None, 'none', 'auto'):
+      raise ApiError(
+        400,
+        f'{name} {str(body[name])[:40]!r} is not supported: no tools',
+        name,
+      )
+  kind = body.get('response_format')
+  if kind is not None and kind != {'type': 'text'}:
+    shown = kind.get('type') if isinstance(kind, dict) else kind
+    raise ApiError(
+      400,
+      f'response_format {str(shown)[:40]!r} is not supported: the model '
+      'writes chat text, only {"type": "text"}',
+      'response_format',
+    )
+  if body.get('logit_bias') not in (None, {}):
+    raise ApiError(400, 'logit_bias is not supported', 'logit_bias')
+  if body.get('modalities') not in (None, ['text']):
+    raise ApiError(400, 'only the text modality is supported', 'modalities')
+  for name in ('parallel_tool_calls', 'store', 'logprobs'):
+    if body.get(name) is not None and not isinstance(body[name], bool):
+      raise ApiError(400, f'{name} must be true or false', name)
+  options = body.get('stream_options')
+  if options is not None and not isinstance(options, dict):
+    raise ApiError(400, 'stream_options must be an object', 'stream_options')
+
+
+def _logprobs(body: dict) -> int | None:
+  """How many alternatives each token's `logprobs` entry lists, or None
+  when `logprobs` is not asked for."""
+  top = _number(body, 'top_logprobs', int, None)
+  if not body.get('logprobs'):
+    if top is not None:
+      raise ApiError(400, 'top_logprobs needs "logprobs": true', 'top_logprobs')
+    return None
+  if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+    raise ApiError(
+      400, f'top_logprobs must be 0 to {MAX_TOP_LOGPROBS}', 'top_logprobs'
+    )
+  return top or 0
+
+
 def _settings(body: dict, defaults, max_tokens: int, seed):
   """The sampling settings the body asks for (the rest `defaults`)."""
   settings = sampling.SamplingSettings(
@@ -117,13 +228,20 @@ def _settings(body: dict, defaults, max_tokens: int, seed):
       body, 'repetition_penalty', float, defaults.repetition_penalty
     ),
     repetition_window=defaults.repetition_window,
+    presence_penalty=_number(
+      body, 'presence_penalty', float, defaults.presence_penalty
+    ),
+    frequency_penalty=_number(
+      body, 'frequency_penalty', float, defaults.frequency_penalty
+    ),
     max_new_tokens=max_tokens,
     seed=seed or 0,
   )
   try:
     settings.check()
   except UserError as e:
-    raise ApiError(400, str(e)) from None
+    named = [n for n in body if isinstance(n, str) and str(e).startswith(n)]
+    raise ApiError(400, str(e), named[0] if named else None) from None
   return settings
 
 
@@ -143,6 +261,7 @@ def parse_job(
       'model',
       'invalid_request_error',
     )
+  _unsupported(body)
   messages, dropped = _messages(body.get('messages'))
   n = _number(body, 'n', int, 1)
   if n != 1:
@@ -178,4 +297,12 @@ def parse_job(
   stream = body.get('stream', False)
   if not isinstance(stream, bool):
     raise ApiError(400, 'stream must be true or false', 'stream')
-  return Job(messages, settings, seed, stop, stream, dropped)
+  return Job(
+    messages,
+    settings,
+    seed,
+    stop,
+    logprobs=_logprobs(body),
+    stream=stream,
+    dropped_system=dropped,
+  )

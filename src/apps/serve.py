@@ -171,8 +171,8 @@ class Server:
     queue: asyncio.Queue = asyncio.Queue()
     cancel = threading.Event()
 
-    def emit(text):
-      loop.call_soon_threadsafe(queue.put_nowait, ('text', text))
+    def emit(text, tokens=None):  # tokens: their logprobs, if asked.
+      loop.call_soon_threadsafe(queue.put_nowait, ('text', (text, tokens)))
 
     def work():
       try:
@@ -410,19 +410,27 @@ class Server:
         {
           'index': 0,
           'message': {'role': 'assistant', 'content': r['text']},
+          'logprobs': (
+            None if r['logprobs'] is None else {'content': r['logprobs']}
+          ),
           'finish_reason': r['finish_reason'],
         }
       ],
       'usage': _usage(r),
     }
 
-  def _chunk(self, ident: str, delta: dict, finish=None, usage=None) -> str:
+  def _chunk(
+    self, ident: str, delta: dict, finish=None, usage=None, logprobs=None
+  ) -> str:
+    choice = {'index': 0, 'delta': delta, 'finish_reason': finish}
+    if logprobs is not None:
+      choice['logprobs'] = {'content': logprobs}
     chunk = {
       'id': ident,
       'object': 'chat.completion.chunk',
       'created': int(time.time()),
       'model': self.model_id,
-      'choices': [{'index': 0, 'delta': delta, 'finish_reason': finish}],
+      'choices': [choice],
     }
     if usage is not None:
       chunk['usage'] = usage
@@ -433,7 +441,8 @@ class Server:
     try:
       async for kind, value in self.stream(job, place):
         if kind == 'text':
-          yield self._chunk(ident, {'content': value})
+          text, tokens = value
+          yield self._chunk(ident, {'content': text}, logprobs=tokens)
         else:
           yield self._chunk(ident, {}, value['finish_reason'], _usage(value))
     except ApiError as e:

@@ -54,6 +54,9 @@ class Request:
   settings: sampling.SamplingSettings
   seed: int | None = None
   stop: list[str] = dataclasses.field(default_factory=list)
+  # Report each reply token's log-probability and this many alternatives
+  # (`sampling.top_logprobs`); None: not reported.
+  logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -75,6 +78,8 @@ def stream_reply(
   stops=(),
   emit=None,
   one_line: bool = False,
+  observe=None,
+  ends: list | None = None,
 ) -> Reply:
   """Generates a reply after `context.ask` (its first `logits`) and adds it
   to the context.
@@ -87,16 +92,23 @@ def stream_reply(
       (held back while it could still begin a stop string); after a
       cancelled reply nothing more is sent.
     one_line: Display line breaks as the line-break marker.
+    observe: See `generate.generate` (each token and its logits).
+    ends: Receives, for each token, where its text ends in the reply's
+      text (before any stop string cut), before `emit` sees that text.
   """
   tok = context.decoder.tokenizer
   hold = max((len(s) for s in stops), default=1) - 1
   ids: list[int] = []
   text, shown, finish = '', '', 'length'
-  tokens = generate.generate(context, logits, settings, rng, stop=stop)
+  tokens = generate.generate(
+    context, logits, settings, rng, stop=stop, observe=observe
+  )
   with contextlib.closing(tokens):  # Its last token fed however it ends.
     for token in tokens:
       ids.append(token)
       text = generate.display(tok, ids, one_line)
+      if ends is not None:
+        ends.append(len(text))
       cut = stop_at(text, stops)
       if cut is not None:
         text, finish = text[:cut], 'stop'
@@ -126,6 +138,52 @@ def _send(emit, shown: str, text: str) -> str:
       emit(text[len(shown) :])
     return text
   return shown
+
+
+class _Logprobs:
+  """The log-probability of each reply token and its `top` most likely
+  alternatives (OpenAI's `logprobs.content` entries), and an `emit` that
+  hands each text piece on with the entries of the tokens it completes."""
+
+  def __init__(self, tok, top: int | None, emit):
+    self.tok, self.top, self.downstream = tok, top or 0, emit
+    self.wanted = top is not None
+    self.entries, self.ends, self.sent, self.shown = [], [], 0, 0
+
+  def _piece(self, token: int) -> dict:
+    if token == self.tok.line_break_id:
+      text = '\n'
+    else:
+      text = self.tok.sp.id_to_piece(int(token)).replace('\u2581', ' ')
+    return {'token': text, 'bytes': list(text.encode('utf-8'))}
+
+  def observe(self, token: int, logits):
+    logprobs, order = sampling.top_logprobs(logits, self.top)
+    self.entries.append(
+      {
+        **self._piece(token),
+        'logprob': float(logprobs[token]),
+        'top_logprobs': [
+          {**self._piece(i), 'logprob': float(logprobs[i])} for i in order
+        ],
+      }
+    )
+
+  def within(self, length: int) -> list[dict] | None:
+    """The entries of the tokens whose text ends within `length`
+    characters (a stop string's tokens are not part of the reply)."""
+    if not self.wanted:
+      return None
+    return [e for e, end in zip(self.entries, self.ends) if end <= length]
+
+  def emit(self, text: str):
+    self.shown += len(text)
+    upto = self.sent
+    while upto < len(self.ends) and self.ends[upto] <= self.shown:
+      upto += 1
+    done, self.sent = self.entries[self.sent : upto], upto
+    if self.downstream is not None:
+      self.downstream(text, done)
 
 
 @dataclasses.dataclass
@@ -363,6 +421,7 @@ class Conversations:
       raise
     prompt_tokens = self.context.used()
     rng = np.random.default_rng(job.seed)  # No seed: fresh entropy.
+    probs = _Logprobs(self.decoder.tokenizer, job.logprobs, emit)
     try:
       reply = stream_reply(
         self.context,
@@ -371,7 +430,9 @@ class Conversations:
         rng,
         stop=cancel.is_set,
         stops=job.stop,
-        emit=emit,
+        emit=probs.emit if job.logprobs is not None else emit,
+        observe=probs.observe if job.logprobs is not None else None,
+        ends=probs.ends,
       )
       self.conversation.append((chatformat.AI, reply.text))
     except BaseException:
@@ -384,6 +445,8 @@ class Conversations:
       'completion_tokens': len(reply.ids),
       'reused_tokens': reused,
       'dropped_turns': dropped,
+      # Each token of `text` with its log-probability (when asked for).
+      'logprobs': probs.within(len(reply.text)),
     }
 
   def reset(self):

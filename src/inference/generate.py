@@ -191,8 +191,12 @@ def generate(
   settings: sampling.SamplingSettings,
   rng: np.random.Generator,
   stop: Callable[[], bool] = lambda: False,
+  observe: Callable | None = None,
 ) -> Iterator[int]:
   """The reply's token ids after `logits` (from `Context.ask`).
+
+  `observe(token, logits)`, when given, receives each drawn token with the
+  logits it was drawn from, after the penalties (`sampling.adjusted`).
 
   Each token is yielded as soon as it is drawn (the client sees it a
   decoder step sooner) and fed to the decoder when the next one is asked
@@ -207,7 +211,7 @@ def generate(
   tok = context.tok
   recent = context.last_ids(settings.repetition_window)
   banned = [tokenizer.PAD_ID, tok.ai_start_id]  # Never inside a reply.
-  n, drawn = 0, None
+  n, drawn, made = 0, None, []
   try:
     while n < settings.max_new_tokens and not stop():
       if drawn is not None:
@@ -219,10 +223,14 @@ def generate(
           'run that diverged?); retrain with a lower learning rate'
         )
       logits[banned] = -np.inf
-      token = sampling.next_token(logits, settings, rng, recent)
+      logits = sampling.adjusted(logits, settings, recent, made)
+      token = sampling.next_token(logits, settings, rng)
       if token in (tok.ai_end_id, tokenizer.EOS_ID):
         return
+      if observe is not None:
+        observe(token, logits)
       recent.append(token)
+      made.append(token)
       n += 1
       drawn = token
       yield token

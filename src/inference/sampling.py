@@ -1,8 +1,9 @@
 """Choosing the next token from logits: a pure function of its inputs.
 
 `SamplingSettings` holds the user's controls; `next_token` applies them in a
-fixed order: repetition penalty, temperature (0 = greedy), top-k, top-p,
-then a draw from the given NumPy generator.
+fixed order: repetition penalty, presence and frequency penalties (on the
+reply's own tokens, as OpenAI defines them), temperature (0 = greedy),
+top-k, top-p, then a draw from the given NumPy generator.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class SamplingSettings:
     repetition_penalty: Divide positive logits (multiply negative ones) of
       tokens seen in the last `repetition_window` tokens (1 = off).
     repetition_window: How many recent tokens the penalty looks at.
+    presence_penalty: Subtracted from the logit of every token the reply
+      has already used (-2 to 2; 0 = off; OpenAI's definition).
+    frequency_penalty: Subtracted once per earlier use in the reply
+      (-2 to 2; 0 = off).
     max_new_tokens: Longest reply, in tokens.
     seed: Seed of the random draws (a session is reproducible).
   """
@@ -40,6 +45,8 @@ class SamplingSettings:
   top_p: float = 0.95
   repetition_penalty: float = 1.1
   repetition_window: int = 64
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
   max_new_tokens: int = 128
   seed: int = 0
 
@@ -63,9 +70,18 @@ class SamplingSettings:
     setattr(self, name, parsed)
 
   def check(self):
-    for name in ('temperature', 'top_p', 'repetition_penalty'):
+    for name in (
+      'temperature',
+      'top_p',
+      'repetition_penalty',
+      'presence_penalty',
+      'frequency_penalty',
+    ):
       if not math.isfinite(getattr(self, name)):
         raise UserError(f'{name} must be a finite number')
+    for name in ('presence_penalty', 'frequency_penalty'):
+      if not -2 <= getattr(self, name) <= 2:
+        raise UserError(f'{name} must be between -2 and 2')
     if self.temperature > 100 or self.repetition_penalty > 100:
       raise UserError('temperature and repetition_penalty go up to 100')
     if not 0 <= self.seed < 2**63:
@@ -103,6 +119,42 @@ def apply_repetition_penalty(
   return logits
 
 
+def apply_presence_frequency(
+  logits: np.ndarray, made, presence: float, frequency: float
+) -> np.ndarray:
+  """OpenAI's penalties: each token the reply `made` already holds loses
+  `presence` once and `frequency` per use."""
+  if (presence == 0 and frequency == 0) or len(made) == 0:
+    return logits
+  ids, counts = np.unique(np.asarray(made, np.int64), return_counts=True)
+  keep = (ids >= 0) & (ids < logits.shape[-1])
+  logits = logits.copy()
+  logits[ids[keep]] -= presence + frequency * counts[keep]
+  return logits
+
+
+def adjusted(logits, settings: SamplingSettings, recent=(), made=()):
+  """The logits after the penalties, before temperature and filtering:
+  `[vocab] float64`."""
+  logits = np.asarray(logits, np.float64).reshape(-1)
+  window = settings.repetition_window
+  recent = list(recent)[-window:] if window else []
+  logits = apply_repetition_penalty(logits, recent, settings.repetition_penalty)
+  return apply_presence_frequency(
+    logits, made, settings.presence_penalty, settings.frequency_penalty
+  )
+
+
+def top_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
+  """`(log-probabilities [vocab], the k most likely ids)` of `adjusted`
+  logits at temperature 1 (what a reply's `logprobs` report)."""
+  finite = np.where(np.isfinite(logits), logits, -np.inf)
+  top = np.max(finite)
+  logprobs = finite - top - np.log(np.sum(np.exp(finite - top)))
+  order = np.argsort(-logprobs, kind='stable')[:k]
+  return logprobs, order
+
+
 def filter_logits(
   logits: np.ndarray, top_k: int = 0, top_p: float = 1.0
 ) -> np.ndarray:
@@ -136,22 +188,23 @@ def next_token(
   settings: SamplingSettings,
   rng: np.random.Generator,
   recent=(),
+  made=(),
 ) -> int:
   """Picks the next token id.
 
   Args:
-    logits: `[vocab]` logits of the next position.
+    logits: `[vocab]` logits of the next position (or `adjusted` ones:
+      pass `recent` and `made` empty then).
     settings: The sampling controls.
     rng: Random generator (ignored when temperature is 0).
     recent: Recent token ids for the repetition penalty.
+    made: The reply's tokens so far, for the presence and frequency
+      penalties.
 
   Returns:
     The chosen id.
   """
-  logits = np.asarray(logits, np.float64).reshape(-1)
-  window = settings.repetition_window
-  recent = list(recent)[-window:] if window else []
-  logits = apply_repetition_penalty(logits, recent, settings.repetition_penalty)
+  logits = adjusted(logits, settings, recent, made)
   if settings.temperature < MIN_TEMPERATURE:  # Tinier ones overflow.
     return int(np.argmax(logits))
   logits = filter_logits(
