@@ -1251,3 +1251,98 @@ def test_frequency_and_presence_penalties_spread_the_reply(server):
   assert plain > 2 and n == 16  # The 4-step model repeats itself.
   assert most_repeated(frequency_penalty=2.0)[0] < plain
   assert most_repeated(presence_penalty=2.0)[0] < plain
+
+
+def _streaming(server):
+  """Makes `server`'s model stream 'word ' every 50 ms until cancelled (at
+  most 100 words); `jobs` gets each request's messages."""
+  jobs = []
+
+  def run(job, cancel, emit=None):
+    jobs.append(list(job.messages))
+    n = 0
+    while not cancel.wait(0.05) and n < 100:
+      n += 1
+      if emit is not None:
+        emit('word ')
+    return {
+      'text': 'word ' * n,
+      'finish_reason': 'length',
+      'prompt_tokens': 1,
+      'completion_tokens': n,
+      'reused_tokens': 0,
+      'dropped_turns': 0,
+      'logprobs': None,
+    }
+
+  server._run = run
+  return jobs
+
+
+def _type(driver, text):
+  from selenium.webdriver.common.by import By
+
+  box = driver.find_element(By.ID, 'input')
+  box.send_keys(text)
+  box.send_keys('\n')
+
+
+@_NEEDS_CHROMIUM
+def test_new_chat_mid_reply_sends_a_clean_history(decoder):
+  from selenium.webdriver.common.by import By
+  from selenium.webdriver.support.ui import WebDriverWait
+
+  from src.apps import serve
+
+  server = serve.Server(decoder, 'out')
+  jobs = _streaming(server)
+  with _in_process(server) as port, _browser() as driver:
+    driver.get(f'http://127.0.0.1:{port}/')
+    wait = WebDriverWait(driver, 30)
+    wait.until(lambda d: 'step' in d.find_element(By.ID, 'log').text)
+    _type(driver, 'first chat')
+    wait.until(
+      lambda d: 'word' in d.find_element(By.CSS_SELECTOR, '.assistant').text
+    )
+    driver.find_element(By.ID, 'new').click()  # Mid-reply.
+    time.sleep(0.3)  # The aborted reply's own ending runs now.
+    assert not driver.find_elements(By.CSS_SELECTOR, '.user')
+    assert '(stopped)' not in driver.find_element(By.ID, 'log').text
+    _type(driver, 'second chat')
+    wait.until(lambda d: len(jobs) == 2)
+    assert jobs[1] == [('user', 'second chat')]
+    driver.find_element(By.ID, 'stop').click()
+    wait.until(
+      lambda d: d.find_elements(By.CSS_SELECTOR, '.assistant[data-done]')
+    )
+    _type(driver, 'and again')
+    wait.until(lambda d: len(jobs) == 3)
+    assert [role for role, _ in jobs[2]] == ['user', 'ai', 'user']
+    assert jobs[2][0] == ('user', 'second chat')
+
+
+@_NEEDS_CHROMIUM
+def test_a_refused_send_takes_its_bubble_back(decoder):
+  from selenium.webdriver.common.by import By
+  from selenium.webdriver.support.ui import WebDriverWait
+
+  from src.apps import serve
+
+  server = serve.Server(decoder, 'out', max_queue=0)
+  jobs = _streaming(server)
+  with _in_process(server) as port, _browser() as driver:
+    driver.get(f'http://127.0.0.1:{port}/')
+    wait = WebDriverWait(driver, 30)
+    wait.until(lambda d: 'step' in d.find_element(By.ID, 'log').text)
+    busy = _send_and_leave(port, stream=True)  # Holds the model.
+    wait.until(lambda d: len(jobs) == 1)
+    _type(driver, 'are you there?')
+    wait.until(lambda d: 'back in the box' in d.find_element(By.ID, 'log').text)
+    assert not driver.find_elements(By.CSS_SELECTOR, '.user')
+    box = driver.find_element(By.ID, 'input')
+    assert box.get_attribute('value') == 'are you there?'
+    busy.close()
+    wait.until(lambda d: not server._lock.locked())
+    box.send_keys('\n')  # Sent again, with the history it was typed in.
+    wait.until(lambda d: len(jobs) == 2)
+    assert jobs[1] == [('user', 'are you there?')]
