@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 from .conftest import ROOT, json_values
@@ -1346,3 +1347,85 @@ def test_a_refused_send_takes_its_bubble_back(decoder):
     box.send_keys('\n')  # Sent again, with the history it was typed in.
     wait.until(lambda d: len(jobs) == 2)
     assert jobs[1] == [('user', 'are you there?')]
+
+
+def test_the_repl_and_the_server_read_a_prompt_the_same_way(decoder):
+  """`evaluate.py --prompt` (the REPL's Context.ask) and a seeded API
+  request give the same first-token logits, bit for bit, and the same
+  seeded reply, for prompts of every length modulo the block (every
+  remainder after whole blocks)."""
+  from src.apps import openai_api
+  from src.inference import engine, generate, sampling
+
+  block = decoder.block
+  words = (
+    'hello there how are you doing today my friend what is new with the '
+    'cat and the weather in lisbon this week tell me more please'
+  ).split()
+  slot = engine.Conversations(decoder)
+  tok = decoder.tokenizer
+  settings = sampling.SamplingSettings(temperature=0.9, max_new_tokens=12)
+  lengths = set()
+  for n in range(1, 3 * block):
+    text = ' '.join(words[i % len(words)] for i in range(n))
+    length = len(tok.encode(text)) + 2  # START, the AI start marker.
+    if length + settings.max_new_tokens + 4 > decoder.max_len:
+      break
+    if length % block in lengths:
+      continue
+    lengths.add(length % block)
+    decoder.reset()  # As a fresh `evaluate.py --prompt` starts.
+    context = generate.Context(decoder)
+    repl = np.array(context.ask(text, settings.max_new_tokens), copy=True)
+    rng = np.random.default_rng(21743)
+    repl_reply = engine.stream_reply(context, repl, settings, rng).text
+    job = openai_api.parse_job(
+      {
+        'messages': [{'role': 'user', 'content': text}],
+        'temperature': 0.9,
+        'seed': 21743,
+        'max_tokens': 12,
+      },
+      'out',
+      decoder.max_len,
+      sampling.SamplingSettings(),
+    )
+    slot.reset()
+    logits, _, _ = slot.prepare(job)
+    np.testing.assert_array_equal(np.asarray(logits), repl, err_msg=text)
+    slot.reset()
+    assert slot.run(job, threading.Event())['text'] == repl_reply, text
+  assert len(lengths) >= block // 2  # Many remainders, 1-3 among them.
+  assert {1, 2, 3} <= lengths
+
+
+def test_a_stop_strings_hidden_tokens_are_not_kept(decoder):
+  from src.apps import openai_api
+  from src.inference import engine, sampling
+
+  slot = engine.Conversations(decoder)
+
+  def ask(messages, **extra):
+    job = openai_api.parse_job(
+      {'messages': messages, 'temperature': 0.8, 'max_tokens': 24, **extra},
+      'out',
+      decoder.max_len,
+      sampling.SamplingSettings(repetition_penalty=1.0),
+    )
+    return slot.run(job, threading.Event())
+
+  first = [{'role': 'user', 'content': 'Hello'}]
+  whole = ask(first, seed=3)
+  cut_at = whole['text'][len(whole['text']) // 2 :][:2]
+  assert cut_at and whole['completion_tokens'] > 4
+  cut = ask(first, seed=3, stop=[cut_at])
+  assert len(cut['text']) < len(whole['text'])
+  follow = first + [
+    {'role': 'assistant', 'content': cut['text']},
+    {'role': 'user', 'content': 'Go on'},
+  ]
+  again = ask(follow)  # Unseeded: it would reuse a kept state.
+  slot.reset()
+  fresh = ask(follow)
+  assert again['prompt_tokens'] == fresh['prompt_tokens']
+  assert again['reused_tokens'] == 0

@@ -66,6 +66,7 @@ class Reply:
   finish_reason: str  # 'stop' (the model ended it, or a stop string), or
   # 'length' (max_new_tokens, or cancelled).
   cancelled: bool
+  shown_whole: str = ''  # Every token's text, before a stop string cut.
 
 
 def stream_reply(
@@ -122,7 +123,8 @@ def stream_reply(
   cancelled = bool(stop())
   if not cancelled:
     _send(emit, shown, text)
-  return Reply(ids, text, finish, cancelled)
+  whole = generate.display(tok, ids, one_line)
+  return Reply(ids, text, finish, cancelled, whole)
 
 
 def stop_at(text: str, stops) -> int | None:
@@ -438,6 +440,10 @@ class Conversations:
     except BaseException:
       self.reset()
       raise
+    if reply.text != reply.shown_whole:
+      # Cut at a stop string: the decoder read tokens the client never
+      # sees, so no later request may continue from this state.
+      self.reset()
     return {
       'text': reply.text,
       'finish_reason': reply.finish_reason,

@@ -84,12 +84,16 @@ class Context:
 
   def feed(self, ids, exact: bool = False):
     """Feeds `ids`, after the start of a context if it is empty; returns
-    the logits after the last one (`exact`: read as a fresh read of an
-    exact reply reads them, see `Decoder.feed`)."""
+    the logits after the last one.
+
+    The one rule of every message read, by the REPL, `--prompt` and the
+    server alike: every piece is a block (`Decoder.feed(blocks=True)`), so
+    a read gives the same logits whoever reads it. `exact`: a long read at
+    position 0 takes the start block a fresh read of an exact reply takes
+    (multiples of 1024), so a kept state can be rewound to equal it."""
     if self.used() == 0:
       ids = START + list(ids)
-    # A read that must equal a fresh one reads every piece as a block.
-    return self.decoder.feed(ids, blocks=exact or None, exact=exact)
+    return self.decoder.feed(ids, blocks=True, exact=exact)
 
   def reread(self, turns: list[Turn]):
     """Makes `turns` the context: resets and reads them (in blocks; no
@@ -173,7 +177,9 @@ class Context:
       text = self.tok.decode(ids)
     self.make_room(len(ids) + 1 + max_new_tokens + 1)
     self.turns.append(Turn(chatformat.USER, text, ids))
-    return self.feed(ids + [self.tok.ai_start_id])
+    # Read as the server reads a reply that must be reproducible, so
+    # `evaluate.py --prompt` with a seed prints the API's seeded reply.
+    return self.feed(ids + [self.tok.ai_start_id], exact=True)
 
   def answer(self, reply_ids: list[int]) -> str:
     """Closes the AI turn of `reply_ids` (fed already) as training data
