@@ -834,7 +834,7 @@ def test_allow_host_admits_a_reverse_proxys_name(decoder):
 def test_messages_are_tokenized_once_within_a_bound(decoder, monkeypatch):
   """A client resends its conversation every turn: each message is
   tokenized once (its tokens are a function of its text), and what is
-  kept is bounded by characters, least recently used dropped first."""
+  kept is bounded in bytes, least recently used dropped first."""
   from src.inference import engine
 
   slot = engine.Conversations(decoder)
@@ -843,13 +843,30 @@ def test_messages_are_tokenized_once_within_a_bound(decoder, monkeypatch):
   monkeypatch.setattr(
     slot.context, 'user_ids', lambda text: calls.append(text) or encode(text)
   )
-  monkeypatch.setattr(engine, 'TOKENIZED_CHARS', 12)
   first = slot._turn('user', 'Hello there')
+  one = engine._entry_bytes('Hello there', first)
+  monkeypatch.setattr(engine, 'TOKENIZED_BYTES', 2 * one - 1)  # One fits.
   assert slot._turn('user', 'Hello there') is first and len(calls) == 1
-  assert slot._turn('ai', 'Hello there').ids[0] == decoder.tokenizer.ai_start_id
+  second = slot._turn('ai', 'Hello there')
+  assert second.ids[0] == decoder.tokenizer.ai_start_id
   assert len(calls) == 2  # Another role: another turn.
-  assert ('user', 'Hello there') not in slot._tokenized  # Over 12 chars.
-  assert slot._cached_chars == len('Hello there')
+  assert ('user', 'Hello there') not in slot._tokenized  # Over the bound.
+  assert slot._cached_bytes == engine._entry_bytes('Hello there', second)
+  # The bound is real memory: what 2,000 messages of 1,000 characters take
+  # (Python's allocator says) is at most what is counted (an upper bound:
+  # a token of a small vocabulary is a shared int).
+  import tracemalloc
+
+  monkeypatch.setattr(engine, 'TOKENIZED_BYTES', 1 << 40)
+  slot._tokenized.clear()
+  slot._cached_bytes = 0
+  tracemalloc.start()
+  before = tracemalloc.get_traced_memory()[0]
+  for i in range(2000):
+    slot._turn('user', f'message {i} ' + 'word ' * 198)
+  taken = tracemalloc.get_traced_memory()[0] - before
+  tracemalloc.stop()
+  assert taken <= slot._cached_bytes < taken * 4
 
 
 def test_a_request_sent_again_that_ends_at_the_mark_is_read(decoder):
@@ -1429,3 +1446,21 @@ def test_a_stop_strings_hidden_tokens_are_not_kept(decoder):
   fresh = ask(follow)
   assert again['prompt_tokens'] == fresh['prompt_tokens']
   assert again['reused_tokens'] == 0
+
+
+@pytest.mark.parametrize(
+  'request_bytes',
+  [
+    b'GARBAGE\r\n\r\n',
+    b'POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n'
+    b'Content-Length: x\r\n\r\n',
+    b'GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\nbad header line\r\n\r\n',
+  ],
+  ids=['not-http', 'bad-length', 'bad-header'],
+)
+def test_malformed_http_gets_an_openai_error(server, request_bytes):
+  status, body = _raw(server, request_bytes)
+  assert status == 400
+  error = json.loads(body)['error']
+  assert error['type'] == 'invalid_request_error'
+  assert 'not a valid HTTP request' in error['message']

@@ -551,6 +551,30 @@ def _protocol():
       self._idle.cancel()
       super().connection_lost(exc)
 
+    def send_400_response(self, msg: str):
+      """A request that is not HTTP gets OpenAI's error shape too (uvicorn
+      answers plain text)."""
+      import h11
+
+      body = json.dumps(
+        ApiError(400, f'not a valid HTTP request ({msg[:120]})').body()
+      ).encode()
+      headers = [
+        (b'content-type', b'application/json'),
+        (b'content-length', str(len(body)).encode()),
+        (b'connection', b'close'),
+      ]
+      try:
+        for event in (
+          h11.Response(status_code=400, headers=headers, reason=b'Bad Request'),
+          h11.Data(data=body),
+          h11.EndOfMessage(),
+        ):
+          self.transport.write(self.conn.send(event))
+      except h11.LocalProtocolError:  # Too broken to answer in HTTP.
+        pass
+      self.transport.close()
+
   return IdleTimeoutProtocol
 
 

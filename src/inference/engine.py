@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import sys
 import threading
 
 import numpy as np
@@ -30,9 +31,9 @@ from src.inference.decoding import Decoder
 MAX_PIECE_CHARS = 64
 
 
-# Characters of messages whose tokens `Conversations` keeps (`_turn`):
-# several long conversations' worth, a few MB with their tokens.
-TOKENIZED_CHARS = 4_000_000
+# Bytes of the messages, texts and token lists `Conversations` keeps
+# (`_turn`), as `_entry_bytes` counts them: several long conversations.
+TOKENIZED_BYTES = 16 << 20
 
 # Decoder positions before a context's first token: the pad and START.
 _LEAD = 1 + len(generate.START)
@@ -142,6 +143,18 @@ def _send(emit, shown: str, text: str) -> str:
   return shown
 
 
+def _entry_bytes(content: str, turn: generate.Turn) -> int:
+  """What one kept message costs in memory: its key and text as Python
+  strings, its token list and an int object a token (an upper bound)."""
+  return (
+    sys.getsizeof(content)
+    + sys.getsizeof(turn.text)
+    + sys.getsizeof(turn.ids)
+    + 32 * len(turn.ids)
+    + 200  # The dict entry, the tuple key, the Turn.
+  )
+
+
 class _Logprobs:
   """The log-probability of each reply token and its `top` most likely
   alternatives (OpenAI's `logprobs.content` entries), and an `emit` that
@@ -228,7 +241,7 @@ class Conversations:
     self.parked: list[_Parked] = []
     # Messages tokenized lately (`_turn`), least recently used first.
     self._tokenized: collections.OrderedDict = collections.OrderedDict()
-    self._cached_chars = 0
+    self._cached_bytes = 0
 
   def _park(self):
     """Moves the decoder's conversation into `parked` (its state is moved,
@@ -292,10 +305,10 @@ class Conversations:
     if role == chatformat.AI:
       ids = [self.tok.ai_start_id] + ids + [self.tok.ai_end_id]
     turn = self._tokenized[key] = generate.Turn(role, text, ids)
-    self._cached_chars += len(content)
-    while self._cached_chars > TOKENIZED_CHARS:
-      (_, old), _ = self._tokenized.popitem(last=False)
-      self._cached_chars -= len(old)
+    self._cached_bytes += _entry_bytes(content, turn)
+    while self._cached_bytes > TOKENIZED_BYTES:
+      (_, old), gone = self._tokenized.popitem(last=False)
+      self._cached_bytes -= _entry_bytes(old, gone)
     return turn
 
   def _fitting(self, earlier, needed: int) -> list[generate.Turn]:
