@@ -192,20 +192,23 @@ def batch(self, step):
   b = orig(self, step)
   if self.seed == 0:
     rows.append([r[w > 0].tolist() for r, w in zip(b[0], b[2])])
+    shapes.append(list(b[0].shape))
   return b
+shapes = []
 windows.WindowBatches.batch = batch
-loop = training.train(train_settings({out!r}, steps=2), gin_bindings=MICRO,
-                      log=lambda s: None)
+loop = training.train(train_settings({out!r}, steps=2, window={window}),
+                      gin_bindings=MICRO, log=lambda s: None)
 import jax
 print(json.dumps({{'devices': jax.local_device_count(), 'rows': rows,
-                  'losses': losses, 'step': loop.step}}))
+                  'losses': losses, 'step': loop.step, 'shapes': shapes}}))
 """
 
 
 @pytest.mark.slow  # 2 devices train in the suite: tests/test_distributed.py
-def test_eight_devices_each_train_on_a_different_window(tmp_path):
+@pytest.mark.parametrize('window', [0, 32], ids=['context', 'short-windows'])
+def test_eight_devices_each_train_on_a_different_window(tmp_path, window):
   out = str(tmp_path / 'run8')
-  code = MULTI_DEVICE.format(root=ROOT, out=out)
+  code = MULTI_DEVICE.format(root=ROOT, out=out, window=window)
   result = run_script(
     ['-c', code],
     env={'XLA_FLAGS': '--xla_force_host_platform_device_count=8'},
@@ -221,6 +224,7 @@ def test_eight_devices_each_train_on_a_different_window(tmp_path):
   # Trax's loss per device differs: each device saw different data.
   for per_device in report['losses']:
     assert len(per_device) == 8 and len(set(per_device)) == 8
+  assert {tuple(s) for s in report['shapes']} == {(8, window or 128)}
 
 
 @pytest.mark.slow

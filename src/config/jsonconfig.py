@@ -145,6 +145,13 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     'different position each time; "fixed": one grid in file order (the '
     'old behaviour, for comparison).',
   ),
+  'window': (
+    0,
+    'Training windows of this many tokens, each placed at a random offset '
+    "of the model's position grid (a different one per window and step), "
+    'so a long-context model trains at the cost of short windows; 0: the '
+    "model's whole context. A multiple of the attention chunk lengths.",
+  ),
   'pad-fraction': (
     0.1,
     'A moving window holds between (1 - pad-fraction) x and 1 x the '
@@ -244,6 +251,11 @@ def check_train(s: Section) -> None:
     raise UserError(
       f'{where}: train.replay-share {s["replay-share"]} must be above 0 and '
       f'below 1 (the default is {TRAIN_KEYS["replay-share"][0]})'
+    )
+  if s['window'] < 0:
+    raise UserError(
+      f"{where}: train.window {s['window']} must be 0 (the model's whole "
+      'context) or a number of tokens'
     )
   if s['epochs'] < 0:
     raise UserError(

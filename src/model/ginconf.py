@@ -358,12 +358,13 @@ def check_same_as_saved(setup: GinSetup, out_dir: str):
   )
 
 
-def fresh_model(vocab_size: int):
-  """The model a run from scratch trains (`mode` 'train'), with every
-  gin-bound setting of how it starts: `positions.axial_init_scale`,
-  `residual`. Initialized by its trainer."""
+def fresh_model(vocab_size: int, offset: str = 'zero'):
+  """The model a run trains (`mode` 'train'), with every gin-bound
+  setting of how it starts: `positions.axial_init_scale`, `residual`.
+  Initialized by its trainer. `offset`: where its training windows start
+  on the position grid ('random' for windows shorter than the context)."""
   return reformer.reformer_lm(
-    vocab_size, 'train', positions(), zero_outputs=residual()
+    vocab_size, 'train', positions(), zero_outputs=residual(), offset=offset
   )
 
 

@@ -120,10 +120,12 @@ def estimate(
   n_weights: int | None = None,
   optimizer: str = 'Adam',
   platform: str = 'cpu',
+  length: int | None = None,
 ) -> Estimate:
-  """The memory estimate for one device (see the module docstring)."""
+  """The memory estimate for one device (see the module docstring);
+  `length`: the training window (default the model's context)."""
   m, a = setup.model, setup.attention
-  b, length = batch_per_device, setup.max_len
+  b, length = batch_per_device, length or setup.max_len
   d, d_ff, heads = m['d_model'], m['d_ff'], m['n_heads']
   d_head = max(m['d_attention_key'], m['d_attention_value'])
   chunk = a.get('chunk_len') or 64
@@ -171,9 +173,15 @@ def device_limit() -> tuple[float, str]:
   return float(limit), f'{device.device_kind} has {gb(limit)}'
 
 
-def check(setup, vocab_size: int, batch_per_device: int, loss_chunk: int):
+def check(
+  setup,
+  vocab_size: int,
+  batch_per_device: int,
+  loss_chunk: int,
+  length: int | None = None,
+):
   """Raises a one-line UserError if the run will not fit; returns the
-  estimate and the limit otherwise."""
+  estimate and the limit otherwise (`length`: the training window)."""
   platform = jax.local_devices()[0].platform
   est = estimate(
     setup,
@@ -182,11 +190,13 @@ def check(setup, vocab_size: int, batch_per_device: int, loss_chunk: int):
     loss_chunk,
     optimizer=optimizer_name(),
     platform=platform,
+    length=length,
   )
   limit, where = device_limit()
   if est.total > limit:
     advice = (
-      'lower the per-device batch (batch-size), ReformerLM.max_len with '
+      'lower the per-device batch (batch-size), the training window '
+      '(window), ReformerLM.max_len with '
       'its pos_axial_shape, LSHSelfAttention.chunk_len or n_hashes, '
       'vocab-size or output_loss.chunk_size, or use a lighter optimizer '
       '(optimizer.kind)'
@@ -249,11 +259,13 @@ EFFICIENCY = 0.4
 DAY = 86400.0
 
 
-def step_flops(setup, vocab_size: int, batch_per_device: int) -> float:
+def step_flops(
+  setup, vocab_size: int, batch_per_device: int, length: int | None = None
+) -> float:
   """Floating-point operations of one training step on one device
-  (forward + backward = 3 x forward)."""
+  (forward + backward = 3 x forward) on windows of `length` tokens."""
   m, a = setup.model, setup.attention
-  length = setup.max_len
+  length = length or setup.max_len
   tokens = batch_per_device * length
   d = m['d_model']
   dense = count_weights(setup, vocab_size) - vocab_size * d  # No lookups.
@@ -285,7 +297,9 @@ def device_flops_per_second() -> float:
   return 2 * 1024 * 512 * 2048 / best
 
 
-def step_seconds(setup, vocab_size: int, batch_per_device: int) -> float:
+def step_seconds(
+  setup, vocab_size: int, batch_per_device: int, length: int | None = None
+) -> float:
   """Estimated seconds per training step on this device."""
-  flops = step_flops(setup, vocab_size, batch_per_device)
+  flops = step_flops(setup, vocab_size, batch_per_device, length)
   return flops / (device_flops_per_second() * EFFICIENCY)

@@ -15,7 +15,7 @@ import os
 import shutil
 
 from src.config.jsonconfig import Section
-from src.core import files
+from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import chatformat, corpus, tokenizer, windows
 from src.model import ginconf, preflight
@@ -73,6 +73,7 @@ class RunPlan:
   eval_corpus: corpus.Corpus | None  # `eval-data`'s token cache, if set.
   replay_corpus: corpus.Corpus | None  # `replay`'s token cache, if set.
   batch_size: int  # Windows per step over all devices.
+  window: int  # Tokens a training window holds (<= the model's context).
   start_step: int  # The checkpoint's step (0: a fresh run).
   checkpoint_folder: str | None  # An intact snapshot to restore from.
   checkpoint_damage: str | None  # Why out-dir's checkpoint is not usable.
@@ -88,6 +89,49 @@ class RunPlan:
   step_seconds: float  # Estimated seconds per step.
 
 
+def window_length(s, setup: ginconf.GinSetup) -> int:
+  """The training window: `window` tokens (0: the model's context), at
+  most the context and a multiple of every attention chunk length (a
+  window is cut into the attention's chunks)."""
+  length = s['window'] or setup.max_len
+  if length > setup.max_len:
+    raise UserError(
+      f"{s.source}: train.window {length} is longer than the model's "
+      f'context ({setup.max_len} tokens, ReformerLM.max_len); use at most '
+      f'{setup.max_len}, or 0 for the whole context'
+    )
+  chunks = [
+    (f'{name}.chunk_len', int(part['chunk_len']))
+    for name, part in (
+      ('LSHSelfAttention', setup.attention),
+      ('SelfAttention', setup.local),
+    )
+    if part and part.get('chunk_len')
+  ]
+  for name, chunk in chunks:
+    if length % chunk:
+      raise UserError(
+        f'{s.source}: train.window {length} must be a multiple of {name} '
+        f'{chunk} (e.g. {max(chunk, length - length % chunk)})'
+      )
+  return length
+
+
+def _saved_window(out_dir: str, setup) -> int | None:
+  """The window a run in `out_dir` trained with (its settings.json; None
+  when there is none): a resumed run must see the windows it would have."""
+  path = os.path.join(out_dir, rundir.SETTINGS)
+  if not os.path.isfile(path):
+    return None
+  try:
+    saved = files.read_json(path)['train'].get('window', 0)
+  except (UserError, KeyError, TypeError, AttributeError):
+    return None
+  if isinstance(saved, bool) or not isinstance(saved, int) or saved < 0:
+    return None
+  return saved or setup.max_len
+
+
 def _data(s, fine, leader, markers, setup, batch_size, cluster, log) -> dict:
   """The tokenizer and corpora (`corpora`), the train and eval views and
   the held-out share (`views`), and the batches (`batches`)."""
@@ -98,7 +142,7 @@ def _data(s, fine, leader, markers, setup, batch_size, cluster, log) -> dict:
   replay_view = None if replay_corpus is None else _view(replay_corpus)
   batches = _batches(
     s,
-    setup.max_len,
+    window_length(s, setup),
     batch_size,
     cluster,
     (views[0], replay_view),
@@ -108,13 +152,15 @@ def _data(s, fine, leader, markers, setup, batch_size, cluster, log) -> dict:
   return {'corpora': corpora, 'views': views, 'batches': batches}
 
 
-def _preflight(setup, vocab_size: int, micro: int):
-  """`(memory, limit, step seconds)` of a step, checked before anything is
-  compiled; one micro-batch's activations are alive at a time."""
+def _preflight(setup, vocab_size: int, micro: int, window: int):
+  """`(memory, limit, step seconds)` of a step on `window`-token windows,
+  checked before anything is compiled; one micro-batch's activations are
+  alive at a time."""
   memory, limit = preflight.check(
-    setup, vocab_size, micro, ginconf.output_loss()
+    setup, vocab_size, micro, ginconf.output_loss(), window
   )
-  return memory, limit, preflight.step_seconds(setup, vocab_size, micro)
+  seconds = preflight.step_seconds(setup, vocab_size, micro, window)
+  return memory, limit, seconds
 
 
 def prepare(
@@ -148,8 +194,18 @@ def prepare(
   if fine is not None and fine.source is not None:
     finetune.check_settings(setup, fine.source, s['gin'])
   start_step, checkpoint_folder, damage = _resume_point(setup, out_dir, leader)
+  window = window_length(s, setup)
+  saved = _saved_window(out_dir, setup) if start_step and not leader else None
+  if saved is not None and saved != window:
+    raise UserError(
+      f'{out_dir}: this run trained on windows of {saved} tokens; resume it '
+      f'with --window {saved} (it then sees the data it would have), or '
+      'use a new out-dir'
+    )
   batch_size, micro = _batch_size(s, cluster)
-  memory, limit, step_seconds = _preflight(setup, s['vocab-size'], micro)
+  memory, limit, step_seconds = _preflight(
+    setup, s['vocab-size'], micro, window
+  )
   data = _data(s, fine, leader, markers, setup, batch_size, cluster, log)
   tok, train_corpus, eval_corpus, replay_corpus = data['corpora']
   train_view, eval_view, held = data['views']
@@ -158,6 +214,7 @@ def prepare(
     s = _with_values(s, {'steps': max(1, train_batches.epoch_end(s['epochs']))})
   return RunPlan(
     settings=s,
+    window=window,
     finetune=fine,
     tokenizer=tok,
     gin=setup,
@@ -291,8 +348,9 @@ def _views(s: Section, train_corpus, eval_corpus):
 
 
 def _batches(s, max_len, batch_size, cluster, train_views, eval_view, log):
-  """The training and held-out batch iterators (`train_views`: the data's
-  view and the replay view or None)."""
+  """The training and held-out batch iterators of `max_len`-token windows
+  (the training window; `train_views`: the data's view and the replay view
+  or None)."""
   train_view, replay_view = train_views
   options = {
     'ai_only': s['ai-only-loss'],
@@ -316,7 +374,7 @@ def _batches(s, max_len, batch_size, cluster, train_views, eval_view, log):
     log(
       f'note: only {train_batches.n_chunks} chunk(s) of {max_len} tokens '
       f'for a batch of {batch_size}: some devices will see the same window '
-      'in a step; add data or lower max_len'
+      'in a step; add data or use shorter windows (window)'
     )
   return train_batches, eval_batches
 

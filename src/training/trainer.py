@@ -144,7 +144,13 @@ def _report(plan: run_plan.RunPlan, cluster: distributed.Cluster, log):
       )
   k = s['accumulate-steps']
   log(
-    f'model: {setup.path}, context {setup.max_len} tokens, '
+    f'model: {setup.path}, context {setup.max_len} tokens'
+    + (
+      f' (trained on windows of {plan.window} at random offsets)'
+      if plan.window < setup.max_len
+      else ''
+    )
+    + ', '
     f'{setup.attention_text}; {devices_text(cluster)} '
     f'({jax.devices()[0].platform}), batch {plan.batch_size}'
     + (f' in {k} micro-batches' if k > 1 else '')
@@ -215,7 +221,7 @@ def _tasks(plan: run_plan.RunPlan):
     loss_name='loss',
     sample_batch=plan.train_batches.batch(0),
   )
-  ranges = losses.position_ranges(plan.gin.max_len)
+  ranges = losses.position_ranges(plan.window)
   eval_task = trax_training.EvalTask(
     labeled_data=plan.eval_batches.iterate(0),
     metrics=losses.metric_layers(ranges),
@@ -234,8 +240,11 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
   train_task, eval_task, tokens_per_step = _tasks(plan)
   vocab = plan.tokenizer.vocab_size
   with _checked_checkpoint(plan, cluster):
+    # Windows shorter than the context start at a random offset of the
+    # position grid, so every position the context reaches is trained.
+    offset = 'random' if plan.window < plan.gin.max_len else 'zero'
     loop = JadeLoop(
-      ginconf.fresh_model(vocab),
+      ginconf.fresh_model(vocab, offset),
       [train_task],
       eval_model=reformer.reformer_lm(vocab, 'eval'),
       eval_tasks=[eval_task],
@@ -259,7 +268,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
         else 0
       ),
       init_text=init_text,
-      ranges=losses.position_ranges(plan.gin.max_len),
+      ranges=losses.position_ranges(plan.window),
       log_every=s['log-every'],
       accumulate=s['accumulate-steps'],
       cluster=cluster,
