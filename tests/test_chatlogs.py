@@ -745,3 +745,55 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
       assert '\n' not in str(e)
 
   check()
+
+
+@pytest.mark.parametrize(
+  'text, kept, kinds',
+  [
+    (
+      'join example.com/invite/abc, t.me/+AbCdEf12, discord.gg/xyz or '
+      'chat.whatsapp.com/Gx1 and wa.me/34612345678.',
+      'join <url>, <url>, <url> or <url> and <url>.',
+      {'url': 5},
+    ),
+    (
+      'IBAN DE89 3704 0044 0532 0130 00, or GB82WEST12345698765432',
+      'IBAN <iban>, or <iban>',
+      {'iban': 2},
+    ),
+    (
+      'card 4111 1111 1111 1111 or 5500-0000-0000-0004; order 1234 5678 '
+      '9012 3456',
+      'card <card> or <card>; order 1234 5678 9012 3456',  # Not Luhn.
+      {'card': 2},
+    ),
+    (
+      'ssn 123-45-6789, NI AB 12 34 56 C, passport number 912803456, '
+      'my passport: X1234567',
+      'ssn <id>, NI <id>, passport number <id>, my passport: <id>',
+      {'id': 4},
+    ),
+    (
+      'at 221 Baker Street, 1600 Pennsylvania Avenue, Hauptstraße 12 or '
+      'Rua das Flores 45',
+      'at <address>, <address>, <address> or <address>',
+      {'address': 4},
+    ),
+    (
+      'on 12.03.2021 at 10:30, 2021-03-12 14:00:00 or 3/12/2021 9:15; '
+      'my ID card is here; node.js, file.txt, e.g. the U.S.',
+      'on 12.03.2021 at 10:30, 2021-03-12 14:00:00 or 3/12/2021 9:15; '
+      'my ID card is here; node.js, file.txt, e.g. the U.S.',
+      {},
+    ),
+  ],
+  ids=['links', 'iban', 'cards', 'ids', 'addresses', 'dates-and-words'],
+)
+def test_redaction_covers_what_people_share(text, kept, kinds):
+  from collections import Counter
+
+  from src.data.importers import chatlog
+
+  counts = Counter()
+  assert chatlog.redact(text, counts) == kept
+  assert dict(counts) == kinds
