@@ -797,3 +797,19 @@ def test_redaction_covers_what_people_share(text, kept, kinds):
   counts = Counter()
   assert chatlog.redact(text, counts) == kept
   assert dict(counts) == kinds
+
+
+def test_a_zip_made_again_on_a_mac_is_one_chat(tmp_path):
+  text = '1/3/21, 10:00 - Ana: hi\n1/3/21, 10:01 - Luis: hello\n'
+  zpath = tmp_path / 'chat.zip'
+  with zipfile.ZipFile(zpath, 'w') as zf:
+    zf.writestr('WhatsApp Chat with Ana/WhatsApp Chat with Ana.txt', text)
+    zf.writestr(
+      '__MACOSX/WhatsApp Chat with Ana/._WhatsApp Chat with Ana.txt',
+      b'\x00\x05\x16\x07 mac resource fork',
+    )
+    zf.writestr('WhatsApp Chat with Ana/._notes.txt', b'\x00\x05')
+  out = tmp_path / 'out'
+  convert.main(['whatsapp', str(zpath), str(out), '--ai', 'Luis'])
+  (name,) = os.listdir(out)
+  assert 'hello' in (out / name).read_text()

@@ -78,13 +78,22 @@ def sources(inputs: list[str]) -> list[chatlog.Source]:
   return out
 
 
+def _mac_extra(name: str) -> bool:
+  """What a Mac adds when it zips a folder again: `__MACOSX/` and `._`
+  files (resource forks), never a chat."""
+  parts = name.replace('\\', '/').split('/')
+  return '__MACOSX' in parts or parts[-1].startswith('._')
+
+
 def _member(zf: zipfile.ZipFile, path: str) -> zipfile.ZipInfo:
   """The chat text inside an export zip: `_chat.txt` (iOS), else the one
   `.txt` (Android's "WhatsApp Chat with X.txt", in any language)."""
   texts = [
     i
     for i in zf.infolist()
-    if not i.is_dir() and i.filename.lower().endswith('.txt')
+    if not i.is_dir()
+    and i.filename.lower().endswith('.txt')
+    and not _mac_extra(i.filename)
   ]
   chosen = [i for i in texts if os.path.basename(i.filename) == '_chat.txt']
   if not chosen:
