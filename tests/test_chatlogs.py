@@ -813,3 +813,62 @@ def test_a_zip_made_again_on_a_mac_is_one_chat(tmp_path):
   convert.main(['whatsapp', str(zpath), str(out), '--ai', 'Luis'])
   (name,) = os.listdir(out)
   assert 'hello' in (out / name).read_text()
+
+
+def test_discord_keeps_a_message_listed_twice_once(tmp_path):
+  sam, alex = ('sam', 'Sam'), ('alexd', 'Alex')
+  hi, yo = _discord(2, 'Default', 'hi', sam), _discord(3, 'Default', 'yo', alex)
+  export = {'channel': {'name': 'sam'}, 'messages': [hi, hi, yo, dict(yo)]}
+  assert run(tmp_path, 'discord', {'dm.json': export}, '--ai', 'alexd') == [
+    [('user', 'hi'), ('ai', 'yo')]
+  ]
+  same = [{k: v for k, v in m.items() if k != 'id'} for m in (hi, hi, yo)]
+  export = {'channel': {'name': 'sam'}, 'messages': same}
+  assert run(
+    tmp_path, 'discord', {'dm2.json': export}, '--ai', 'alexd', out='o2'
+  ) == [[('user', 'hi'), ('ai', 'yo')]]
+
+
+def test_messenger_chat_folder_is_one_chat_and_odd_times_are_no_crash(
+  tmp_path,
+):
+  def msg(who, ms, text):
+    return {'sender_name': who, 'timestamp_ms': ms, 'content': text}
+
+  people = [{'name': 'Sam'}, {'name': 'Alex'}]
+  folder = tmp_path / 'inbox' / 'sam_123'
+  folder.mkdir(parents=True)
+  (folder / 'message_1.json').write_text(
+    json.dumps(
+      {
+        'participants': people,
+        'messages': [msg('Alex', 4000, 'fine'), msg('Sam', 3000, 'how?')],
+      }
+    )
+  )
+  (folder / 'message_2.json').write_text(
+    json.dumps(
+      {
+        'participants': people,
+        'messages': [msg('Alex', 2000, 'hey Sam'), msg('Sam', 1000, 'hi')],
+      }
+    )
+  )
+  out = tmp_path / 'out'
+  convert.main(['messenger', str(tmp_path / 'inbox'), str(out), '--ai', 'Alex'])
+  (name,) = os.listdir(out)
+  assert name == 'sam_123.txt'
+  lines = (out / name).read_text().splitlines()
+  assert lines[0] == 'hi' and lines[-1].endswith('fine |endofgeneration|')
+  huge = {
+    'participants': people,
+    'messages': [
+      msg('Sam', 10**400, 'hi'),
+      msg('Alex', 2000, 'hello'),
+    ],
+  }
+  (tmp_path / 'odd').mkdir()
+  (tmp_path / 'odd' / 'message_1.json').write_text(json.dumps(huge))
+  out2 = tmp_path / 'out2'
+  convert.main(['messenger', str(tmp_path / 'odd'), str(out2), '--ai', 'Alex'])
+  assert os.listdir(out2)

@@ -7,7 +7,8 @@
 
 Messages of type Default and Reply are what people wrote; every other type
 (joins, pins, calls, thread notices) is dropped as a notice, a message with
-no content (an attachment, a sticker, an embed only) as media. `--ai`
+no content (an attachment, a sticker, an embed only) as media, a message
+listed twice (the same id, or the same author, time and text) once. `--ai`
 matches the author's `name` or `nickname`; user lines with `--names` carry
 the nickname. Custom emoji (`<:wave:123>`) become `:wave:`. The file is
 read as a stream.
@@ -15,6 +16,7 @@ read as a stream.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 
@@ -53,10 +55,30 @@ def item(message, where: str):
   )
 
 
+# Messages remembered to find one listed twice (DiscordChatExporter
+# repeats messages where exports of a channel overlap): the last ones.
+DEDUP_WINDOW = 10_000
+
+
+def _key(message) -> tuple | None:
+  """What makes a message the same one: its id, else its author, time and
+  text (a digest)."""
+  if not isinstance(message, dict):
+    return None
+  ident = message.get('id')
+  if isinstance(ident, str) and 0 < len(ident) <= 64:
+    return ('id', ident)
+  body = repr(
+    (message.get('author'), message.get('timestamp'), message.get('content'))
+  )
+  return ('same', hashlib.sha256(body.encode('utf-8', 'replace')).digest())
+
+
 def items(source: chatlog.Source, warn):
   del warn
   (path,) = source.paths
   n = 0
+  seen: dict = {}  # Insertion-ordered: the oldest key is dropped first.
   with (
     chatlog.open_input(path) as raw,
     chatlog.progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
@@ -67,5 +89,13 @@ def items(source: chatlog.Source, warn):
       if value is None:
         yield chatlog.Chat(source.name)
       else:
-        yield item(value, f'{path}[{n}]')
+        key = _key(value)
+        if key is not None and key in seen:
+          yield chatlog.Drop('duplicate')
+        else:
+          if key is not None:
+            seen[key] = None
+            if len(seen) > DEDUP_WINDOW:
+              del seen[next(iter(seen))]
+          yield item(value, f'{path}[{n}]')
         n += 1

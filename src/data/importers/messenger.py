@@ -108,12 +108,45 @@ _MEDIA_KEYS = (
 )
 
 
+MAX_FOLDER_FILES = 10_000  # message_N.json files found in given folders.
+
+
+def _in_folder(folder: str) -> list[str]:
+  """The `message_N.json` files in `folder` and its subfolders (Meta's
+  `messages/inbox/NAME/`), links never followed; sorted."""
+  found = []
+  for root, dirs, names in os.walk(folder):
+    dirs[:] = sorted(
+      d for d in dirs if not os.path.islink(os.path.join(root, d))
+    )
+    for name in sorted(names):
+      if re.fullmatch(r'message_\d+\.json', name):
+        found.append(os.path.join(root, name))
+        if len(found) > MAX_FOLDER_FILES:
+          raise UserError(
+            f'{folder}: more than {MAX_FOLDER_FILES} message files; give '
+            "one chat's folder (messages/inbox/NAME)"
+          )
+  if not found:
+    raise UserError(
+      f"{folder}: no message_N.json in it; give a chat folder of Meta's "
+      'export (messages/inbox/NAME) or its message_N.json files'
+    )
+  return found
+
+
 def sources(inputs: list[str]) -> list[Source]:
   """Files of one folder are one conversation, named after the folder
-  (Meta's `alice_123456`); other names stand alone."""
+  (Meta's `alice_123456`); other names stand alone. A folder given stands
+  for the message files inside it (a chat folder, or `inbox/` with one
+  folder a chat)."""
   folders: dict[str, list[str]] = collections.defaultdict(list)
   out = []
+  expanded = []
   for path in inputs:
+    is_folder = os.path.isdir(path) and not os.path.islink(path)
+    expanded += _in_folder(path) if is_folder else [path]
+  for path in expanded:
     base = os.path.basename(path)
     if re.fullmatch(r'message_\d+\.json', base):
       folders[os.path.dirname(os.path.abspath(path))].append(path)
@@ -190,7 +223,9 @@ def item(message, where: str, names: dict):
   if not isinstance(message, dict):
     return 0.0, Drop('unreadable')
   time = _field(message, 'timestamp_ms', 'timestamp')
-  time = float(time) / 1000 if isinstance(time, (int, float)) else None
+  ok = isinstance(time, (int, float)) and not isinstance(time, bool)
+  # A time past year 9999 (a 400-digit number) is no time: none is read.
+  time = float(time) / 1000 if ok and abs(time) < 1e17 else None
   order = time if time is not None else 0.0
   if _field(message, 'is_unsent', 'isUnsent') is True:
     return order, Drop('deleted')
