@@ -61,18 +61,44 @@ class Options:
   strict: bool = False
 
 
+def _plain(text: str) -> str:
+  """`text` without NUL and the other control characters but line breaks
+  (a `\r` inside a marker would hide it), line breaks kept as `\n`."""
+  text = text.replace('\r\n', '\n').replace('\r', '\n')
+  return ''.join(
+    c if c == '\n' or c.isprintable() or c == '\t' else ' ' for c in text
+  )
+
+
 def clean_message(text, markers: chatformat.Markers) -> str:
-  """One message as one line: line breaks become the line-break marker."""
+  """One message as one line: line breaks become the line-break marker.
+  Control characters go first (a `\r` inside a marker would hide it);
+  a message holding the AI markers is skipped; the line-break marker and
+  `|noloss|` typed in a message become spaces, so what is written is
+  always a line `train.py` reads as this one message."""
   if not isinstance(text, str):
     raise Skip('content is not text')
+  text = _plain(text)
   for marker in (markers.ai_start, markers.ai_end):
     if marker in text:
       raise Skip(f'content contains the marker {marker}')
-  parts = [p.strip() for p in text.replace('\r', '').split('\n')]
+  for marker in (markers.line_break, chatformat.NO_LOSS):
+    text = text.replace(marker, ' ')
+  parts = [' '.join(p.split()) for p in text.split('\n')]
   line = f' {markers.line_break} '.join(p for p in parts if p)
   if not line:
     raise Skip('empty content')
   return line
+
+
+def clean_name(name: str, markers: chatformat.Markers) -> str:
+  """A speaker's name as `--names` writes it before a message: one line,
+  no control characters, no marker of the format (each becomes a space),
+  at most 100 characters."""
+  text = ' '.join(_plain(str(name)).split())
+  for marker in (*markers.all(), chatformat.NO_LOSS):
+    text = text.replace(marker, ' ')
+  return ' '.join(text.split())[:100] or '?'
 
 
 def build(turns: list[tuple], opts: Options) -> list[tuple]:

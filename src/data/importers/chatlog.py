@@ -38,6 +38,7 @@ from src.data.importers.base import (
   Report,
   Skip,
   clean_message,
+  clean_name,
 )
 
 # A message longer than this (characters) is dropped with a warning: no
@@ -114,7 +115,9 @@ class ChatReport(Report):
       f'{self.characters} characters'
     )
     people = [
-      f'{name}' + (' (AI)' if _matches(name, '', ai) else '') + f' {n}'
+      f'{escaped(name, 80)}'
+      + (' (AI)' if _matches(name, '', ai) else '')
+      + f' {n}'
       for name, n in self.messages.most_common(8)
     ]
     if len(self.messages) > 8:
@@ -371,7 +374,7 @@ class _Writer:
       self._flush()
       self.role, self.speaker = role, None
     if self.opts.names and role == USER and message.sender != self.speaker:
-      line = f'{message.sender}: {line}'
+      line = f'{clean_name(message.sender, self.opts.markers)}: {line}'
     self.speaker = message.sender
     self.parts.append(line)
 
@@ -451,9 +454,21 @@ def write_chat(items, f, opts: ChatOptions, report: ChatReport, warn):
   writer.end()
 
 
+def escaped(text: str, limit: int) -> str:
+  """`text` safe to print on a terminal: control characters (ANSI and OSC
+  escapes, line breaks) shown as Python escapes, at most `limit`
+  characters."""
+  shown = ''.join(
+    c if c.isprintable() else repr(c)[1:-1] for c in str(text)[:limit]
+  )
+  return shown + ('...' if len(str(text)) > limit else '')
+
+
 def _participants(report: ChatReport) -> str:
   found = report.messages.most_common()
-  shown = ', '.join(f'"{name}" ({n} messages)' for name, n in found[:20])
+  shown = ', '.join(
+    f'"{escaped(name, 80)}" ({n} messages)' for name, n in found[:20]
+  )
   if len(found) > 20:
     shown += f' and {len(found) - 20} more'
   return shown
