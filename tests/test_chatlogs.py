@@ -931,3 +931,30 @@ def test_names_and_texts_never_form_a_marker_or_a_line(tmp_path, capsys):
   printed = capsys.readouterr()
   assert '\x1b' not in printed.out + printed.err
   assert '\\x1b]0;x\\x07' in printed.out  # Shown escaped.
+
+
+def test_an_out_that_is_no_folder_is_one_line(tmp_path):
+  chat = tmp_path / 'c.txt'
+  chat.write_text('1/3/21, 10:00 - Ana: hi\n1/3/21, 10:01 - Luis: hello\n')
+  afile = tmp_path / 'afile'
+  afile.write_text('mine')
+  fifo = tmp_path / 'fifo'
+  os.mkfifo(fifo)
+  for out in (afile, fifo, '/dev/null'):
+    with pytest.raises(UserError, match='is not a folder') as e:
+      convert.main(['whatsapp', str(chat), str(out), '--ai', 'Luis'])
+    assert '\n' not in str(e.value)
+  assert afile.read_text() == 'mine'
+
+
+def test_a_lone_surrogate_in_a_message_is_converted(tmp_path):
+  export = {
+    'participants': [{'name': 'Sam'}, {'name': 'Alex'}],
+    'messages': [
+      {'sender_name': 'Alex', 'timestamp_ms': 2000, 'content': 'ok \ud800'},
+      {'sender_name': 'Sam', 'timestamp_ms': 1000, 'content': 'hi'},
+    ],
+  }
+  assert run(
+    tmp_path, 'messenger', {'message_1.json': export}, '--ai', 'Alex'
+  ) == [[('user', 'hi'), ('ai', 'ok ?')]]

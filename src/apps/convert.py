@@ -33,6 +33,7 @@ summary ends every run.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from src.core.errors import UserError
@@ -171,8 +172,41 @@ def parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _out_folder(out: str, fmt: str):
+  """OUT must be a folder (made if missing), never a file, a FIFO or a
+  device (`/dev/null`), and writable; else one line saying so."""
+  if os.path.lexists(out) and not (
+    os.path.isdir(out) and not os.path.islink(out)
+  ):
+    what = 'a link' if os.path.islink(out) else 'not a folder'
+    raise UserError(
+      f'{out}: is {what}; give a new or existing folder for the converted '
+      'files (to-messages: a new .jsonl file)'
+      if fmt != 'to-messages'
+      else f'{out}: exists; give a new .jsonl file'
+    )
+  parent = out if os.path.isdir(out) else os.path.dirname(os.path.abspath(out))
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise UserError(f'{parent}: cannot be written by you; choose another OUT')
+
+
 def main(argv=None):
   args = parser().parse_args(argv)
+  if args.format != 'to-messages':
+    _out_folder(args.out, args.format)
+  try:
+    return _main(args)
+  except OSError as e:  # A full disk, a folder taken away meanwhile, ...
+    where = e.filename or args.out
+    raise UserError(
+      f'{where}: {e.strerror or e}; nothing was written (free some space or '
+      'choose another OUT, then run it again)'
+    ) from None
+
+
+def _main(args):
   if args.format in CHATS:
     return _convert_chats(args)
   if args.ai or args.names or args.redact:

@@ -64,6 +64,7 @@ class Options:
 def _plain(text: str) -> str:
   """`text` without NUL and the other control characters but line breaks
   (a `\r` inside a marker would hide it), line breaks kept as `\n`."""
+  text = text.encode('utf-8', 'replace').decode('utf-8')  # Lone surrogates.
   text = text.replace('\r\n', '\n').replace('\r', '\n')
   return ''.join(
     c if c == '\n' or c.isprintable() or c == '\t' else ' ' for c in text
