@@ -958,3 +958,67 @@ def test_a_lone_surrogate_in_a_message_is_converted(tmp_path):
   assert run(
     tmp_path, 'messenger', {'message_1.json': export}, '--ai', 'Alex'
   ) == [[('user', 'hi'), ('ai', 'ok ?')]]
+
+
+@pytest.mark.parametrize(
+  'text',
+  [
+    # Russian Android: its media placeholder, deleted message, missed
+    # call and location are the app's.
+    '12.03.2022, 14:22 - Аня: Привет!\n'
+    '12.03.2022, 14:23 - Аня: <Без медиафайлов>\n'
+    '12.03.2022, 14:23 - Аня: Данное сообщение удалено\n'
+    '12.03.2022, 14:24 - Аня: Пропущенный аудиозвонок\n'
+    '12.03.2022, 14:24 - Аня: местоположение: https://maps.google.com/?q=1,2\n'
+    '12.03.2022, 14:25 - Лев: Привет, как дела?\n',
+    # Czech.
+    '12.03.22 14:22 - Aňa: Ahoj!\n'
+    '12.03.22 14:23 - Aňa: <Média vynechána>\n'
+    '12.03.22 14:23 - Aňa: Tato zpráva byla smazána\n'
+    '12.03.22 14:24 - Aňa: Zmeškaný hlasový hovor\n'
+    '12.03.22 14:25 - Lev: Ahoj, jak se máš?\n',
+    # Arabic: Arabic-Indic digits, the Arabic comma, ص/م.
+    '١٢/٣/٢٠٢٢، ٢:٢٢ م - آنا: مرحبا ١٢٣\n'
+    '١٢/٣/٢٠٢٢، ٢:٢٣ م - آنا: <تم استبعاد الوسائط>\n'
+    '١٢/٣/٢٠٢٢، ٢:٢٥ م - ليف: أهلا\n',
+    # Thai iPhone: Buddhist-era years.
+    '[12/3/2565 14:22:01] Ana: สวัสดี\n[12/3/2565 14:23:00] Lev: hi\n',
+    # Finnish: "klo" and a dotted time.
+    '[12.3.2022 klo 14.22.18] Ana: Moi!\n[12.3.2022 klo 14.23.00] Lev: Hei\n',
+    # iOS: a document's name before "document omitted"; the German edit
+    # mark with its period.
+    '[12.03.22, 14:22:01] Ana: Hallo <Diese Nachricht wurde bearbeitet.>\n'
+    '[12.03.22, 14:22:30] Ana: \u200eReport.pdf • 3 pages \u200edocument '
+    'omitted\n'
+    '[12.03.22, 14:23:00] Lev: Hi\n',
+    # Android "Include media": an attachment's line, then its caption.
+    '12/03/2022, 14:22 - Ana: IMG-20220312-WA0001.jpg (file attached)\n'
+    'Look at this!\n'
+    '12/03/2022, 14:22 - Ana: IMG-20220312-WA0002.jpg (file attached)\n'
+    '12/03/2022, 14:23 - Lev: Nice\n',
+  ],
+  ids=['russian', 'czech', 'arabic', 'thai-era', 'finnish', 'ios-de', 'media'],
+)
+def test_whatsapp_languages_calendars_and_layouts(tmp_path, text):
+  (conv,) = run(
+    tmp_path,
+    'whatsapp',
+    {'chat.txt': text},
+    *('--ai', 'Lev', '--ai', 'ليف', '--ai', 'Лев'),
+  )
+  user = [t for role, t in conv if role == 'user']
+  assert len(user) == 1, conv
+  (said,) = user
+  for app_wrote in (
+    '<',
+    'удален',
+    'звонок',
+    'smazána',
+    'hovor',
+    'omitted',
+    'bearbeitet',
+    'attached',
+    'maps.google',
+  ):
+    assert app_wrote not in said, said
+  assert conv[-1][0] == 'ai'

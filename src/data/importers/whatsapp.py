@@ -42,16 +42,26 @@ MAX_RATIO = 200
 
 _SP = r'[ \u00a0\u202f]'
 _DATE = r'(\d{1,4})([./-])(\d{1,2})\2(\d{1,4})\.?'
+# Before noon and after it, as the locales write them after the time.
+_AM = ('ص', '午前', '上午', 'ก่อนเที่ยง', 'π.μ.', 'vorm.', 'de la mañana')
+_PM = ('م', '午後', '下午', 'หลังเที่ยง', 'μ.μ.', 'nachm.', 'de la tarde')
+_HALF = '|'.join(re.escape(w) for w in sorted(_AM + _PM, key=len)[::-1])
 _TIME = (
   r'(\d{1,2})[:.](\d{2})(?:[:.](\d{2}))?'
-  rf'(?:{_SP}?([AaPp])\.?{_SP}?[Mm]\.?)?'
+  rf'(?:{_SP}?([AaPp]\.?{_SP}?[Mm]\.?|{_HALF}))?'
 )
-_MARK = '[\u200e\u200f\ufeff]*'
+_MARK = '[\u200e\u200f\u061c\ufeff]*'
+# Words some locales put between the date and the time.
+_AT = rf'(?:(?:um|à|a las|klo|kl\.|alle|om|в){_SP}+)?'
 ANDROID = re.compile(
-  rf'^{_MARK}{_DATE},?{_SP}+(?:um{_SP}+|à{_SP}+|a las{_SP}+)?{_TIME}'
-  rf'{_SP}*[-–]{_SP}(.*)$'
+  rf'^{_MARK}{_DATE},?{_SP}+{_AT}{_TIME}{_SP}*[-–]{_SP}(.*)$'
 )
-IOS = re.compile(rf'^{_MARK}\[{_DATE},?{_SP}+{_TIME}\]{_SP}*(.*)$')
+IOS = re.compile(rf'^{_MARK}\[{_DATE},?{_SP}+{_AT}{_TIME}\]{_SP}*(.*)$')
+# Arabic-Indic and Persian digits, and the Arabic comma, as a header is
+# matched (each one character for one: the text keeps its own).
+_HEAD_CHARS = str.maketrans('٠١٢٣٤٥٦٧٨٩۰۱۲۳۴۵۶۷۸۹،', '01234567890123456789,')
+# Thai phones write the Buddhist era: 2565 is 2022.
+_BUDDHIST_ERA = 543
 # Group events Android writes with a colon in them ("Alice changed the
 # subject from "Trip" to "Trip: day 2""): their "sender" is no name.
 _EVENT_SENDER = re.compile(
@@ -175,12 +185,37 @@ class _Lines:
 
 
 def _header(line: str):
-  """(layout, match) for a line that starts a message, else None."""
+  """(layout, match) for a line that starts a message, else None. The
+  match is made on the line with its digits and commas made ASCII; its
+  last group, the rest of the line, is the line's own text."""
   for layout, pattern in (('ios', IOS), ('android', ANDROID)):
-    m = pattern.match(line)
+    m = _match(pattern, line)
     if m:
       return layout, m
   return None
+
+
+def _match(pattern, line: str):
+  """`pattern`'s header match of `line`, made on the line with its digits
+  and commas made ASCII (`_Header`: the rest is the line's own), or None."""
+  m = pattern.match(line.translate(_HEAD_CHARS))
+  return _Header(m, line[m.start(m.lastindex) :]) if m else None
+
+
+class _Header:
+  """A header match whose rest of the line is the original text."""
+
+  def __init__(self, m, rest: str):
+    self.m, self.rest = m, rest
+    self.lastindex = m.lastindex
+
+  def group(self, *indexes):
+    if indexes == (self.lastindex,):
+      return self.rest
+    return self.m.group(*indexes)
+
+  def groups(self):
+    return self.m.groups()[:-1] + (self.rest,)
 
 
 def _order(path: str) -> tuple[str, str]:
@@ -229,11 +264,14 @@ def _time(m, order: str) -> float | None:
   ]
   if year < 100:
     year += 2000
+  elif year > 2400:
+    year -= _BUDDHIST_ERA
   hour = int(hh)
   if ampm:
     if hour > 12:
       return None
-    hour = hour % 12 + (12 if ampm in 'Pp' else 0)
+    pm = ampm[0] in 'Pp' or ampm in _PM
+    hour = hour % 12 + (12 if pm else 0)
   try:
     when = datetime.datetime(
       year,
@@ -264,6 +302,9 @@ def _finish(current):
   kind = wording.kind(text)
   if kind:
     return chatlog.Drop(kind)
+  first, _, caption = text.partition('\n')
+  if caption.strip() and wording.kind(first) == 'media':
+    text = caption  # An attachment's line, then the caption written.
   if not text.strip(wording.MARKS + ' '):
     return chatlog.Drop('empty')
   return chatlog.Message(where, time, sender, text)
@@ -283,7 +324,7 @@ def items(source: chatlog.Source, warn):
       too_long += 1
       warn(f'{where}:{no}: left out: a line of over {MAX_LINE} characters')
       continue
-    m = pattern.match(line)
+    m = _match(pattern, line)
     time = _time(m, order) if m else None
     if time is None:
       if current is not None:

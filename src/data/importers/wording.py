@@ -1,11 +1,14 @@
 """What messenger apps write into a chat export that no person wrote.
 
 Each entry is the app's wording in English, German, Spanish, French,
-Portuguese and Italian (and a few more where known), matched against a whole
-message after its ends are stripped. `kind(text)` names what a message is
-when the app wrote it ('media', 'deleted', 'call', 'system notice') and
-`None` when a person did; `strip_edited(text)` removes the "edited" mark
-that WhatsApp appends and keeps the text.
+Portuguese, Italian and Dutch, and for the placeholders, deleted messages,
+missed calls, locations and the edit mark also Russian, Czech, Arabic,
+Japanese, Finnish, Polish and Turkish (and a few more where known),
+matched against a whole message after its ends are stripped. `kind(text)`
+names what a message is when the app wrote it ('media', 'deleted',
+'call', 'system notice') and `None` when a person did;
+`strip_edited(text)` removes the "edited" mark that WhatsApp appends and
+keeps the text.
 """
 
 from __future__ import annotations
@@ -16,10 +19,15 @@ import re
 # document or contact that the export left out, and attachment names.
 _MEDIA = [
   # Android: "<Media omitted>" and its translations.
-  r'<(?:media omitted|medien ausgeschlossen|medien weggelassen|'
+  r'[<‹](?:media omitted|medien ausgeschlossen|medien weggelassen|'
   r'multimedia omitido|archivo multimedia omitido|médias omis|'
   r'fichier multimédia omis|mídia oculta|arquivo de mídia oculto|'
-  r'media omessi|media weggelaten|multimedia omesso)>',
+  r'media omessi|media weggelaten|multimedia omesso|без медиафайлов|'
+  r'média vynechána|média vynechány|médium vynecháno|'
+  r'تم استبعاد الوسائط|メディアは含まれていません|'
+  r'ไม่รวมสื่อ|media dihilangkan|media dihapus|medya dahil edilmedi|'
+  r'pominięto multimedia|media jätetty pois|media utelatt|'
+  r'media udeladt|media utelämnad|πολυμέσα παραλείφθηκαν)[>›]',
   r'<(?:view once|einmalige ansicht|ver una vez|vue unique|visualização '
   r'única|visualizza una volta)[^<>]{0,40}(?:omitted|weggelassen|omitid[oa]|'
   r'omis|omise|ocultad[oa]|omess[oa])>',
@@ -34,6 +42,10 @@ _MEDIA = [
   r'ocultad[oa]|omess[oa])',
   r'(?:gif|sticker|audio|video|document|documento|dokument) ?'
   r'(?:omitted|weggelassen|omitid[oa]|omis|omess[oa]|ocultad[oa])',
+  # iOS: a document's name, its pages, then "document omitted".
+  r'[^\n]{1,300}[\s\u200e](?:document|dokument|documento|документ) '
+  r'(?:omitted|weggelassen|omitid[oa]|omis|omess[oa]|ocultad[oa]|опущен)',
+  r'(?:изображение|видео|аудио|стикер|gif|документ) (?:опущено|опущен)',
   # iOS attachment lines: "<attached: 00000012-PHOTO-2021-03-04.jpg>".
   r'<(?:attached|anhang|adjunto|pièce jointe|joint|anexado|anexo|'
   r'allegato|bijlage): [^<>]{1,300}>',
@@ -42,8 +54,9 @@ _MEDIA = [
   r'adjunto|fichier joint|arquivo anexado|file allegato|bestand '
   r'bijgevoegd)\)',
   # Shared locations.
-  r'(?:location|standort|ubicación|position|localização|posizione): '
-  r'https?://\S+',
+  r'(?:location|standort|ubicación|position|localização|posizione|'
+  r'местоположение|геопозиция|poloha|umístění|الموقع|位置情報|sijainti|'
+  r'lokalizacja|konum|locatie): https?://\S+',
   r'(?:live location shared|live-standort wird geteilt|ubicación en tiempo '
   r'real compartida|position en direct partagée|localização em tempo real '
   r'compartilhada|posizione in tempo reale condivisa)',
@@ -71,6 +84,24 @@ _DELETED = [
   r'hai eliminato questo messaggio\.?',
   r'dit bericht is verwijderd\.?',
   r'je hebt dit bericht verwijderd\.?',
+  r'данное сообщение удалено\.?',
+  r'это сообщение было удалено\.?',
+  r'вы удалили данное сообщение\.?',
+  r'вы удалили это сообщение\.?',
+  r'tato zpráva byla smazána\.?',
+  r'tato zpráva byla odstraněna\.?',
+  r'smazali jste tuto zprávu\.?',
+  r'odstranili jste tuto zprávu\.?',
+  r'تم حذف هذه الرسالة\.?',
+  r'لقد حذفت هذه الرسالة\.?',
+  r'このメッセージは削除されました。?',
+  r'メッセージを削除しました。?',
+  r'tämä viesti poistettiin\.?',
+  r'poistit tämän viestin\.?',
+  r'ta wiadomość została usunięta\.?',
+  r'usunięto tę wiadomość\.?',
+  r'bu mesaj silindi\.?',
+  r'bu mesajı sildiniz\.?',
   r'waiting for this message\. this may take a while\.?',
   r'warte auf diese nachricht\.[^\n]{0,60}',
   r'esperando el mensaje\.[^\n]{0,60}',
@@ -87,6 +118,14 @@ _CALL = [
   r'appel (?:vocal |vidéo |de groupe )?manqué',
   r'chamada de (?:voz|vídeo) perdida',
   r'(?:chiamata vocale|videochiamata|chiamata) persa',
+  r'пропущенный (?:аудиозвонок|видеозвонок|звонок|групповой '
+  r'(?:аудио|видео)звонок)',
+  r'zmeškaný (?:hlasový hovor|videohovor|hovor|skupinový hovor)',
+  r'مكالمة (?:صوتية|فيديو) فائتة',
+  r'不在着信(?:（音声）|（ビデオ）)?',
+  r'(?:vastaamaton|vastaamattomat) (?:äänipuhelu|videopuhelu)',
+  r'nieodebrane połączenie(?: głosowe| wideo)?',
+  r'cevapsız (?:sesli|görüntülü) arama',
 ]
 # A call line iOS writes (after its U+200E mark): "Voice call, 3 min".
 CALL_LOG = re.compile(
@@ -133,7 +172,9 @@ _EDITED = re.compile(
   r'[\s\u200e]*<(?:this message was edited|diese nachricht wurde bearbeitet|'
   r'se editó este mensaje\.?|este mensaje fue editado|ce message a été '
   r'modifié|mensagem editada|essa mensagem foi editada|questo messaggio è '
-  r'stato modificato|dit bericht is bewerkt)>\s*\Z',
+  r'stato modificato|dit bericht is bewerkt|сообщение изменено|'
+  r'zpráva byla upravena|تم تعديل هذه الرسالة|編集済み|'
+  r'tätä viestiä on muokattu)\.?>\s*\Z',
   re.IGNORECASE,
 )
 
