@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import re
 import sys
 
 from src.core.errors import UserError
@@ -61,14 +62,20 @@ class Options:
   strict: bool = False
 
 
+# Control characters (C0 and C1, but the tab and the line feed: escapes,
+# NUL, a carriage return hiding a marker) and lone surrogates (not UTF-8).
+_CONTROL = re.compile('[\x00-\x08\x0b-\x1f\x7f-\x9f]')
+_SURROGATE = re.compile('[\ud800-\udfff]')
+
+
 def _plain(text: str) -> str:
-  """`text` without NUL and the other control characters but line breaks
-  (a `\r` inside a marker would hide it), line breaks kept as `\n`."""
-  text = text.encode('utf-8', 'replace').decode('utf-8')  # Lone surrogates.
+  """`text` with line breaks as `\n`, other control characters as spaces
+  and lone surrogates as `?` (format marks and joiners, which emoji are
+  made of, are kept)."""
   text = text.replace('\r\n', '\n').replace('\r', '\n')
-  return ''.join(
-    c if c == '\n' or c.isprintable() or c == '\t' else ' ' for c in text
-  )
+  if _SURROGATE.search(text):
+    text = _SURROGATE.sub('?', text)
+  return _CONTROL.sub(' ', text)
 
 
 def clean_message(text, markers: chatformat.Markers) -> str:
@@ -85,7 +92,7 @@ def clean_message(text, markers: chatformat.Markers) -> str:
       raise Skip(f'content contains the marker {marker}')
   for marker in (markers.line_break, chatformat.NO_LOSS):
     text = text.replace(marker, ' ')
-  parts = [' '.join(p.split()) for p in text.split('\n')]
+  parts = [p.strip() for p in text.split('\n')]
   line = f' {markers.line_break} '.join(p for p in parts if p)
   if not line:
     raise Skip('empty content')

@@ -60,6 +60,8 @@ IOS = re.compile(rf'^{_MARK}\[{_DATE},?{_SP}+{_AT}{_TIME}\]{_SP}*(.*)$')
 # Arabic-Indic and Persian digits, and the Arabic comma, as a header is
 # matched (each one character for one: the text keeps its own).
 _HEAD_CHARS = str.maketrans('٠١٢٣٤٥٦٧٨٩۰۱۲۳۴۵۶۷۸۹،', '01234567890123456789,')
+_ARABIC_HEAD = re.compile('[٠-٩۰-۹،]')
+_ASCII_HEAD = frozenset('0123456789[')  # A line that starts so needs none.
 # Thai phones write the Buddhist era: 2565 is 2022.
 _BUDDHIST_ERA = 543
 # Group events Android writes with a colon in them ("Alice changed the
@@ -198,7 +200,9 @@ def _header(line: str):
 def _match(pattern, line: str):
   """`pattern`'s header match of `line`, made on the line with its digits
   and commas made ASCII (`_Header`: the rest is the line's own), or None."""
-  m = pattern.match(line.translate(_HEAD_CHARS))
+  if line[:1] not in _ASCII_HEAD and _ARABIC_HEAD.search(line, 0, 48):
+    line = line[:48].translate(_HEAD_CHARS) + line[48:]
+  m = pattern.match(line)
   return _Header(m, line[m.start(m.lastindex) :]) if m else None
 
 
