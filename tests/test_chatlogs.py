@@ -1022,3 +1022,35 @@ def test_whatsapp_languages_calendars_and_layouts(tmp_path, text):
   ):
     assert app_wrote not in said, said
   assert conv[-1][0] == 'ai'
+
+
+@pytest.mark.parametrize('fmt', ['telegram', 'discord'])
+def test_deep_json_is_one_line_in_bounded_memory(tmp_path, fmt):
+  """20,000 levels of nesting in a 40 KB file: ijson's dotted prefixes
+  grew with the square of the depth (1 GB); now the depth is refused."""
+  import tracemalloc
+
+  deep = b'{"messages": [{"text": ' + b'[' * 20000 + b']' * 20000 + b'}]}'
+  path = tmp_path / 'result.json'
+  path.write_bytes(deep)
+  tracemalloc.start()
+  try:
+    with pytest.raises(UserError, match='nested more than 256 deep') as e:
+      convert.main([fmt, str(path), str(tmp_path / 'out'), '--ai', 'x'])
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert '\n' not in str(e.value) and peak < 32 << 20
+
+
+def test_a_long_json_string_is_read_once(tmp_path):
+  from src.data.importers import jsonstream
+
+  text = 'a' * (8 << 20)
+  data = json.dumps({'messages': [{'text': text}]}).encode()
+  import io
+
+  (found,) = list(
+    jsonstream.objects(io.BytesIO(data), 'x.json', {'messages.item'})
+  )
+  assert found == ('messages.item', {'text': text})
