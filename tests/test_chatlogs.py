@@ -1054,3 +1054,38 @@ def test_a_long_json_string_is_read_once(tmp_path):
     jsonstream.objects(io.BytesIO(data), 'x.json', {'messages.item'})
   )
   assert found == ('messages.item', {'text': text})
+
+
+def test_whatsapp_memory_is_bounded_whatever_the_export(tmp_path, monkeypatch):
+  """A long run of one sender is one turn (cut at MAX_TURN), distinct
+  senders are counted up to MAX_SENDERS, a zip's entries are counted
+  before its directory is read."""
+  import tracemalloc
+
+  from src.data.importers import chatlog, whatsapp
+
+  monkeypatch.setattr(chatlog, 'MAX_TURN', 100_000)
+  monkeypatch.setattr(chatlog, 'MAX_SENDERS', 300)
+  lines = ['1/3/21, 10:00 - Luis: hi']
+  lines += [f'1/3/21, 10:01 - Ana: message number {i}' for i in range(40_000)]
+  lines += [f'1/3/21, 10:02 - P{i}: hello' for i in range(1_000)]
+  lines += ['1/3/21, 10:03 - Luis: bye']
+  chat = tmp_path / 'c.txt'
+  chat.write_text('\n'.join(lines) + '\n')
+  tracemalloc.start()
+  try:
+    convert.main(['whatsapp', str(chat), str(tmp_path / 'out'), '--ai', 'Luis'])
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 16 << 20, f'{peak >> 20} MB'
+  text = next((tmp_path / 'out').iterdir()).read_text()
+  assert len(max(text.splitlines(), key=len)) <= chatlog.MAX_TURN
+  monkeypatch.setattr(whatsapp, 'MAX_ENTRIES', 10)
+  zpath = tmp_path / 'many.zip'
+  with zipfile.ZipFile(zpath, 'w') as zf:
+    zf.writestr('_chat.txt', '1/3/21, 10:00 - Ana: hi\n')
+    for i in range(11):
+      zf.writestr(f'IMG-{i}.jpg', b'x')
+  with pytest.raises(UserError, match='a zip of 12 entries'):
+    convert.main(['whatsapp', str(zpath), str(tmp_path / 'o2'), '--ai', 'x'])

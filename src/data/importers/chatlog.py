@@ -44,6 +44,12 @@ from src.data.importers.base import (
 # A message longer than this (characters) is dropped with a warning: no
 # chat message is, and it bounds what one message can hold in memory.
 MAX_MESSAGE = 1 << 20
+# A turn (one side's messages in a row, one line) longer than this is cut:
+# what follows is left out and counted, so memory stays bounded whatever
+# an export holds (4M messages of one sender are one turn).
+MAX_TURN = 1 << 20
+# Distinct senders counted by name; more are counted together ("others").
+MAX_SENDERS = 10_000
 # Default silence that starts a new conversation in a messenger chat.
 DEFAULT_GAP = 6 * 3600.0
 
@@ -355,6 +361,7 @@ class _Writer:
     self.role = None  # Side of the pending turn.
     self.parts: list[str] = []
     self.speaker = None  # Last speaker of the pending turn.
+    self.pending = 0  # Characters of the pending turn.
     self.lines = 0
     self.chars = 0
     self.has_ai = False
@@ -376,6 +383,10 @@ class _Writer:
     if self.opts.names and role == USER and message.sender != self.speaker:
       line = f'{clean_name(message.sender, self.opts.markers)}: {line}'
     self.speaker = message.sender
+    if self.pending + len(line) > MAX_TURN:
+      self.report.skipped[f'messages past a turn of {MAX_TURN} characters'] += 1
+      return
+    self.pending += len(line) + len(self.opts.markers.line_break) + 2
     self.parts.append(line)
 
   def _flush(self):
@@ -392,7 +403,7 @@ class _Writer:
       self.f.write(text + '\n')
     self.lines += 1
     self.chars += len(text)
-    self.parts = []
+    self.parts, self.pending = [], 0
 
   def end(self):
     """Ends the conversation: kept if the AI talks last (or `--trim` can
@@ -448,7 +459,11 @@ def write_chat(items, f, opts: ChatOptions, report: ChatReport, warn):
         writer.end()
       last = item.time
     ai = _matches(item.sender, item.alias, opts.ai)
-    report.messages[item.sender] += 1
+    counted = report.messages
+    if item.sender in counted or len(counted) < MAX_SENDERS:
+      counted[item.sender] += 1
+    else:
+      counted[f'({MAX_SENDERS}+ others)'] += 1
     report.ai_messages += ai
     writer.add(dataclasses.replace(item, text=text), AI if ai else USER)
   writer.end()
