@@ -207,15 +207,7 @@ def start_server(run_dir: str):
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
-  config = uvicorn.Config(  # As `serve.serve` runs it.
-    server.app(),
-    host='127.0.0.1',
-    port=port,
-    log_level='warning',
-    http=serve._protocol(),
-    timeout_keep_alive=5,
-    timeout_graceful_shutdown=3,
-  )
+  config = serve.uvicorn_config(server.app(), '127.0.0.1', port)
   http_server = uvicorn.Server(config)
   thread = threading.Thread(target=http_server.run, daemon=True)
   thread.start()

@@ -895,16 +895,7 @@ def _in_process(server):
   from src.apps import serve
 
   port = _free_port()
-  config = uvicorn.Config(
-    server.app(),
-    host='127.0.0.1',
-    port=port,
-    log_level='warning',
-    http=serve._protocol(),
-    timeout_keep_alive=5,
-    timeout_graceful_shutdown=3,
-  )
-  http = uvicorn.Server(config)
+  http = uvicorn.Server(serve.uvicorn_config(server.app(), '127.0.0.1', port))
   thread = threading.Thread(target=http.run, daemon=True)
   thread.start()
   while not http.started:

@@ -663,8 +663,16 @@ def serve(
       f'note: {host} is reachable from other machines; anyone who can '
       'reach it can use the model' + ('' if api_key else ' (set --api-key)')
     )
-  uvicorn.run(
-    server.app(),
+  uvicorn.Server(uvicorn_config(server.app(), host, port)).run()
+
+
+def uvicorn_config(app, host: str, port: int):
+  """How the server runs `app` (the tests and benches run it so too):
+  quiet logs, idle connections closed, a short shutdown."""
+  import uvicorn
+
+  return uvicorn.Config(
+    app,
     host=host,
     port=port,
     log_level='warning',
