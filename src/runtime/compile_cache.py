@@ -169,6 +169,7 @@ class FolderCache:
     self.fd, self.path, self.max_bytes = fd, path, max_bytes
     self._path = pathlib.Path(path)  # What JAX's interface names.
     self.replaced = 0
+    self._total: int | None = None  # Bytes of entries, as last counted.
 
   def get(self, key: str) -> bytes | None:
     name = _entry_name(key)
@@ -211,7 +212,10 @@ class FolderCache:
       except BaseException:
         _unlink(tmp, self.fd)
         raise
-      self.evict()
+      if self._total is not None:
+        self._total += len(data)
+      if self._total is None or self._total > self.max_bytes:
+        self.evict()  # Counted afresh once a process, then when over.
     except OSError as e:  # A full disk: the program just is not kept.
       _verbose(f'compilation cache entry not written ({e.strerror})')
 
@@ -248,6 +252,7 @@ class FolderCache:
       if total > self.max_bytes or stale:
         if _unlink(name, self.fd):
           total -= size
+    self._total = total
 
 
 def _unlink(name: str, dir_fd: int) -> bool:
