@@ -121,7 +121,7 @@ def data_text(info: dict) -> str:
     f'{data[k]:,} {k}' for k in ('conversations', 'tokens') if k in data
   ]
   if counts:
-    parts.append(' and '.join(counts) + ' of conversations')
+    parts.append(', '.join(counts) + ' in the line format')
   if 'sha256' in data:
     parts.append(f'data sha256 {data["sha256"][:16]}')
   return '; '.join(parts) or 'not recorded'
