@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import trax  # noqa: E402
 
-from src.apps import openai_api, serve  # noqa: E402
+from src.apps import asgi, openai_api, serve  # noqa: E402
 from src.data import chatformat, tokenizer  # noqa: E402
 from src.inference import decoding, engine, sampling  # noqa: E402
 from src.model import ginconf, reformer  # noqa: E402
@@ -207,7 +207,7 @@ def start_server(run_dir: str):
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]
-  config = serve.uvicorn_config(server.app(), '127.0.0.1', port)
+  config = asgi.uvicorn_config(server.app(), '127.0.0.1', port)
   http_server = uvicorn.Server(config)
   thread = threading.Thread(target=http_server.run, daemon=True)
   thread.start()

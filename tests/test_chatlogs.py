@@ -792,10 +792,10 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
 def test_redaction_covers_what_people_share(text, kept, kinds):
   from collections import Counter
 
-  from src.data.importers import chatlog
+  from src.data.importers import redaction
 
   counts = Counter()
-  assert chatlog.redact(text, counts) == kept
+  assert redaction.redact(text, counts) == kept
   assert dict(counts) == kinds
 
 

@@ -892,10 +892,10 @@ def _in_process(server):
   `serve.serve` runs it; yields the port."""
   import uvicorn
 
-  from src.apps import serve
+  from src.apps import asgi
 
   port = _free_port()
-  http = uvicorn.Server(serve.uvicorn_config(server.app(), '127.0.0.1', port))
+  http = uvicorn.Server(asgi.uvicorn_config(server.app(), '127.0.0.1', port))
   thread = threading.Thread(target=http.run, daemon=True)
   thread.start()
   while not http.started:

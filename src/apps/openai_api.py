@@ -245,6 +245,26 @@ def _settings(body: dict, defaults, max_tokens: int, seed):
   return settings
 
 
+def _max_tokens(body: dict, max_len: int, defaults) -> int:
+  """The reply's length limit: `max_completion_tokens`, else `max_tokens`,
+  else the server's; at most half the context."""
+  most = max_len // 2
+  max_tokens = _number(
+    body,
+    'max_completion_tokens',
+    int,
+    _number(body, 'max_tokens', int, min(defaults.max_new_tokens, most)),
+  )
+  if not 1 <= max_tokens <= most:
+    raise ApiError(
+      400,
+      f'max_tokens must be between 1 and {most} (half the context of '
+      f'{max_len} tokens)',
+      'max_tokens',
+    )
+  return max_tokens
+
+
 def parse_job(
   body, model_id: str, max_len: int, defaults: sampling.SamplingSettings
 ) -> Job:
@@ -266,20 +286,7 @@ def parse_job(
   n = _number(body, 'n', int, 1)
   if n != 1:
     raise ApiError(400, 'n must be 1: one reply per request', 'n')
-  most = max_len // 2
-  max_tokens = _number(
-    body,
-    'max_completion_tokens',
-    int,
-    _number(body, 'max_tokens', int, min(defaults.max_new_tokens, most)),
-  )
-  if not 1 <= max_tokens <= most:
-    raise ApiError(
-      400,
-      f'max_tokens must be between 1 and {most} (half the context of '
-      f'{max_len} tokens)',
-      'max_tokens',
-    )
+  max_tokens = _max_tokens(body, max_len, defaults)
   seed = body.get('seed')
   if seed is not None and (
     isinstance(seed, bool) or not isinstance(seed, int) or seed < 0

@@ -27,7 +27,8 @@ again as one block. A client that disconnects stops its generation at the
 next token.
 
 What it takes from a client is bounded: connections that send no request
-are closed after IDLE_SECONDS, a body must arrive within BODY_SECONDS,
+are closed after `asgi.IDLE_SECONDS`, a body must arrive within
+`asgi.BODY_SECONDS`,
 a conversation is tokenized only as far as it fits, every error (however
 odd the input) has OpenAI's shape, and pages of other origins and foreign
 Host names (DNS rebinding) are refused with 403.
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
 import json
 import os
@@ -45,15 +45,13 @@ import threading
 import time
 import uuid
 
+from src.apps import asgi
 from src.apps.openai_api import ApiError, Job, parse_job
 from src.core.errors import UserError
 from src.inference import engine, sampling
 from src.inference.decoding import Decoder
 
 PAGE = os.path.join(os.path.dirname(__file__), 'web', 'index.html')
-MAX_BODY = 4 * 1024 * 1024  # Bytes of one request body.
-BODY_SECONDS = 30  # A request body must arrive within this.
-IDLE_SECONDS = 10  # A connection must send its request within this.
 LOOPBACK_NAMES = {'localhost', '127.0.0.1', '::1'}
 
 
@@ -94,7 +92,7 @@ class Server:
 
   # ---- the model, one request at a time
 
-  def _enter(self) -> _Place:
+  def _enter(self) -> asgi.Place:
     """A place in the queue, taken now (a 503 when the model is busy and
     the queue full). A stream takes it before its 200, so once the 200 is
     sent the stream is served. `_turn` waits with it; `_leave` gives back
@@ -108,14 +106,14 @@ class Server:
         f'--max-queue {self.max_queue}); try again shortly',
       )
     self.waiting += 1
-    return _Place()
+    return asgi.Place()
 
-  def _leave(self, place: _Place):
+  def _leave(self, place: asgi.Place):
     if place.held:
       place.held = False
       self.waiting -= 1
 
-  async def _turn(self, place: _Place):
+  async def _turn(self, place: asgi.Place):
     """Waits for the model with the place `_enter` took."""
     try:
       await self._lock.acquire()
@@ -162,7 +160,7 @@ class Server:
     except engine.Refused as e:
       raise ApiError(400, str(e), e.param) from None
 
-  async def stream(self, job: Job, place: _Place):
+  async def stream(self, job: Job, place: asgi.Place):
     """Yields the reply's text pieces, then the result dict."""
     import anyio
 
@@ -351,7 +349,7 @@ class Server:
 
     try:
       self._check_key(request)
-      data = await _read_body(request)
+      data = await asgi.read_body(request)
       try:
         body = json.loads(data)
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -370,7 +368,7 @@ class Server:
       place = self._enter()  # A full queue is a 503, before any 200.
       if not job.stream:
         gone = asyncio.Event()
-        watcher = asyncio.ensure_future(_disconnect(request, gone))
+        watcher = asyncio.ensure_future(asgi.disconnect(request, gone))
         try:
           r = await self.complete(job, place, gone)
         finally:
@@ -385,7 +383,7 @@ class Server:
       return self._error(e)
     except Exception as e:  # Never a plain 500: OpenAI's shape, one line.
       return self._error(_internal(e))
-    return _Stream(
+    return asgi.Stream(
       self._events(ident, job, place),
       lambda: self._leave(place),  # A stream that never started.
       media_type='text/event-stream',
@@ -436,7 +434,7 @@ class Server:
       chunk['usage'] = usage
     return f'data: {json.dumps(chunk)}\n\n'
 
-  async def _events(self, ident: str, job: Job, place: _Place):
+  async def _events(self, ident: str, job: Job, place: asgi.Place):
     yield self._chunk(ident, {'role': 'assistant', 'content': ''})
     try:
       async for kind, value in self.stream(job, place):
@@ -450,37 +448,6 @@ class Server:
     except Exception as e:  # The stream ends with an error and [DONE].
       yield f'data: {json.dumps(_internal(e).body())}\n\n'
     yield 'data: [DONE]\n\n'
-
-
-class _Place:
-  """A request's place in the queue (see `Server._enter`)."""
-
-  held = True
-
-
-@functools.cache
-def _stream_class():
-  from starlette.responses import StreamingResponse
-
-  class Stream(StreamingResponse):
-    """A streamed response that calls `on_close` however it ends (a
-    client gone before the body started never runs the body)."""
-
-    def __init__(self, content, on_close, **kwargs):
-      super().__init__(content, **kwargs)
-      self.on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-      try:
-        await super().__call__(scope, receive, send)
-      finally:
-        self.on_close()
-
-  return Stream
-
-
-def _Stream(content, on_close, **kwargs):  # noqa: N802 (a class, made late)
-  return _stream_class()(content, on_close, **kwargs)
 
 
 def _internal(e: Exception) -> ApiError:
@@ -499,83 +466,6 @@ def _usage(r: dict) -> dict:
     'completion_tokens': r['completion_tokens'],
     'total_tokens': r['prompt_tokens'] + r['completion_tokens'],
   }
-
-
-async def _disconnect(request, gone: asyncio.Event):
-  """Sets `gone` when the client of `request` (its body read) disconnects:
-  uvicorn answers the next `receive` with `http.disconnect` then."""
-  while True:
-    message = await request.receive()
-    if message['type'] == 'http.disconnect':
-      gone.set()
-      return
-
-
-async def _read_body(request) -> bytes:
-  """The request body, refused above MAX_BODY bytes or when it takes over
-  BODY_SECONDS to arrive (a stalled upload holds nothing for long)."""
-  size = request.headers.get('content-length')
-  if size is not None and size.isdigit() and int(size) > MAX_BODY:
-    raise ApiError(400, f'the body is over {MAX_BODY >> 20} MB')
-  chunks, total = [], 0
-  try:
-    async with asyncio.timeout(BODY_SECONDS):
-      async for chunk in request.stream():
-        total += len(chunk)
-        if total > MAX_BODY:
-          raise ApiError(400, f'the body is over {MAX_BODY >> 20} MB')
-        chunks.append(chunk)
-  except TimeoutError:
-    raise ApiError(
-      408, f'the body did not arrive within {BODY_SECONDS} s'
-    ) from None
-  return b''.join(chunks)
-
-
-def _protocol():
-  """uvicorn's HTTP protocol, with connections that send no request
-  within IDLE_SECONDS closed (uvicorn times out only an idle connection
-  after a response): idle sockets cost nothing and lock no one out."""
-  from uvicorn.protocols.http.h11_impl import H11Protocol
-
-  class IdleTimeoutProtocol(H11Protocol):
-    def connection_made(self, transport):
-      super().connection_made(transport)
-      self._idle = self.loop.call_later(IDLE_SECONDS, self._close_if_idle)
-
-    def _close_if_idle(self):
-      if self.cycle is None and not self.transport.is_closing():
-        self.transport.close()
-
-    def connection_lost(self, exc):
-      self._idle.cancel()
-      super().connection_lost(exc)
-
-    def send_400_response(self, msg: str):
-      """A request that is not HTTP gets OpenAI's error shape too (uvicorn
-      answers plain text)."""
-      import h11
-
-      body = json.dumps(
-        ApiError(400, f'not a valid HTTP request ({msg[:120]})').body()
-      ).encode()
-      headers = [
-        (b'content-type', b'application/json'),
-        (b'content-length', str(len(body)).encode()),
-        (b'connection', b'close'),
-      ]
-      try:
-        for event in (
-          h11.Response(status_code=400, headers=headers, reason=b'Bad Request'),
-          h11.Data(data=body),
-          h11.EndOfMessage(),
-        ):
-          self.transport.write(self.conn.send(event))
-      except h11.LocalProtocolError:  # Too broken to answer in HTTP.
-        pass
-      self.transport.close()
-
-  return IdleTimeoutProtocol
 
 
 def state_bytes(decoder: Decoder) -> int:
@@ -663,20 +553,4 @@ def serve(
       f'note: {host} is reachable from other machines; anyone who can '
       'reach it can use the model' + ('' if api_key else ' (set --api-key)')
     )
-  uvicorn.Server(uvicorn_config(server.app(), host, port)).run()
-
-
-def uvicorn_config(app, host: str, port: int):
-  """How the server runs `app` (the tests and benches run it so too):
-  quiet logs, idle connections closed, a short shutdown."""
-  import uvicorn
-
-  return uvicorn.Config(
-    app,
-    host=host,
-    port=port,
-    log_level='warning',
-    http=_protocol(),
-    timeout_keep_alive=5,
-    timeout_graceful_shutdown=3,
-  )
+  uvicorn.Server(asgi.uvicorn_config(server.app(), host, port)).run()

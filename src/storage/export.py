@@ -262,10 +262,17 @@ def export(
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  _report(run_dir, out_dir, folder, model.step, info, log)
+  return info
+
+
+def _report(run_dir, out_dir, folder, step, info, log):
+  """Two lines: what was exported and its size, and what the card says of
+  the model and its data (so the sharer sees it before sharing)."""
   run_size = _folder_size(folder, snapshots.checkpoint_files(folder))
   size = _folder_size(out_dir)
   log(
-    f'exported step {model.step} of {run_dir} to {out_dir}: '
+    f'exported step {step} of {run_dir} to {out_dir}: '
     f'{size / 1e6:.2f} MB (the checkpoint is {run_size / 1e6:.2f} MB with '
     'optimizer slots); '
     f'{info["n_weights"]:,} weights'
@@ -275,7 +282,6 @@ def export(
     f'it was trained on: {data_text(info)} (--dataset); no path, folder or '
     'file name of yours is in the export'
   )
-  return info
 
 
 def _info(run_dir: str, folder: str, model, flat, scalars) -> dict:

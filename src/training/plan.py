@@ -117,6 +117,30 @@ def window_length(s, setup: ginconf.GinSetup) -> int:
   return length
 
 
+def _setup(s, gin_bindings, base, fine) -> ginconf.GinSetup:
+  """The model's settings: the gin file, the preset's `gin-bindings`, the
+  command line's `--bind` (a fine-tune's model settings under them)."""
+  bindings = tuple(s['gin-bindings']) + tuple(gin_bindings)
+  setup = ginconf.parse(s['gin'], bindings, base=base)
+  if fine is not None and fine.source is not None:
+    finetune.check_settings(setup, fine.source, s['gin'])
+  return setup
+
+
+def _window(s, setup, out_dir: str, resuming: bool) -> int:
+  """The run's training window (`window_length`); a resumed run must use
+  the window it started with (it then sees the data it would have)."""
+  window = window_length(s, setup)
+  saved = _saved_window(out_dir, setup) if resuming else None
+  if saved is not None and saved != window:
+    raise UserError(
+      f'{out_dir}: this run trained on windows of {saved} tokens; resume it '
+      f'with --window {saved} (it then sees the data it would have), or '
+      'use a new out-dir'
+    )
+  return window
+
+
 def _saved_window(out_dir: str, setup) -> int | None:
   """The window a run in `out_dir` trained with (its settings.json; None
   when there is none): a resumed run must see the windows it would have."""
@@ -181,32 +205,20 @@ def prepare(
       read nor written; the token cache goes to a private folder.
 
   Returns:
-    The `RunPlan`; the tokenizer is written to out-dir only after all
-    checks passed.
+    The `RunPlan` (the tokenizer is written to out-dir after all checks).
   """
   cluster = cluster or distributed.local()
   _notes(settings, log)
   out_dir = check_out_dir(settings)
   s, fine, base = _with_pretrained(settings, out_dir, leader)
-  markers = _markers(s)
-  bindings = tuple(s['gin-bindings']) + tuple(gin_bindings)
-  setup = ginconf.parse(s['gin'], bindings, base=base)
-  if fine is not None and fine.source is not None:
-    finetune.check_settings(setup, fine.source, s['gin'])
+  setup = _setup(s, gin_bindings, base, fine)
   start_step, checkpoint_folder, damage = _resume_point(setup, out_dir, leader)
-  window = window_length(s, setup)
-  saved = _saved_window(out_dir, setup) if start_step and not leader else None
-  if saved is not None and saved != window:
-    raise UserError(
-      f'{out_dir}: this run trained on windows of {saved} tokens; resume it '
-      f'with --window {saved} (it then sees the data it would have), or '
-      'use a new out-dir'
-    )
+  window = _window(s, setup, out_dir, start_step and not leader)
   batch_size, micro = _batch_size(s, cluster)
   memory, limit, step_seconds = _preflight(
     setup, s['vocab-size'], micro, window
   )
-  data = _data(s, fine, leader, markers, setup, batch_size, cluster, log)
+  data = _data(s, fine, leader, _markers(s), setup, batch_size, cluster, log)
   tok, train_corpus, eval_corpus, replay_corpus = data['corpora']
   train_view, eval_view, held = data['views']
   train_batches, eval_batches = data['batches']

@@ -232,6 +232,14 @@ def _tasks(plan: run_plan.RunPlan):
   return train_task, eval_task, lambda: last_tokens[0]
 
 
+def _train_model(plan, vocab: int):
+  """The model the run trains: windows shorter than the context start at a
+  random offset of the position grid, so every position the context
+  reaches is trained."""
+  offset = 'random' if plan.window < plan.gin.max_len else 'zero'
+  return ginconf.fresh_model(vocab, offset)
+
+
 def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
   """The Loop, at the plan's start step, with the chief's weights on every
   process (or a pretrained model's at step 0)."""
@@ -240,11 +248,8 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
   train_task, eval_task, tokens_per_step = _tasks(plan)
   vocab = plan.tokenizer.vocab_size
   with _checked_checkpoint(plan, cluster):
-    # Windows shorter than the context start at a random offset of the
-    # position grid, so every position the context reaches is trained.
-    offset = 'random' if plan.window < plan.gin.max_len else 'zero'
     loop = JadeLoop(
-      ginconf.fresh_model(vocab, offset),
+      _train_model(plan, vocab),
       [train_task],
       eval_model=reformer.reformer_lm(vocab, 'eval'),
       eval_tasks=[eval_task],

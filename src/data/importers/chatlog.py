@@ -40,6 +40,7 @@ from src.data.importers.base import (
   clean_message,
   clean_name,
 )
+from src.data.importers.redaction import redact
 
 # A message longer than this (characters) is dropped with a warning: no
 # chat message is, and it bounds what one message can hold in memory.
@@ -182,123 +183,6 @@ def _key(name: str) -> str:
 def _matches(sender: str, alias: str, ai: tuple[str, ...]) -> bool:
   keys = {_key(a) for a in ai}
   return _key(sender) in keys or (bool(alias) and _key(alias) in keys)
-
-
-# Redaction, most specific first: URLs (they hold digits and "@"), bare
-# domains and invite links, e-mail addresses, IBANs (mod-97 checked), card
-# numbers (Luhn checked), ID numbers with a reliable form (US SSN, UK
-# National Insurance, a number after "passport"/"ID"/"SSN"), street
-# addresses of the common forms, then phone numbers: 7 to 15 digits with
-# the usual separators, not starting with a date (a date and a time).
-# A URL or a path ends before trailing punctuation ("see x.com/a, then").
-_PATH = r'[^\s<>"\']*[^\s<>"\'.,;:!?)]'
-_URL = re.compile(r'\b(?:https?://|www\.)' + _PATH, re.IGNORECASE)
-_EMAIL = re.compile(
-  r'\b[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[a-z]{2,}\b', re.IGNORECASE
-)
-_TLDS = (
-  'com|org|net|edu|gov|io|co|gg|me|ly|app|dev|ai|tv|uk|de|fr|es|it|nl|be|'
-  'ch|at|se|no|dk|fi|pl|pt|br|ru|jp|cn|in|au|ca|us|info|biz|xyz|site|'
-  'online|link|page|club|to|cz|gr|ie|mx|ar|tr|ua|kr'
-)
-# A domain name, with or without a path: "example.com/invite/x", "t.me/+x".
-_DOMAIN = re.compile(
-  r'(?<![\w@.-])(?:[a-z0-9-]+\.)+(?:'
-  + _TLDS
-  + r')(?![\w-])(?:/'
-  + _PATH
-  + ')?',
-  re.IGNORECASE,
-)
-_IBAN = re.compile(r'\b[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]){11,30}\b')
-_CARD = re.compile(r'(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])')
-_SSN = re.compile(r'\b(?!000|666|9\d\d)\d{3}-(?!00)\d{2}-(?!0000)\d{4}\b')
-_NINO = re.compile(
-  r'\b[A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z] ?\d{2} ?\d{2} ?\d{2} ?[A-D]\b'
-)
-_ID_AFTER = re.compile(
-  r'\b(passport|id card|identity card|id|ssn|social security|'
-  r'driver.?s licen[cs]e|licen[cs]e|tax id|personalausweis|reisepass|dni|'
-  r'pasaporte|passeport)(\s*(?:number|no\.?|nr\.?|num(?:ber|ero|éro)?|#)?'
-  r'\s*(?:is|:)?\s*)([A-Z0-9][A-Z0-9-]{4,14})\b',
-  re.IGNORECASE,
-)
-_STREET = re.compile(
-  r'\b\d{1,5}[a-z]?\s+(?:[A-Z][\w\'-]*\s+){1,3}(?:Street|St|Avenue|Ave|'
-  r'Road|Rd|Boulevard|Blvd|Lane|Ln|Drive|Dr|Court|Ct|Way|Place|Pl|Terrace|'
-  r'Close|Crescent)\b\.?'
-  r'|\b[A-ZÄÖÜ][\wäöüß-]*(?:straße|strasse|str\.|weg|gasse|platz|allee|'
-  r'ring|damm)\s+\d{1,4}[a-z]?\b'
-  r'|\b(?:Rua|Avenida|Calle|Carrer|Via|Viale|Rue|Boulevard|Avenue|Plaza|'
-  r'Praça|Largo)\s+(?:(?:de|da|do|del|la|le|des|dos|das)\s+)?'
-  r'(?:[A-ZÀ-Ý][\wÀ-ÿ\'-]*\s+){1,3},?\s*(?:n[º°o.]\s*)?\d{1,4}[a-z]?\b'
-)
-_PHONE = re.compile(r'(?<![\w+(])(?:\+|\(|\b)\d(?:[ ./-]?\(?\d\)?){6,16}(?!\w)')
-_DATE_LIKE = re.compile(r'\d{1,4}([./-])\d{1,2}\1\d{1,4}')
-
-
-def _iban_ok(text: str) -> bool:
-  """The IBAN checksum (ISO 13616: mod 97 of the rearranged digits is 1)."""
-  code = text.replace(' ', '').upper()
-  if not 15 <= len(code) <= 34:
-    return False
-  moved = code[4:] + code[:4]
-  digits = ''.join(str(int(c, 36)) for c in moved)
-  return int(digits) % 97 == 1
-
-
-def _luhn_ok(text: str) -> bool:
-  """A payment card number's Luhn check digit holds."""
-  digits = [int(c) for c in text if c.isdigit()]
-  if not 13 <= len(digits) <= 19 or len(set(digits)) == 1:
-    return False
-  total = 0
-  for i, d in enumerate(reversed(digits)):
-    if i % 2:
-      d = d * 2 - 9 if d > 4 else d * 2
-    total += d
-  return total % 10 == 0
-
-
-def redact(text: str, counts: collections.Counter) -> str:
-  """`text` with what identifies people replaced by `<url>`, `<email>`,
-  `<iban>`, `<card>`, `<id>`, `<address>` and `<phone>`; `counts` counts
-  each kind. Checksums decide IBANs and cards, so a long number that is
-  neither stays."""
-
-  def sub(kind, check=None):
-    def replace(m):
-      if check is not None and not check(m.group(0)):
-        return m.group(0)
-      counts[kind] += 1
-      return f'<{kind}>'
-
-    return replace
-
-  def id_after(m):
-    if not any(c.isdigit() for c in m.group(3)):
-      return m.group(0)  # "ID card" followed by a word.
-    counts['id'] += 1
-    return f'{m.group(1)}{m.group(2)}<id>'
-
-  def phone(m):
-    found = m.group(0)
-    digits = sum(ch.isdigit() for ch in found)
-    if digits < 7 or digits > 15 or _DATE_LIKE.match(found):
-      return found
-    counts['phone'] += 1
-    return '<phone>'
-
-  text = _URL.sub(sub('url'), text)
-  text = _EMAIL.sub(sub('email'), text)
-  text = _DOMAIN.sub(sub('url'), text)
-  text = _IBAN.sub(sub('iban', _iban_ok), text)
-  text = _CARD.sub(sub('card', _luhn_ok), text)
-  text = _SSN.sub(sub('id'), text)
-  text = _NINO.sub(sub('id'), text)
-  text = _ID_AFTER.sub(id_after, text)
-  text = _STREET.sub(sub('address'), text)
-  return _PHONE.sub(phone, text)
 
 
 def open_input(path: str):
