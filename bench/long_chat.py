@@ -1,0 +1,110 @@
+"""Long chats through the chat engine: the first read of a long
+conversation, and the first reply token of a follow-up once it was read.
+
+  python bench/long_chat.py MODEL_DIR [--lengths 4000 24000] [--data DIR]
+
+For each length, a conversation of about that many tokens is built from
+the turns of the line-format files in `--data` (repeated in order), then
+sent as an API request would be (`src.inference.engine.Conversations`, the
+server's and the REPL's engine; unseeded sampling, 8 reply tokens), twice
+(the first pass compiles the programs; the second is reported):
+- the first read: the whole conversation and its question, read from an
+  empty context, to the reply's first token;
+- a follow-up: the same conversation, the reply, and one more question:
+  only the new tokens are read, then the first reply token.
+The conversation is never trimmed (it is checked to fit the context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from src import runtime  # noqa: E402
+
+runtime.bootstrap(light=True)
+
+from src.data import chatformat  # noqa: E402
+from src.inference import decoding, engine, sampling  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def conversation(turns, tok, length: int) -> list[tuple[str, str]]:
+  """Messages `(role, text)` of about `length` tokens, user first, ending
+  with an AI turn (the question is added by the caller)."""
+  out, used, i = [], 0, 0
+  while used < length:
+    role, text = turns[i % len(turns)]
+    i += 1
+    if (role == chatformat.USER) != (len(out) % 2 == 0):
+      continue  # Keep the sides alternating.
+    out.append((role, text))
+    used += len(tok.encode(text)) + 2
+  if out[-1][0] == chatformat.USER:
+    out.pop()
+  return out
+
+
+def timed(slot, messages, settings) -> tuple[float, dict]:
+  """Seconds to the reply's first text, and the result."""
+  first = []
+  started = time.perf_counter()
+
+  def emit(text, tokens=None):
+    if not first:
+      first.append(time.perf_counter() - started)
+
+  job = engine.Request(list(messages), settings)
+  result = slot.run(job, threading.Event(), emit)
+  return (first or [time.perf_counter() - started])[0], result
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('model_dir')
+  parser.add_argument('--lengths', type=int, nargs='+', default=[4000, 24000])
+  parser.add_argument('--data', default=os.path.join(ROOT, 'data', 'examples'))
+  args = parser.parse_args(argv)
+  decoder = decoding.Decoder.load(args.model_dir)
+  tok = decoder.tokenizer
+  turns = [
+    (t.role, t.text) for c in chatformat.read_data(args.data) for t in c.turns
+  ]
+  settings = sampling.SamplingSettings(max_new_tokens=8)
+  print(
+    f'model {args.model_dir}: context {decoder.max_len}, step '
+    f'{decoder.step}; {os.cpu_count()} cores'
+  )
+  print(
+    '| conversation | first read, to the first reply token | '
+    'follow-up: tokens read | follow-up: first reply token |'
+  )
+  print('|---:|---:|---:|---:|')
+  for length in args.lengths:
+    messages = conversation(turns, tok, length)
+    for _ in range(2):  # The first pass compiles; the second is timed.
+      slot = engine.Conversations(decoder)
+      asked = messages + [(chatformat.USER, 'How are you?')]
+      read, result = timed(slot, asked, settings)
+      if result['dropped_turns']:
+        sys.exit(f'{length} tokens do not fit the context: trimmed')
+      follow = asked + [
+        (chatformat.AI, result['text'] or '.'),
+        (chatformat.USER, 'And what about tomorrow?'),
+      ]
+      first, again = timed(slot, follow, settings)
+    new = again['prompt_tokens'] - again['reused_tokens']
+    print(
+      f'| {result["prompt_tokens"]:,} tokens | {read:.2f} s | {new} | '
+      f'{first * 1000:.1f} ms |'
+    )
+
+
+if __name__ == '__main__':
+  main()
