@@ -1089,3 +1089,31 @@ def test_whatsapp_memory_is_bounded_whatever_the_export(tmp_path, monkeypatch):
       zf.writestr(f'IMG-{i}.jpg', b'x')
   with pytest.raises(UserError, match='a zip of 12 entries'):
     convert.main(['whatsapp', str(zpath), str(tmp_path / 'o2'), '--ai', 'x'])
+
+
+def test_pseudonyms_replace_the_other_peoples_names(tmp_path):
+  text = (
+    '1/3/21, 10:00 - Sam Okafor: Hi Robin, it is Sam!\n'
+    '1/3/21, 10:01 - Robin Silva: Hey Sam, how is Jo?\n'
+    '1/3/21, 10:02 - Jo Park: I am fine, thanks Sam Okafor. samuel?\n'
+    '1/3/21, 10:03 - Robin Silva: Great, Jo and SAM.\n'
+  )
+  convs = run(
+    tmp_path,
+    'whatsapp',
+    {'c.txt': text},
+    '--ai',
+    'Robin Silva',
+    '--names',
+    '--pseudonyms',
+  )
+  assert convs == [
+    [
+      ('user', 'Person 1: Hi Robin, it is Person 1!'),
+      ('ai', 'Hey Person 1, how is Jo?'),  # Jo has not written yet.
+      ('user', 'Person 2: I am fine, thanks Person 1. samuel?'),
+      ('ai', 'Great, Jo and Person 1.'),  # A first name under 3 letters.
+    ]
+  ]
+  written = next((tmp_path / 'out').iterdir()).read_text()
+  assert 'Okafor' not in written and 'Park' not in written

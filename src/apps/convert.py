@@ -107,8 +107,15 @@ def _chat_options(parser: argparse.ArgumentParser):
   parser.add_argument(
     '--redact',
     action='store_true',
-    help='chat exports: e-mail addresses, phone numbers and URLs become '
-    '<email>, <phone>, <url>',
+    help='chat exports: e-mail addresses, phone numbers, links, IBANs, card '
+    'and ID numbers and street addresses become <email>, <phone>, ...',
+  )
+  parser.add_argument(
+    '--pseudonyms',
+    action='store_true',
+    help='chat exports: the other people\'s names become "Person 1", '
+    '"Person 2", ... (the same person always the same), in --names and in '
+    'what is written',
   )
 
 
@@ -209,9 +216,10 @@ def main(argv=None):
 def _main(args):
   if args.format in CHATS:
     return _convert_chats(args)
-  if args.ai or args.names or args.redact:
+  if args.ai or args.names or args.redact or args.pseudonyms:
     raise UserError(
-      f'--ai, --names and --redact are for chat exports ({", ".join(CHATS)}),'
+      f'--ai, --names, --redact and --pseudonyms are for chat exports '
+      f'({", ".join(CHATS)}),'
       f' not {args.format}'
     )
   if args.format == 'to-messages':
@@ -254,6 +262,7 @@ def _convert_chats(args) -> int:
     ),
     names=args.names,
     redact=args.redact,
+    pseudonyms=args.pseudonyms,
     trim=args.trim,
     strict=args.strict,
   )

@@ -90,6 +90,7 @@ class ChatOptions(Options):
   gap: float = DEFAULT_GAP  # Seconds of silence that end a conversation.
   names: bool = False  # User lines carry "Name: text".
   redact: bool = False  # E-mail addresses, phone numbers, URLs replaced.
+  pseudonyms: bool = False  # Other people's names as "Person N".
 
 
 @dataclasses.dataclass
@@ -322,6 +323,7 @@ def write_chat(items, f, opts: ChatOptions, report: ChatReport, warn):
   """Writes the conversations of one export's `items` (see the module
   docstring) into the open text file `f`."""
   writer = _Writer(f, opts, report, warn)
+  people = _Pseudonyms()
   last = None
   for item in items:
     if isinstance(item, Drop):
@@ -343,14 +345,51 @@ def write_chat(items, f, opts: ChatOptions, report: ChatReport, warn):
         writer.end()
       last = item.time
     ai = _matches(item.sender, item.alias, opts.ai)
-    counted = report.messages
+    counted = report.messages  # Real names: the summary is yours alone.
     if item.sender in counted or len(counted) < MAX_SENDERS:
       counted[item.sender] += 1
     else:
       counted[f'({MAX_SENDERS}+ others)'] += 1
+    if opts.pseudonyms:
+      item, text = people.disguise(item, text, ai)
     report.ai_messages += ai
     writer.add(dataclasses.replace(item, text=text), AI if ai else USER)
   writer.end()
+
+
+class _Pseudonyms:
+  """`--pseudonyms`: each person other than the AI becomes "Person N" (in
+  order of their first message; the same person always the same), as a
+  sender and where their name (or its first word of 3 letters or more) is
+  written in a message from then on. A name mentioned before its owner's
+  first message, and nicknames, stay."""
+
+  def __init__(self):
+    self.names: dict[str, str] = {}
+    self.pattern = None
+
+  def disguise(self, item, text: str, ai: bool):
+    sender = item.sender
+    if not ai and sender not in self.names and len(self.names) < MAX_SENDERS:
+      self.names[sender] = f'Person {len(self.names) + 1}'
+      self.pattern = self._compile()
+    if self.pattern is not None:
+      text = self.pattern.sub(lambda m: self._by_word[m.group(0).lower()], text)
+    if sender in self.names:
+      item = dataclasses.replace(item, sender=self.names[sender], alias='')
+    return item, text
+
+  def _compile(self):
+    self._by_word = {}
+    for name, placeholder in self.names.items():
+      words = [name] + [w for w in name.split()[:1] if len(w) >= 3]
+      for word in words:
+        self._by_word.setdefault(word.lower(), placeholder)
+    alternatives = sorted(self._by_word, key=len, reverse=True)
+    return re.compile(
+      r'(?<!\w)(?:' + '|'.join(map(re.escape, alternatives)) + r')(?!\w)',
+      re.IGNORECASE,
+    )
 
 
 def escaped(text: str, limit: int) -> str:
