@@ -615,7 +615,7 @@ def test_parse_gap():
 
 def test_ai_is_an_exact_option_now(tmp_path):
   # --ai used to be an ambiguous prefix of --ai-roles/--ai-side/--ai-prefix.
-  with pytest.raises(UserError, match='--ai, --names and --redact'):
+  with pytest.raises(UserError, match='--ai, --names, --redact and --pseudonyms'):
     convert.main(
       [
         'transcript',
