@@ -615,7 +615,9 @@ def test_parse_gap():
 
 def test_ai_is_an_exact_option_now(tmp_path):
   # --ai used to be an ambiguous prefix of --ai-roles/--ai-side/--ai-prefix.
-  with pytest.raises(UserError, match='--ai, --names, --redact and --pseudonyms'):
+  with pytest.raises(
+    UserError, match='--ai, --names, --redact and --pseudonyms'
+  ):
     convert.main(
       [
         'transcript',
@@ -716,6 +718,9 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
       'date': st.just('2024-03-01T18:02:11') | value,
       'timestamp': st.just('2024-03-01T18:02:11+00:00') | value,
       'timestamp_ms': st.integers(0, 2**42) | value,
+      'user': st.sampled_from(['U1', 'U2']) | value,
+      'ts': st.just('1709316131.000200') | value,
+      'subtype': st.none() | value,
     },
   )
   export = (
@@ -731,15 +736,27 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
     suppress_health_check=list(HealthCheck),
   )
   @given(
-    fmt=st.sampled_from(['whatsapp', 'telegram', 'discord', 'messenger']),
+    fmt=st.sampled_from(
+      ['whatsapp', 'telegram', 'discord', 'messenger', 'slack']
+    ),
     chat=whatsapp,
     data=export,
   )
   def check(fmt, chat, data):
     folder = tmp_path_factory.mktemp(f'fuzz{next(runs)}')
-    name = 'chat.txt' if fmt == 'whatsapp' else 'message_1.json'
-    content = chat if fmt == 'whatsapp' else json.dumps(data)
     try:
+      if fmt == 'slack':  # A folder: users.json and a day of a channel.
+        (folder / 'in' / 'general').mkdir(parents=True)
+        (folder / 'in' / 'users.json').write_text(json.dumps(_SLACK_USERS))
+        day = data.get('messages') if isinstance(data, dict) else data
+        (folder / 'in' / 'general' / '2024-03-01.json').write_text(
+          json.dumps(day)
+        )
+        args = [str(folder / 'in'), str(folder / 'out'), '--ai', 'alexd']
+        convert.main(['slack', *args, '--trim'])
+        return
+      name = 'chat.txt' if fmt == 'whatsapp' else 'message_1.json'
+      content = chat if fmt == 'whatsapp' else json.dumps(data)
       run(folder, fmt, {name: content}, '--ai', 'Luis', '--trim')
     except UserError as e:
       assert '\n' not in str(e)
@@ -1117,3 +1134,94 @@ def test_pseudonyms_replace_the_other_peoples_names(tmp_path):
   ]
   written = next((tmp_path / 'out').iterdir()).read_text()
   assert 'Okafor' not in written and 'Park' not in written
+
+
+_SLACK_USERS = [
+  {
+    'id': 'U1',
+    'name': 'alexd',
+    'real_name': 'Alex Doe',
+    'profile': {'display_name': 'Alex'},
+  },
+  {'id': 'U2', 'name': 'sam', 'real_name': 'Sam Lee', 'profile': {}},
+]
+
+
+def _slack_day(*messages):
+  return [
+    {'type': 'message', 'user': user, 'text': text, 'ts': ts, **extra}
+    for user, text, ts, extra in messages
+  ]
+
+
+def _slack_export(root):
+  (root / 'general').mkdir(parents=True)
+  (root / 'D123').mkdir()
+  (root / 'users.json').write_text(json.dumps(_SLACK_USERS))
+  (root / 'channels.json').write_text('[]')
+  (root / 'general' / '2024-03-02.json').write_text(
+    json.dumps(
+      _slack_day(
+        ('U2', 'and today? &lt;3', '1709400000.000100', {}),
+        ('U1', 'same &amp; more', '1709400001.000100', {}),
+      )
+    )
+  )
+  (root / 'general' / '2024-03-01.json').write_text(
+    json.dumps(
+      _slack_day(
+        (
+          'U2',
+          'hi <@U1>, see <https://example.com|the plan> in <#C1|random>',
+          '1709316131.000200',
+          {},
+        ),
+        ('U2', '', '1709316132.000200', {'subtype': 'channel_join'}),
+        ('U2', '', '1709316133.000200', {'files': [{'name': 'a.png'}]}),
+        ('U1', 'thanks <@U2>!', '1709316134.000200', {}),
+      )
+    )
+  )
+  (root / 'D123' / '2024-03-01.json').write_text(
+    json.dumps(
+      _slack_day(
+        ('U2', 'psst', '1709316131.000200', {}),
+        ('U1', 'yes?', '1709316140.000200', {}),
+      )
+    )
+  )
+
+
+def test_slack_workspace_export_folder_and_zip(tmp_path):
+  root = tmp_path / 'export'
+  _slack_export(root)
+  for given in ('folder', 'zip'):
+    path = root
+    if given == 'zip':
+      path = tmp_path / 'export.zip'
+      with zipfile.ZipFile(path, 'w') as zf:
+        for f in sorted(root.rglob('*')):
+          if f.is_file():
+            zf.write(f, 'Acme Slack export/' + str(f.relative_to(root)))
+    out = tmp_path / f'out-{given}'
+    convert.main(
+      ['slack', str(path), str(out), '--ai', 'alexd', '--gap', 'never']
+    )
+    assert sorted(os.listdir(out)) == ['slack-D123.txt', 'slack-general.txt']
+    general = (out / 'slack-general.txt').read_text().splitlines()
+    assert general == [
+      'hi @Alex, see the plan in #random',
+      '|aigenerationstart| thanks @Sam Lee! |endofgeneration|',
+      'and today? <3',
+      '|aigenerationstart| same & more |endofgeneration|',
+    ]
+
+
+def test_slack_bad_inputs_are_one_line(tmp_path):
+  assert 'not a Slack workspace export' in refused(
+    tmp_path, 'slack', {'notes.txt': 'hello'}, '--ai', 'x'
+  )
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  with pytest.raises(UserError, match='not a Slack workspace export'):
+    convert.main(['slack', str(empty), str(tmp_path / 'o'), '--ai', 'x'])

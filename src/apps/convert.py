@@ -21,6 +21,7 @@ the model learns to write; everyone else is the user):
   python convert.py discord   general.json     data/me --ai alex
   python convert.py messenger inbox/sam_1/message_*.json data/me \
       --ai "Alex Doe" --gap 3h --names --redact
+  python convert.py slack     "Acme Slack export.zip" data/me --ai alexd
 
 Each importer (`src/data/importers/`, one module per format) writes
 `OUT/<input name>.txt` (one conversation per blank-line separated block)

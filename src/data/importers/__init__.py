@@ -17,6 +17,7 @@ from src.data.importers import (
   discord,
   messages,
   messenger,
+  slack,
   subtitles,
   taskmaster,
   telegram,
@@ -45,4 +46,5 @@ CHATS = {
   'discord': discord,
   'messenger': messenger,
   'instagram': messenger,
+  'slack': slack,
 }

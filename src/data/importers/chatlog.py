@@ -186,6 +186,26 @@ def _matches(sender: str, alias: str, ai: tuple[str, ...]) -> bool:
   return _key(sender) in keys or (bool(alias) and _key(alias) in keys)
 
 
+def zip_entries(raw) -> int | None:
+  """How many entries a zip's central directory says it has, read from its
+  end record before the directory itself is (which takes memory by the
+  entry); None if the record cannot be read."""
+  size = raw.seek(0, os.SEEK_END)
+  tail = min(size, (1 << 16) + 22)
+  raw.seek(size - tail)
+  data = raw.read(tail)
+  at = data.rfind(b'PK\x05\x06')
+  if at < 0 or at + 22 > len(data):
+    return None
+  count = int.from_bytes(data[at + 10 : at + 12], 'little')
+  if count == 0xFFFF:  # Zip64: the count is in the zip64 end record.
+    at64 = data.rfind(b'PK\x06\x06', 0, at)
+    if at64 < 0 or at64 + 40 > len(data):
+      return None
+    count = int.from_bytes(data[at64 + 32 : at64 + 40], 'little')
+  return count
+
+
 def open_input(path: str):
   """An export file opened for reading (binary): a regular file, never
   through a link; else a `UserError` that says what to give instead."""

@@ -93,26 +93,6 @@ def sources(inputs: list[str]) -> list[chatlog.Source]:
 MAX_ENTRIES = 100_000  # Entries of an export zip ("Include media": files).
 
 
-def _zip_entries(raw) -> int | None:
-  """How many entries a zip's central directory says it has, read from its
-  end record before the directory itself is (which takes memory by the
-  entry); None if the record cannot be read."""
-  size = raw.seek(0, os.SEEK_END)
-  tail = min(size, (1 << 16) + 22)
-  raw.seek(size - tail)
-  data = raw.read(tail)
-  at = data.rfind(b'PK\x05\x06')
-  if at < 0 or at + 22 > len(data):
-    return None
-  count = int.from_bytes(data[at + 10 : at + 12], 'little')
-  if count == 0xFFFF:  # Zip64: the count is in the zip64 end record.
-    at64 = data.rfind(b'PK\x06\x06', 0, at)
-    if at64 < 0 or at64 + 40 > len(data):
-      return None
-    count = int.from_bytes(data[at64 + 32 : at64 + 40], 'little')
-  return count
-
-
 def _mac_extra(name: str) -> bool:
   """What a Mac adds when it zips a folder again: `__MACOSX/` and `._`
   files (resource forks), never a chat."""
@@ -168,7 +148,7 @@ class _Lines:
     with chatlog.open_input(self.path) as raw:
       if zipfile.is_zipfile(raw):
         raw.seek(0)
-        entries = _zip_entries(raw)
+        entries = chatlog.zip_entries(raw)
         if entries is None or entries > MAX_ENTRIES:
           raise UserError(
             f'{self.path}: a zip of {entries or "too many"} entries, more than '
