@@ -94,7 +94,7 @@ def test_reply_stops_at_end_marker_and_closes_the_turn(decoder, monkeypatch):
   tok = decoder.tokenizer
   word = tok.encode('morning')
   monkeypatch.setattr(
-    sampling, 'next_token', scripted(word + [tok.ai_end_id, 99])
+    sampling, 'draw', scripted(word + [tok.ai_end_id, 99])
   )
   s = session(decoder)
   assert s.reply('Good morning!') == 'morning'
@@ -109,7 +109,7 @@ def test_line_breaks_in_and_out(decoder, monkeypatch):
   tok = decoder.tokenizer
   monkeypatch.setattr(
     sampling,
-    'next_token',
+    'draw',
     scripted(tok.encode('a |br| b') + [tok.ai_end_id]),
   )
   s = session(decoder)
@@ -134,7 +134,7 @@ def test_stdin_repl_with_commands_and_save(decoder, tmp_path, monkeypatch):
   # Replies that do not depend on what the tiny model learned.
   reply = itertools.cycle(tok.encode('fine') + [tok.ai_end_id])
   monkeypatch.setattr(
-    sampling, 'next_token', lambda *args, **kwargs: next(reply)
+    sampling, 'draw', lambda *args, **kwargs: next(reply)
   )
   out = io.StringIO()
   s = session(decoder, out=out, temperature=0.0)
@@ -243,7 +243,7 @@ def test_ctrl_c_stops_the_reply(decoder, monkeypatch):
       os.kill(os.getpid(), signal.SIGINT)
     return tok.encode('yes')[-1]
 
-  monkeypatch.setattr(sampling, 'next_token', sampler)
+  monkeypatch.setattr(sampling, 'draw', sampler)
   s = session(decoder, max_new_tokens=50)
   s.reply('Hello')
   assert s.out.getvalue().endswith(' [stopped]\n')
@@ -323,7 +323,7 @@ def test_the_chat_never_dies_on_input(decoder, tmp_path, monkeypatch):
   tok = decoder.tokenizer
   reply = itertools.cycle(tok.encode('ok') + [tok.ai_end_id])
   monkeypatch.setattr(
-    sampling, 'next_token', lambda *args, **kwargs: next(reply)
+    sampling, 'draw', lambda *args, **kwargs: next(reply)
   )
   out = io.StringIO()
   s = session(decoder, out=out)
@@ -354,7 +354,7 @@ def test_the_chat_never_dies_on_input(decoder, tmp_path, monkeypatch):
 def test_ctrl_c_while_feeding_keeps_the_session(decoder, monkeypatch):
   tok = decoder.tokenizer
   monkeypatch.setattr(
-    sampling, 'next_token', scripted(tok.encode('ok') + [tok.ai_end_id])
+    sampling, 'draw', scripted(tok.encode('ok') + [tok.ai_end_id])
   )
   s = session(decoder)
   s.reply('Hello')
@@ -396,7 +396,7 @@ def test_piped_replies_take_one_line_and_backslash_continues(
     tok.encode('one') + tok.encode('|br|') + tok.encode('two') + [tok.ai_end_id]
   )
   monkeypatch.setattr(
-    sampling, 'next_token', lambda *args, **kwargs: next(reply)
+    sampling, 'draw', lambda *args, **kwargs: next(reply)
   )
   out = io.StringIO()
   s = session(decoder, out=out, temperature=0.0)
@@ -547,7 +547,7 @@ def test_the_context_holds_every_token_shown_however_a_reply_ends(
   tok = decoder.tokenizer
   words = tok.encode('one two three four five six')
   monkeypatch.setattr(
-    sampling, 'next_token', scripted(words[:4] + [tok.ai_end_id])
+    sampling, 'draw', scripted(words[:4] + [tok.ai_end_id])
   )
   decoder.reset()
   context = generate.Context(decoder)

@@ -67,7 +67,7 @@ class Reply:
   finish_reason: str  # 'stop' (the model ended it, or a stop string), or
   # 'length' (max_new_tokens, or cancelled).
   cancelled: bool
-  shown_whole: str = ''  # Every token's text, before a stop string cut.
+  cut: bool = False  # Cut at a stop string (the context holds more).
 
 
 def stream_reply(
@@ -101,7 +101,7 @@ def stream_reply(
   tok = context.decoder.tokenizer
   hold = max((len(s) for s in stops), default=1) - 1
   ids: list[int] = []
-  text, shown, finish = '', '', 'length'
+  text, shown, finish, at = '', '', 'length', None
   tokens = generate.generate(
     context, logits, settings, rng, stop=stop, observe=observe
   )
@@ -111,9 +111,9 @@ def stream_reply(
       text = generate.display(tok, ids, one_line)
       if ends is not None:
         ends.append(len(text))
-      cut = stop_at(text, stops)
-      if cut is not None:
-        text, finish = text[:cut], 'stop'
+      at = stop_at(text, stops)
+      if at is not None:
+        text, finish = text[:at], 'stop'
         break
       # What cannot be the start of a stop string yet.
       shown = _send(emit, shown, text[: len(text) - hold])
@@ -124,8 +124,7 @@ def stream_reply(
   cancelled = bool(stop())
   if not cancelled:
     _send(emit, shown, text)
-  whole = generate.display(tok, ids, one_line)
-  return Reply(ids, text, finish, cancelled, whole)
+  return Reply(ids, text, finish, cancelled, cut=at is not None)
 
 
 def stop_at(text: str, stops) -> int | None:
@@ -447,13 +446,13 @@ class Conversations:
         stops=job.stop,
         emit=probs.emit if job.logprobs is not None else emit,
         observe=probs.observe if job.logprobs is not None else None,
-        ends=probs.ends,
+        ends=probs.ends if job.logprobs is not None else None,
       )
       self.conversation.append((chatformat.AI, reply.text))
     except BaseException:
       self.reset()
       raise
-    if reply.text != reply.shown_whole:
+    if reply.cut:
       # Cut at a stop string: the decoder read tokens the client never
       # sees, so no later request may continue from this state.
       self.reset()

@@ -230,7 +230,7 @@ def generate(
         )
       logits[banned] = -np.inf
       logits = sampling.adjusted(logits, settings, recent, made)
-      token = sampling.next_token(logits, settings, rng)
+      token = sampling.draw(logits, settings, rng)
       if token in (tok.ai_end_id, tokenizer.EOS_ID):
         return
       if observe is not None:

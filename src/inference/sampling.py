@@ -2,8 +2,9 @@
 
 `SamplingSettings` holds the user's controls; `next_token` applies them in a
 fixed order: repetition penalty, presence and frequency penalties (on the
-reply's own tokens, as OpenAI defines them), temperature (0 = greedy),
-top-k, top-p, then a draw from the given NumPy generator.
+reply's own tokens, as OpenAI defines them; `adjusted`), then temperature
+(0 = greedy), top-k, top-p and a draw from the given NumPy generator
+(`draw`).
 """
 
 from __future__ import annotations
@@ -190,11 +191,10 @@ def next_token(
   recent=(),
   made=(),
 ) -> int:
-  """Picks the next token id.
+  """Picks the next token id: the penalties (`adjusted`), then `draw`.
 
   Args:
-    logits: `[vocab]` logits of the next position (or `adjusted` ones:
-      pass `recent` and `made` empty then).
+    logits: `[vocab]` logits of the next position.
     settings: The sampling controls.
     rng: Random generator (ignored when temperature is 0).
     recent: Recent token ids for the repetition penalty.
@@ -204,7 +204,13 @@ def next_token(
   Returns:
     The chosen id.
   """
-  logits = adjusted(logits, settings, recent, made)
+  return draw(adjusted(logits, settings, recent, made), settings, rng)
+
+
+def draw(logits, settings: SamplingSettings, rng: np.random.Generator) -> int:
+  """The token drawn from `adjusted` logits: the most likely one at
+  temperature 0, else one from the temperature's, top-k's and top-p's
+  distribution."""
   if settings.temperature < MIN_TEMPERATURE:  # Tinier ones overflow.
     return int(np.argmax(logits))
   logits = filter_logits(

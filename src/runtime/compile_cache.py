@@ -50,7 +50,9 @@ class Unsafe(Exception):
 
 
 def _verbose(text: str):
-  if os.environ.get('JADE_VERBOSE'):
+  from src.runtime import quiet
+
+  if quiet.verbose():
     print(f'note: {text}', file=sys.stderr)
 
 

@@ -116,7 +116,7 @@ def data_text(info: dict) -> str:
   parts = []
   data = info.get('data') or {}
   if info.get('datasets'):
-    parts.append(', '.join(clean_name(d) for d in info['datasets']))
+    parts.append(', '.join(info['datasets']))  # Cleaned by `export`.
   counts = [
     f'{data[k]:,} {k}' for k in ('conversations', 'tokens') if k in data
   ]

@@ -156,9 +156,10 @@ def _saved_window(out_dir: str, setup) -> int | None:
   return saved or setup.max_len
 
 
-def _data(s, fine, leader, markers, setup, batch_size, cluster, log) -> dict:
+def _data(s, fine, leader, markers, window, batch_size, cluster, log) -> dict:
   """The tokenizer and corpora (`corpora`), the train and eval views and
-  the held-out share (`views`), and the batches (`batches`)."""
+  the held-out share (`views`), and the batches of `window`-token windows
+  (`batches`)."""
   adopted, data_settings = _given_tokenizer(s, fine, leader, markers)
   corpora = _prepare_data(data_settings, markers, log, adopted)
   _, train_corpus, eval_corpus, replay_corpus = corpora
@@ -166,7 +167,7 @@ def _data(s, fine, leader, markers, setup, batch_size, cluster, log) -> dict:
   replay_view = None if replay_corpus is None else _view(replay_corpus)
   batches = _batches(
     s,
-    window_length(s, setup),
+    window,
     batch_size,
     cluster,
     (views[0], replay_view),
@@ -218,7 +219,7 @@ def prepare(
   memory, limit, step_seconds = _preflight(
     setup, s['vocab-size'], micro, window
   )
-  data = _data(s, fine, leader, _markers(s), setup, batch_size, cluster, log)
+  data = _data(s, fine, leader, _markers(s), window, batch_size, cluster, log)
   tok, train_corpus, eval_corpus, replay_corpus = data['corpora']
   train_view, eval_view, held = data['views']
   train_batches, eval_batches = data['batches']
