@@ -93,9 +93,7 @@ def test_greedy_incremental_equals_full_forward(tiny_run):
 def test_reply_stops_at_end_marker_and_closes_the_turn(decoder, monkeypatch):
   tok = decoder.tokenizer
   word = tok.encode('morning')
-  monkeypatch.setattr(
-    sampling, 'draw', scripted(word + [tok.ai_end_id, 99])
-  )
+  monkeypatch.setattr(sampling, 'draw', scripted(word + [tok.ai_end_id, 99]))
   s = session(decoder)
   assert s.reply('Good morning!') == 'morning'
   assert s.turns[-1].ids == [tok.ai_start_id] + word + [tok.ai_end_id]
@@ -133,9 +131,7 @@ def test_stdin_repl_with_commands_and_save(decoder, tmp_path, monkeypatch):
   tok = decoder.tokenizer
   # Replies that do not depend on what the tiny model learned.
   reply = itertools.cycle(tok.encode('fine') + [tok.ai_end_id])
-  monkeypatch.setattr(
-    sampling, 'draw', lambda *args, **kwargs: next(reply)
-  )
+  monkeypatch.setattr(sampling, 'draw', lambda *args, **kwargs: next(reply))
   out = io.StringIO()
   s = session(decoder, out=out, temperature=0.0)
   saved = tmp_path / 'chat.txt'
@@ -322,9 +318,7 @@ def test_the_chat_never_dies_on_input(decoder, tmp_path, monkeypatch):
   session goes on with its context."""
   tok = decoder.tokenizer
   reply = itertools.cycle(tok.encode('ok') + [tok.ai_end_id])
-  monkeypatch.setattr(
-    sampling, 'draw', lambda *args, **kwargs: next(reply)
-  )
+  monkeypatch.setattr(sampling, 'draw', lambda *args, **kwargs: next(reply))
   out = io.StringIO()
   s = session(decoder, out=out)
   lines = [
@@ -395,9 +389,7 @@ def test_piped_replies_take_one_line_and_backslash_continues(
   reply = itertools.cycle(
     tok.encode('one') + tok.encode('|br|') + tok.encode('two') + [tok.ai_end_id]
   )
-  monkeypatch.setattr(
-    sampling, 'draw', lambda *args, **kwargs: next(reply)
-  )
+  monkeypatch.setattr(sampling, 'draw', lambda *args, **kwargs: next(reply))
   out = io.StringIO()
   s = session(decoder, out=out, temperature=0.0)
   stdin = io.StringIO('first line \\\nsecond line\nHi\n')
@@ -546,9 +538,7 @@ def test_the_context_holds_every_token_shown_however_a_reply_ends(
 
   tok = decoder.tokenizer
   words = tok.encode('one two three four five six')
-  monkeypatch.setattr(
-    sampling, 'draw', scripted(words[:4] + [tok.ai_end_id])
-  )
+  monkeypatch.setattr(sampling, 'draw', scripted(words[:4] + [tok.ai_end_id]))
   decoder.reset()
   context = generate.Context(decoder)
   settings = sampling.SamplingSettings(
