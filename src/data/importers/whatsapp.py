@@ -198,9 +198,8 @@ class _Lines:
 
 
 def _header(line: str):
-  """(layout, match) for a line that starts a message, else None. The
-  match is made on the line with its digits and commas made ASCII; its
-  last group, the rest of the line, is the line's own text."""
+  """(layout, match) for a line that starts a message, else None (see
+  `_match`)."""
   for layout, pattern in (('ios', IOS), ('android', ANDROID)):
     m = _match(pattern, line)
     if m:
@@ -209,28 +208,12 @@ def _header(line: str):
 
 
 def _match(pattern, line: str):
-  """`pattern`'s header match of `line`, made on the line with its digits
-  and commas made ASCII (`_Header`: the rest is the line's own), or None."""
+  """`pattern`'s header match of `line`, or None: made on the line with
+  the digits and commas of its head made ASCII (one character for one, so
+  the match's positions are the line's: take the text from the line)."""
   if line[:1] not in _ASCII_HEAD and _ARABIC_HEAD.search(line, 0, 48):
     line = line[:48].translate(_HEAD_CHARS) + line[48:]
-  m = pattern.match(line)
-  return _Header(m, line[m.start(m.lastindex) :]) if m else None
-
-
-class _Header:
-  """A header match whose rest of the line is the original text."""
-
-  def __init__(self, m, rest: str):
-    self.m, self.rest = m, rest
-    self.lastindex = m.lastindex
-
-  def group(self, *indexes):
-    if indexes == (self.lastindex,):
-      return self.rest
-    return self.m.group(*indexes)
-
-  def groups(self):
-    return self.m.groups()[:-1] + (self.rest,)
+  return pattern.match(line)
 
 
 def _order(path: str) -> tuple[str, str]:
@@ -354,7 +337,7 @@ def items(source: chatlog.Source, warn):
       continue
     if current is not None:
       yield _finish(current)
-    rest = m.group(9)
+    rest = line[m.start(9) :]  # The line's own text, digits as written.
     sender, sep, body = rest.partition(':')
     body = body[1:] if body.startswith(' ') else body
     if not sep or _EVENT_SENDER.search(sender) or len(sender) > 100:
