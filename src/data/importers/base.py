@@ -99,7 +99,7 @@ def clean_message(text, markers: chatformat.Markers) -> str:
   return line
 
 
-def clean_name(name: str, markers: chatformat.Markers) -> str:
+def speaker_label(name: str, markers: chatformat.Markers) -> str:
   """A speaker's name as `--names` writes it before a message: one line,
   no control characters, no marker of the format (each becomes a space),
   at most 100 characters."""

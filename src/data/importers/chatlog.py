@@ -25,6 +25,7 @@ import io
 import math
 import os
 import re
+import stat
 import tempfile
 import unicodedata
 
@@ -38,7 +39,7 @@ from src.data.importers.base import (
   Report,
   Skip,
   clean_message,
-  clean_name,
+  speaker_label,
 )
 from src.data.importers.redaction import redact
 
@@ -186,6 +187,27 @@ def _matches(sender: str, alias: str, ai: tuple[str, ...]) -> bool:
   return _key(sender) in keys or (bool(alias) and _key(alias) in keys)
 
 
+def files_in(root: str, limit: int) -> list[str]:
+  """The regular files under the folder `root`, as `/`-separated paths
+  relative to it, in sorted order; no link is followed or listed; more
+  than `limit` is one line (an export given as its unzipped folder)."""
+  names = []
+  for folder, dirs, found in os.walk(root):
+    dirs[:] = sorted(
+      d for d in dirs if not os.path.islink(os.path.join(folder, d))
+    )
+    for name in sorted(found):
+      path = os.path.join(folder, name)
+      if stat.S_ISREG(os.lstat(path).st_mode):
+        names.append(os.path.relpath(path, root).replace(os.sep, '/'))
+      if len(names) > limit:
+        raise UserError(
+          f'{root}: more than {limit} files, more than an export holds; give '
+          'the export itself'
+        )
+  return names
+
+
 def zip_entries(raw) -> int | None:
   """How many entries a zip's central directory says it has, read from its
   end record before the directory itself is (which takes memory by the
@@ -286,7 +308,7 @@ class _Writer:
       self._flush()
       self.role, self.speaker = role, None
     if self.opts.names and role == USER and message.sender != self.speaker:
-      line = f'{clean_name(message.sender, self.opts.markers)}: {line}'
+      line = f'{speaker_label(message.sender, self.opts.markers)}: {line}'
     self.speaker = message.sender
     if self.pending + len(line) > MAX_TURN:
       self.report.skipped[f'messages past a turn of {MAX_TURN} characters'] += 1

@@ -28,7 +28,14 @@ import re
 from src.core import files
 from src.core.errors import UserError
 from src.data.importers.base import stem
-from src.data.importers.chatlog import Chat, Drop, Message, Source, open_input
+from src.data.importers.chatlog import (
+  Chat,
+  Drop,
+  Message,
+  Source,
+  files_in,
+  open_input,
+)
 
 # Meta's files are split at about 10,000 messages (a few MB); a bigger
 # one is not an export.
@@ -114,19 +121,11 @@ MAX_FOLDER_FILES = 10_000  # message_N.json files found in given folders.
 def _in_folder(folder: str) -> list[str]:
   """The `message_N.json` files in `folder` and its subfolders (Meta's
   `messages/inbox/NAME/`), links never followed; sorted."""
-  found = []
-  for root, dirs, names in os.walk(folder):
-    dirs[:] = sorted(
-      d for d in dirs if not os.path.islink(os.path.join(root, d))
-    )
-    for name in sorted(names):
-      if re.fullmatch(r'message_\d+\.json', name):
-        found.append(os.path.join(root, name))
-        if len(found) > MAX_FOLDER_FILES:
-          raise UserError(
-            f'{folder}: more than {MAX_FOLDER_FILES} message files; give '
-            "one chat's folder (messages/inbox/NAME)"
-          )
+  found = [
+    os.path.join(folder, name)
+    for name in files_in(folder, MAX_FOLDER_FILES)
+    if re.fullmatch(r'message_\d+\.json', name.rsplit('/', 1)[-1])
+  ]
   if not found:
     raise UserError(
       f"{folder}: no message_N.json in it; give a chat folder of Meta's "

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import zipfile
 
 from src.core import files
@@ -52,7 +51,7 @@ class _Export:
     self.path = path
     self.zip = self.raw = None
     if os.path.isdir(path) and not os.path.islink(path):
-      self.names = self._walk(path)
+      self.names = chatlog.files_in(path, MAX_ENTRIES)
       return
     self.raw = chatlog.open_input(path)
     try:
@@ -76,18 +75,6 @@ class _Export:
       self.zip.close()
     if self.raw is not None:
       self.raw.close()
-
-  def _walk(self, root: str) -> list[str]:
-    names = []
-    for folder, dirs, found in os.walk(root):
-      dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(folder, d))]
-      for name in found:
-        path = os.path.join(folder, name)
-        if stat.S_ISREG(os.lstat(path).st_mode):
-          names.append(os.path.relpath(path, root).replace(os.sep, '/'))
-        if len(names) > MAX_ENTRIES:
-          raise UserError(f'{root}: more than {MAX_ENTRIES} files')
-    return names
 
   def read(self, name: str):
     """The JSON value of the file `name`, or None when it is not valid."""
