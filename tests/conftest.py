@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -184,4 +185,18 @@ def json_values(scalar, max_leaves=8, list_size=3, key_size=8):
       | st.dictionaries(st.text(max_size=key_size), inner, max_size=3)
     ),
     max_leaves=max_leaves,
+  )
+
+
+def run_script(args, env=None, **kwargs):
+  """`python ARGS` in the repository root, `env` over this environment;
+  its output captured as text."""
+  env = {**os.environ, **(env or {})}
+  return subprocess.run(
+    [sys.executable, *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    **kwargs,
   )

@@ -3,8 +3,6 @@ else can write, entries bound to their keys, damaged ones replaced once."""
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -12,7 +10,7 @@ import pytest
 
 from src.runtime import compile_cache as cc
 
-from .conftest import ROOT
+from .conftest import run_script
 
 
 @pytest.fixture
@@ -147,14 +145,7 @@ print(float(jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).sum()))
 
 
 def _start(env):
-  run = subprocess.run(
-    [sys.executable, '-c', _PROGRAM],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  run = run_script(['-c', _PROGRAM], env=env, timeout=300)
   assert run.returncode == 0, run.stderr[-2000:]
   return run.stdout, [x for x in run.stderr.splitlines() if x.strip()]
 
@@ -166,8 +157,7 @@ def _entries(folder):
 
 def test_damaged_entries_are_replaced_once_quietly(safe_dir):
   folder = os.path.join(safe_dir, 'cache')
-  env = {**os.environ, 'JADE_COMPILE_CACHE': folder}
-  env.pop('JADE_VERBOSE', None)
+  env = {'JADE_COMPILE_CACHE': folder, 'JADE_VERBOSE': ''}
   answer, lines = _start(env)
   first = _entries(folder)
   assert first and lines == []

@@ -8,8 +8,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 
 import pytest
 
@@ -19,9 +17,9 @@ from src.training import trainer
 from .conftest import (
   DATA,
   MICRO,
-  ROOT,
   finetune_settings,
   reseal_export,
+  run_script,
   train_settings,
 )
 
@@ -181,13 +179,9 @@ def test_a_crafted_source_run_exports_and_fine_tunes_with_one_note(
   tiny_run, tmp_path
 ):
   source = _crafted_source(tiny_run, tmp_path)
-  env = {**os.environ, 'JADE_COMPILE_CACHE': 'off'}
-  run = subprocess.run(
-    [sys.executable, 'export.py', source, str(tmp_path / 'e')],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
+  run = run_script(
+    ['export.py', source, str(tmp_path / 'e')],
+    env={'JADE_COMPILE_CACHE': 'off'},
     timeout=300,
   )
   assert run.returncode == 0, run.stderr[-2000:]

@@ -21,7 +21,15 @@ from src.storage import snapshots
 from src.training import plan, trainer
 from src.training import progress as progress_line
 
-from .conftest import DATA, EXACT_LSH, MICRO, ROOT, micro_args, train_settings
+from .conftest import (
+  DATA,
+  EXACT_LSH,
+  MICRO,
+  ROOT,
+  micro_args,
+  run_script,
+  train_settings,
+)
 
 
 def scalars(folder):
@@ -144,18 +152,6 @@ def test_progress_line_shows_rate_and_eta(capsys):
   assert 'compiling' in out[0]
   assert 'tok/s' in out[-1] and 'ETA 0s' in out[-1]
   assert out[-1].startswith('step 10/10')
-
-
-def run_script(args, env=None, **kwargs):
-  env = {**os.environ, **(env or {})}
-  return subprocess.run(
-    [sys.executable, *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    **kwargs,
-  )
 
 
 def test_train_script_output_is_quiet_and_useful(tmp_path):
