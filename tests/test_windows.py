@@ -320,3 +320,34 @@ def test_bad_replay_settings_are_errors():
     windows.WindowBatches(view, 8, 2, 0, replay=view, replay_share=1.0)
   with pytest.raises(UserError, match='no tokens in the replay data'):
     windows.WindowBatches(view, 8, 2, 0, replay=empty)
+
+
+def test_spliced_windows_hold_a_conversations_start_and_end():
+  # Conversations of 20 (shorter than a window: never spliced) and 200.
+  lengths = np.array([20, 200, 20, 200, 200, 20] * 4)
+  stream, ends, view = _convs(lengths)
+  starts = np.concatenate([[0], ends[:-1]]) + 3  # First ids (see _convs).
+  b = windows.WindowBatches(view, 32, 4, seed=1, splice=1.0, pad_fraction=0)
+  spliced = 0
+  for step in range(30):
+    ids, _, weights = b.batch(step)
+    for row in _real(ids, weights):
+      jumps = np.flatnonzero(np.diff(row) != 1)
+      if len(jumps) == 0:
+        continue  # A short conversation's window or one across two.
+      # One jump: from a conversation's first tokens to its last ones.
+      k = int(np.searchsorted(starts, row[0], 'right')) - 1
+      if row[0] != starts[k] or lengths[k] <= 32:
+        continue  # A plain window across a conversation boundary.
+      spliced += 1
+      assert len(jumps) == 1
+      head = jumps[0] + 1
+      n = len(row)  # A quarter to three quarters of the window.
+      assert n // 4 <= head <= 3 * n // 4
+      assert row[-1] == starts[k] + lengths[k] - 1  # Its very end.
+  assert spliced > 40
+  # None at 0 (the default): the batches are those of before.
+  plain = windows.WindowBatches(view, 32, 4, seed=1, pad_fraction=0)
+  again = windows.WindowBatches(view, 32, 4, seed=1, splice=0, pad_fraction=0)
+  for step in (0, 5, 17):
+    np.testing.assert_array_equal(plain.batch(step)[0], again.batch(step)[0])

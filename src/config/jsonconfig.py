@@ -152,6 +152,14 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
     'so a long-context model trains at the cost of short windows; 0: the '
     "model's whole context. A multiple of the attention chunk lengths.",
   ),
+  'splice': (
+    0.0,
+    'Share of the training windows (0 to 1, drawn at random) that hold a '
+    "long conversation's first tokens and its last ones, joined, instead "
+    'of a stretch of its middle: what was said first and what is said '
+    'last then share a short window, so a long-context model trained on '
+    'short windows learns to reach back. 0: none.',
+  ),
   'pad-fraction': (
     0.1,
     'A moving window holds between (1 - pad-fraction) x and 1 x the '
@@ -246,6 +254,11 @@ def check_train(s: Section) -> None:
     raise UserError(
       f'{where}: train.pad-fraction {s["pad-fraction"]} must be at least 0 '
       f'and below 1 (the default is {TRAIN_KEYS["pad-fraction"][0]})'
+    )
+  if not 0 <= s['splice'] <= 1:
+    raise UserError(
+      f'{where}: train.splice {s["splice"]} must be between 0 and 1 (e.g. '
+      '0.5: half the windows)'
     )
   if not 0 < s['replay-share'] < 1:
     raise UserError(

@@ -217,18 +217,50 @@ def pad_window(
 
 class Window:
   """One training window: `length` tokens of `view` from `start`, placed
-  after `left` pad ids in a row of `max_len`."""
+  after `left` pad ids in a row of `max_len`; a spliced window has a
+  `head` `(start, length)` read before them (a conversation's first
+  tokens, its last ones after them: see `WindowBatches`, `splice`)."""
 
-  __slots__ = ('view', 'start', 'length', 'left')
+  __slots__ = ('view', 'start', 'length', 'left', 'head')
 
   def __init__(self, view: TokenView, start: int, length: int, left: int):
     self.view, self.start, self.length, self.left = view, start, length, left
+    self.head = None
 
   def take(self, shift: int = 0):
     """`([m] int32 ids, [m] uint8 roles)` of the window moved by `shift`
-    tokens along its epoch's stream (0: as trained)."""
+    tokens along its epoch's stream (0: as trained; a head stays)."""
     a = self.start + shift
-    return self.view.take(a, a + self.length)
+    ids, roles = self.view.take(a, a + self.length)
+    if self.head is None:
+      return ids, roles
+    h_ids, h_roles = self.view.take(self.head[0], sum(self.head))
+    return np.concatenate([h_ids, ids]), np.concatenate([h_roles, roles])
+
+
+def splice(window: Window, rng, spans_end: np.ndarray) -> Window:
+  """`window` made of its conversation's start and end, when the
+  conversation is longer than the window: the first `h` tokens (`h`
+  drawn between a quarter and three quarters of the window), then the
+  last `length - h`. What was said first and what is said last then
+  share one short window, so a model trained on short windows learns to
+  reach back to the start of a long conversation.
+
+  Args:
+    window: A grid window of an epoch's stream.
+    rng: A NumPy Generator (the window's own).
+    spans_end: `[k + 1]` the stream's conversation offsets (`offsets`).
+  """
+  at = window.start + window.length // 2
+  k = int(np.searchsorted(spans_end, at, 'right')) - 1
+  first, end = int(spans_end[k]), int(spans_end[k + 1])
+  length = window.length
+  if end - first <= length or length < 4:
+    return window
+  h = int(rng.integers(length // 4, 3 * length // 4 + 1))
+  out = Window(window.view, end - (length - h), length - h, window.left)
+  out.head = (first, h)
+  return out
 
 
 def _check_options(windows, pad_fraction, part, batch_size, replay, share):
@@ -279,6 +311,7 @@ class WindowBatches:
     part: tuple[int, int] | None = None,
     replay: TokenView | None = None,
     replay_share: float = REPLAY_SHARE,
+    splice: float = 0.0,
   ):
     """Args:
     tokens: A `TokenView` (one span per conversation: the units that are
@@ -298,6 +331,9 @@ class WindowBatches:
       replay data): each epoch packs the data with a new random draw of
       whole replay conversations, about `replay_share` of its tokens.
     replay_share: Share of each epoch's tokens drawn from `replay`.
+    splice: Share of the windows (drawn at random) that hold their
+      conversation's start and end instead (`splice`), where it is
+      longer than the window; 0: none.
     """
     view = tokens if isinstance(tokens, TokenView) else TokenView(tokens)
     if len(view) == 0:
@@ -319,6 +355,7 @@ class WindowBatches:
     self.batch_size = batch_size
     self.seed = seed
     self.moving = windows == 'moving'
+    self.splice = splice
     self.max_pad = min(int(pad_fraction * max_len), max_len - 1)
     self.n_chunks = -(-len(view) // max_len)
     self._first_steps = [0]  # First step of each epoch computed so far.
@@ -429,7 +466,10 @@ class WindowBatches:
       length = int(lengths[index])
       rng = np.random.default_rng([self.seed, epoch, int(index), 1])
       left = int(rng.integers(0, self.max_len - length + 1))
-      out.append(Window(view, int(starts[index]), length, left))
+      window = Window(view, int(starts[index]), length, left)
+      if self.splice and rng.random() < self.splice:
+        window = splice(window, rng, view.offsets)
+      out.append(window)
     return out
 
   def rows(self, windows: list[Window], shift: int = 0):

@@ -378,6 +378,7 @@ def _batches(s, max_len, batch_size, cluster, train_views, eval_view, log):
     s['seed'],
     replay=replay_view,
     replay_share=s['replay-share'],
+    splice=s['splice'],
     **options,
   )
   eval_batches = windows.WindowBatches(
