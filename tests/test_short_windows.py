@@ -48,6 +48,11 @@ def test_short_windows_train_at_random_offsets_of_the_grid(short_run):
   ranges = [t for t in tags if t.startswith('metrics/loss at')]
   assert 'metrics/loss at 8-32' in ranges
   assert not any(t.endswith('-128') for t in ranges)
+  # Long held-out conversations read at the whole context, at the last
+  # step (the fourth evaluation would be another): loss up to 128.
+  assert 'full context/loss at 32-128' in tags
+  assert list(tags['full context/loss at 32-128']) == [4]
+  assert tags['full context/loss at 32-128'][4] > 0
   # The model keeps its whole context: 128 tokens in model.gin.
   gin_text = open(os.path.join(short_run['out'], 'model.gin')).read()
   assert 'ReformerLM.max_len = 128' in gin_text

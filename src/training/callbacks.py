@@ -11,6 +11,9 @@ these at fixed points:
   (`running/...` in the train events).
 - `SampleReplies.after_eval`: greedy replies to the sample prompts with the
   weights just evaluated, to the console and TensorBoard's text tab.
+- `FullContext.after_eval`: a model trained on windows shorter than its
+  context reads long held-out conversations at its whole context every
+  few evaluations (the loss by position, to the console and TensorBoard).
 
 Trax's own `TrainingStepCallback`s are called inside the step, without its
 loss and before the evaluation, so they cannot do these jobs; these have
@@ -22,9 +25,11 @@ from __future__ import annotations
 import os
 import time
 
+import jax
 import numpy as np
 
 from src.core import rundir
+from src.data import windows
 from src.model import losses
 from src.training import samples
 from src.training.progress import Progress
@@ -134,4 +139,86 @@ class SampleReplies:
       self._progress.message(f'step {step}: sample {prompt!r} -> {reply!r}')
     if writer is not None:
       writer.text('samples', samples.markdown(step, replies), step=step)
+      writer.flush()
+
+
+class FullContext:
+  """Long held-out conversations read at the model's whole context.
+
+  A model trained on windows shorter than its context is evaluated by
+  position only up to the window; this reads the longest held-out
+  conversations (those longer than the window, at most `most`) from their
+  start, up to the context, every `every` evaluations and at the last
+  step, and writes the loss by position (`full context/loss at 8k-32k`,
+  ...) to TensorBoard's eval run and the console: the far context
+  learning, or not.
+  """
+
+  def __init__(self, rows, fused, ranges, when, progress: Progress):
+    self._rows, self._fused = rows, fused
+    self._every, self._last = when  # Every so many evaluations; last step.
+    self._names = losses.metric_names(ranges)
+    self._progress = progress
+    self._evals = 0
+    self._jitted = None
+
+  @classmethod
+  def build(cls, view, window: int, max_len: int, ai_only: bool, **kw):
+    """None where nothing is to read: no held-out conversation longer than
+    the window, a window of the whole context, or a model whose output is
+    not chunked (`output_loss.chunk_size` 0). `kw`: `model` (an eval
+    model of its own, initialized here at the context's length), `chunk`,
+    `progress`, `last` (the run's last step), and optionally `every` (4)
+    and `most` (2)."""
+    if view is None or window >= max_len:
+      return None
+    ranges = losses.position_ranges(max_len)
+    fused = losses.chunked_model(kw['model'], kw['chunk'], True, ranges)
+    lengths = np.diff(view.offsets)
+    longest = [
+      k for k in np.argsort(-lengths, kind='stable') if lengths[k] > window
+    ]
+    if fused is None or not longest:
+      return None
+    ids, weights = [], []
+    for k in longest[: kw.get('most', 2)]:
+      start = int(view.offsets[k])
+      tokens, roles = view.take(start, start + min(int(lengths[k]), max_len))
+      i, w = windows.pad_window(
+        tokens, max_len, 0, windows.loss_weights(roles, ai_only)
+      )
+      ids.append(i)
+      weights.append(w)
+    rows = (np.stack(ids), np.stack(weights))
+    when = (kw.get('every', 4), kw['last'])
+    return cls(rows, fused, ranges, when, kw['progress'])
+
+  def after_eval(self, step: int, weights, writer):
+    """Reads the conversations with `weights` (the eval model's) when due."""
+    self._evals += 1
+    if not (step >= self._last or self._evals % self._every == 0):
+      return
+    ids, w = self._rows
+    if self._jitted is None:  # Its own state, for the context's length.
+      from trax import shapes
+
+      self._fused.init(shapes.signature((ids, ids, w)))
+      self._jitted = jax.jit(self._fused.pure_fn)
+    values, _ = self._jitted(
+      (ids, ids, w),
+      (weights, self._fused.weights[1]),
+      self._fused.state,
+      jax.random.PRNGKey(step),
+    )
+    values = losses.range_losses(
+      dict(zip(self._names, (float(v) for v in values)))
+    )
+    shown = ' | '.join(f'{k} {v:.4g}' for k, v in values.items())
+    self._progress.message(
+      f'step {step}: full context ({len(ids)} held-out conversations from '
+      f'their start, {int(w.sum())} tokens) {shown}'
+    )
+    if writer is not None:
+      for key, value in values.items():
+        writer.scalar(f'full context/{key}', value, step=step)
       writer.flush()

@@ -96,6 +96,7 @@ class JadeLoop(trax_training.Loop):
     self._accumulate = accumulate
     self._ranges = tuple(ranges)  # Position ranges of the eval losses.
     self.samples = None  # callbacks.SampleReplies, set once the Loop exists.
+    self.full_context = None  # callbacks.FullContext, likewise (or None).
     self._keep = keep_checkpoints
     self._tokens = float(tokens_before)  # Loss tokens trained on so far.
     self._init_text = init_text
@@ -185,6 +186,12 @@ class JadeLoop(trax_training.Loop):
     if self.samples is not None and self.is_chief:
       writer = (summary_writers or [None])[0]
       self.samples.after_eval(self.step, self._eval_model.weights, writer)
+    if self.full_context is not None and self.is_chief:
+      self.full_context.after_eval(
+        self.step,
+        self._eval_model.weights,
+        (summary_writers or [None])[0],
+      )
 
   def close_writers(self):
     self._running.close()

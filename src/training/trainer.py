@@ -290,6 +290,16 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
     )
   _add_samples(loop, plan, cluster, progress, log)
   if cluster.chief:
+    loop.full_context = callbacks.FullContext.build(
+      plan.eval_batches.view,
+      plan.window,
+      plan.gin.max_len,
+      s['ai-only-loss'],
+      model=reformer.reformer_lm(vocab, 'eval'),
+      chunk=ginconf.output_loss(),
+      progress=progress,
+      last=s['steps'],
+    )
     _write_text(
       os.path.join(out_dir, rundir.OPERATIVE_GIN), ginconf.operative_text()
     )
