@@ -199,10 +199,10 @@ def _post(port: int, body: dict) -> tuple[int, dict, float]:
     conn.close()
 
 
-def start_server(run_dir: str):
+def start_server(run_dir: str, n_hashes: int | None = None):
   import uvicorn
 
-  decoder = decoding.Decoder.load(run_dir)
+  decoder = decoding.Decoder.load(run_dir, n_hashes=n_hashes)
   server = serve.Server(decoder, 'bench', max_queue=64)
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))

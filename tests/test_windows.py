@@ -322,32 +322,40 @@ def test_bad_replay_settings_are_errors():
     windows.WindowBatches(view, 8, 2, 0, replay=empty)
 
 
-def test_spliced_windows_hold_a_conversations_start_and_end():
-  # Conversations of 20 (shorter than a window: never spliced) and 200.
-  lengths = np.array([20, 200, 20, 200, 200, 20] * 4)
-  stream, ends, view = _convs(lengths)
-  starts = np.concatenate([[0], ends[:-1]]) + 3  # First ids (see _convs).
-  b = windows.WindowBatches(view, 32, 4, seed=1, splice=1.0, pad_fraction=0)
-  spliced = 0
-  for step in range(30):
+def test_spliced_windows_hold_conversations_starts_and_ends():
+  # Conversations of 100 (shorter than a window: never spliced) and 1000;
+  # token c * 10000 + i is token i of conversation c.
+  lengths = np.array([100, 1000, 100, 1000, 1000, 100] * 4)
+  stream = np.concatenate(
+    [c * 10000 + np.arange(n) for c, n in enumerate(lengths)]
+  )
+  ends = np.cumsum(lengths)
+  view = windows.TokenView(
+    stream.astype(np.int32), None, windows.conversation_spans(ends)
+  )
+  b = windows.WindowBatches(view, 256, 4, seed=1, splice=1.0, pad_fraction=0)
+  pieces = []
+  for step in range(40):
     ids, _, weights = b.batch(step)
     for row in _real(ids, weights):
-      jumps = np.flatnonzero(np.diff(row) != 1)
-      if len(jumps) == 0:
-        continue  # A short conversation's window or one across two.
-      # One jump: from a conversation's first tokens to its last ones.
-      k = int(np.searchsorted(starts, row[0], 'right')) - 1
-      if row[0] != starts[k] or lengths[k] <= 32:
-        continue  # A plain window across a conversation boundary.
-      spliced += 1
-      assert len(jumps) == 1
-      head = jumps[0] + 1
-      n = len(row)  # A quarter to three quarters of the window.
-      assert n // 4 <= head <= 3 * n // 4
-      assert row[-1] == starts[k] + lengths[k] - 1  # Its very end.
-  assert spliced > 40
+      runs = np.split(row, np.flatnonzero(np.diff(row) != 1) + 1)
+      same = len(runs) > 1 and runs[0][0] // 10000 == runs[1][0] // 10000
+      if not same or runs[0][0] % 10000 or runs[1][-1] % 10000 != 999:
+        continue  # A plain window (across conversations).
+      last = [c * 10000 + lengths[c] - 1 for c in range(len(lengths))]
+      # Pairs of runs: a long conversation's first tokens, then its last.
+      assert len(runs) % 2 == 0
+      pieces.append(len(runs) // 2)
+      size = len(row) // (len(runs) // 2)
+      for head, tail in zip(runs[::2], runs[1::2]):
+        c = head[0] // 10000
+        # Longer than the piece (the first: than the window), start to end.
+        assert lengths[c] > size and tail[0] // 10000 == c
+        assert head[0] % 10000 == 0 and tail[-1] == last[c]
+        assert size // 4 <= len(head) <= 3 * size // 4 + 1
+  assert set(pieces) == {1, 2, 4} and len(pieces) > 80
   # None at 0 (the default): the batches are those of before.
-  plain = windows.WindowBatches(view, 32, 4, seed=1, pad_fraction=0)
-  again = windows.WindowBatches(view, 32, 4, seed=1, splice=0, pad_fraction=0)
+  plain = windows.WindowBatches(view, 256, 4, seed=1, pad_fraction=0)
+  again = windows.WindowBatches(view, 256, 4, seed=1, splice=0, pad_fraction=0)
   for step in (0, 5, 17):
     np.testing.assert_array_equal(plain.batch(step)[0], again.batch(step)[0])

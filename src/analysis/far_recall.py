@@ -195,10 +195,12 @@ def train(
   extra=(),
   log=None,
   seed=None,
+  until=None,
 ):
   """Trains the model on far recall in `length`-token windows; returns
   `(weights, {step: held-out accuracy}, seconds)`. `seed`: the model's
-  start (None: Trax draws one)."""
+  start (None: Trax draws one); `until`: stop once the held-out accuracy
+  reaches it."""
   lm = build('train', bindings(length, hashes, extra, buckets), offset)
   curve, seconds = symbols.train(
     lm,
@@ -210,6 +212,7 @@ def train(
     every=max(steps // 20, 1),
     log=log,
     seed=seed,
+    until=until,
   )
   return lm.weights, curve, seconds
 

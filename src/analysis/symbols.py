@@ -14,12 +14,24 @@ import numpy as np
 VOCAB = 128  # Symbols 1..127 and the separator 0, as in the Reformer paper.
 
 
-def train(lm, data, held_out, steps, rate, warmup, every, log=None, seed=None):
+def train(
+  lm,
+  data,
+  held_out,
+  steps,
+  rate,
+  warmup,
+  every,
+  log=None,
+  seed=None,
+  until=None,
+):
   """Trains `lm` on endless `(inputs, targets, weights)` batches `data`
   with Trax's own `Loop`, weighted cross-entropy and Adam at a constant
   `rate` after `warmup` steps; `held_out` batches are scored (weighted
   accuracy) every `every` steps, and each score is passed to `log`.
-  `seed`: the model's start (None: Trax draws one).
+  `seed`: the model's start (None: Trax draws one). `until`: stop at the
+  first evaluation whose accuracy reaches it (None: train `steps`).
   Returns `({step: accuracy}, seconds)`."""
   import trax
   from trax import layers as tl
@@ -57,14 +69,16 @@ def train(lm, data, held_out, steps, rate, warmup, every, log=None, seed=None):
     n = min(every, steps - done)
     loop.run(n)
     done += n
+    _, accuracy = loop.history.get('eval', 'metrics/WeightedCategoryAccuracy')[
+      -1
+    ]
     if log:
-      _, accuracy = loop.history.get(
-        'eval', 'metrics/WeightedCategoryAccuracy'
-      )[-1]
       log(
         f'step {done}: held-out accuracy {accuracy:.3f} '
         f'({time.time() - t0:.0f} s)'
       )
+    if until is not None and accuracy >= until:
+      break
   history = loop.history.get('eval', 'metrics/WeightedCategoryAccuracy')
   curve = {int(s): round(float(a), 4) for s, a in history}
   return curve, time.time() - t0

@@ -10,7 +10,7 @@ from src.core.errors import UserError
 from src.data import chatformat
 from src.inference import engine, sampling
 
-MAX_MESSAGES = 4096
+MAX_MESSAGES = 32768  # A message takes at least one token of the context.
 MAX_TOP_LOGPROBS = 20
 # Every chat-completions option, and what this server does with it (the
 # README's table is this one). An option not listed is refused (400).

@@ -217,49 +217,68 @@ def pad_window(
 
 class Window:
   """One training window: `length` tokens of `view` from `start`, placed
-  after `left` pad ids in a row of `max_len`; a spliced window has a
-  `head` `(start, length)` read before them (a conversation's first
-  tokens, its last ones after them: see `WindowBatches`, `splice`)."""
+  after `left` pad ids in a row of `max_len`; a spliced window reads the
+  `(start, length)` segments of `before` first (conversations' first and
+  last tokens: see `splice`)."""
 
-  __slots__ = ('view', 'start', 'length', 'left', 'head')
+  __slots__ = ('view', 'start', 'length', 'left', 'before')
 
   def __init__(self, view: TokenView, start: int, length: int, left: int):
     self.view, self.start, self.length, self.left = view, start, length, left
-    self.head = None
+    self.before = ()
 
   def take(self, shift: int = 0):
     """`([m] int32 ids, [m] uint8 roles)` of the window moved by `shift`
-    tokens along its epoch's stream (0: as trained; a head stays)."""
+    tokens along its epoch's stream (0: as trained; `before` stays)."""
     a = self.start + shift
     ids, roles = self.view.take(a, a + self.length)
-    if self.head is None:
+    if not self.before:
       return ids, roles
-    h_ids, h_roles = self.view.take(self.head[0], sum(self.head))
-    return np.concatenate([h_ids, ids]), np.concatenate([h_roles, roles])
+    parts = [self.view.take(s, s + n) for s, n in self.before]
+    return (
+      np.concatenate([p[0] for p in parts] + [ids]),
+      np.concatenate([p[1] for p in parts] + [roles]),
+    )
 
 
-def splice(window: Window, rng, spans_end: np.ndarray) -> Window:
-  """`window` made of its conversation's start and end, when the
-  conversation is longer than the window: the first `h` tokens (`h`
-  drawn between a quarter and three quarters of the window), then the
-  last `length - h`. What was said first and what is said last then
-  share one short window, so a model trained on short windows learns to
-  reach back to the start of a long conversation.
+SPLICE_PIECES = (1, 2, 4)  # Conversations a spliced window holds (drawn).
+SPLICE_LEAST = 64  # Tokens of one conversation in it, at least.
+
+
+def splice(window: Window, rng, offsets: np.ndarray) -> Window:
+  """`window` made of conversations' starts and ends: 1, 2 or 4 pieces
+  (drawn), each a long conversation's first `h` tokens and then its last
+  ones (`h` a quarter to three quarters of the piece), the first piece
+  from the window's own conversation, the others drawn at random. What
+  was said first and what is said last then share one short window, at
+  distances from a few tokens (in reach of the local attention, where
+  copying is learned first) to the window, so a model trained on short
+  windows learns to reach back to the start of a long conversation.
+  The window is kept as it is when its conversation is not longer than
+  it.
 
   Args:
     window: A grid window of an epoch's stream.
     rng: A NumPy Generator (the window's own).
-    spans_end: `[k + 1]` the stream's conversation offsets (`offsets`).
+    offsets: `[k + 1]` the stream's conversation offsets.
   """
-  at = window.start + window.length // 2
-  k = int(np.searchsorted(spans_end, at, 'right')) - 1
-  first, end = int(spans_end[k]), int(spans_end[k + 1])
   length = window.length
-  if end - first <= length or length < 4:
+  k = int(np.searchsorted(offsets, window.start + length // 2, 'right')) - 1
+  if offsets[k + 1] - offsets[k] <= length or length < 2 * SPLICE_LEAST:
     return window
-  h = int(rng.integers(length // 4, 3 * length // 4 + 1))
-  out = Window(window.view, end - (length - h), length - h, window.left)
-  out.head = (first, h)
+  n = int(rng.choice(SPLICE_PIECES))
+  n = max(1, min(n, length // SPLICE_LEAST))
+  sizes = np.full([n], length // n)
+  sizes[-1] += length - sizes.sum()
+  long = np.flatnonzero(np.diff(offsets) > sizes[0])
+  chosen = [k] + [int(long[rng.integers(len(long))]) for _ in range(n - 1)]
+  segments = []
+  for size, c in zip(sizes, chosen):
+    h = int(rng.integers(size // 4, 3 * size // 4 + 1))
+    end = int(offsets[c + 1])
+    segments += [(int(offsets[c]), h), (end - (size - h), int(size - h))]
+  out = Window(window.view, *segments[-1], window.left)
+  out.before = tuple(segments[:-1])
   return out
 
 

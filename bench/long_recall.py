@@ -1,0 +1,238 @@
+"""Recall in a long chat, by distance, through the server: something said
+once (a word, a number, a name), small talk, then the question.
+
+  python bench/long_recall.py data OUT --from data/smalltalk
+      [--conversations 4000] [--most-chars 80000] [--seed 0]
+  python bench/long_recall.py score RUN --from data/smalltalk
+      [--distances 1000,4000,12000,24000] [--samples 6] [--n-hashes H]
+  python bench/long_recall.py run WORK --from data/smalltalk [--seeds 0,1,2]
+      [--config configs/long-conversations.json] [--data DIR]
+
+`data` writes training conversations in the line format
+(`src/analysis/long_recall.py`: each states one value at its start and
+asks for it at its end, small talk between drawn log-uniform up to
+`--most-chars` characters; words from the small talk's own vocabulary,
+with a fifth of them held out for `score`).
+
+`score` asks a trained run over the OpenAI API (an in-process server on
+a local port, `/v1/chat/completions`, temperature 0, as a client would):
+for each distance, `--samples` conversations whose word (held out of
+training) was stated about that many tokens (the run's tokenizer) before
+the question, and the same number with nothing stated (the control: what
+guessing scores). A reply is right when it contains the word.
+
+`run` trains one run per seed with the walkthrough's settings
+(`train.py --config ... --data ... --seed S`, timed), then scores each.
+Results go to `RUN/long_recall.json` and `WORK/long_recall.json`; a
+markdown table is printed for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from src import runtime  # noqa: E402
+
+runtime.bootstrap(light=True)
+
+import numpy as np  # noqa: E402
+
+from src.analysis import long_recall as task  # noqa: E402
+from src.data import chatformat  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _talk(source: str):
+  conversations = chatformat.read_data(source)
+  words = task.word_list(conversations)
+  return task.small_talk(conversations), task.split(words)
+
+
+def write_data(out: str, source: str, n: int, most_chars: int, seed: int):
+  talk, (train_words, _) = _talk(source)
+  rng = np.random.default_rng([seed, 1])
+  convs = task.training_set(rng, talk, train_words, n, most_chars)
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, 'long-chats.txt')
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(task.to_text(convs))
+  chars = sum(c.filler_chars for c in convs)
+  print(
+    f'{path}: {n} conversations, {chars / 1e6:.1f}M characters of small '
+    f'talk ({len(train_words)} words to remember)'
+  )
+
+
+def _sample(rng, talk, words, tok, tokens: int, stated: bool):
+  """A conversation whose question comes about `tokens` tokens after the
+  statement (grown in small-talk conversations until it does)."""
+  chars = tokens * 3
+  while True:
+    conv = task.make(rng, talk, words, chars, 'word', stated)
+    between = conv.turns[2:-2] if stated else conv.turns[:-2]
+    count = sum(len(tok.encode(t)) + 2 for _, t in between)
+    if count >= 0.9 * tokens or chars > 40 * tokens:
+      return conv, count
+    chars = int(chars * 1.1 * tokens / max(count, 1))
+
+
+def score(
+  run: str, source: str, distances, samples: int, n_hashes=None, seen=False
+):
+  from bench.serve import _post, start_server
+  from src.data import tokenizer
+
+  talk, (trained, held) = _talk(source)
+  held = trained if seen else held
+  tok = tokenizer.load(run)
+  port, http_server = start_server(run, n_hashes)
+  rows = []
+  try:
+    for distance in distances:
+      for stated in (True, False):
+        rng = np.random.default_rng([distance, 7])
+        right, measured, replies = 0, [], []
+        for _ in range(samples):
+          conv, count = _sample(rng, talk, held, tok, distance, stated)
+          body = {
+            'messages': [
+              {'role': 'assistant' if r == 'ai' else 'user', 'content': t}
+              for r, t in conv.turns[:-1]
+            ],
+            'temperature': 0,
+            'max_tokens': 24,
+          }
+          t0 = time.perf_counter()
+          status, data, _ = _post(port, body)
+          took = time.perf_counter() - t0
+          reply = (
+            data['choices'][0]['message']['content'] if status == 200 else ''
+          )
+          right += conv.value.lower() in reply.lower()
+          measured.append(count)
+          replies.append((conv.value, reply, round(took, 2)))
+        rows.append(
+          {
+            'distance': distance,
+            'stated': stated,
+            'right': right,
+            'samples': samples,
+            'tokens': int(np.mean(measured)),
+            'replies': replies,
+          }
+        )
+        print(
+          f'{distance:>6} {"stated" if stated else "control":>8}: '
+          f'{right}/{samples} (mean {int(np.mean(measured))} tokens) '
+          f'{replies[:2]}',
+          flush=True,
+        )
+  finally:
+    http_server.should_exit = True
+  with open(os.path.join(run, 'long_recall.json'), 'w') as f:
+    json.dump(rows, f, indent=1)
+  return rows
+
+
+def train(work: str, config: str, data: str, seed: int, extra) -> tuple:
+  out = os.path.join(work, f'seed{seed}')
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, 'train.py'),
+    '--config',
+    config,
+    '--data',
+    data,
+    '--out-dir',
+    out,
+    '--seed',
+    str(seed),
+    *extra,
+  ]
+  t0 = time.perf_counter()
+  subprocess.run(cmd, check=True)
+  return out, time.perf_counter() - t0
+
+
+def table(results) -> str:
+  distances = sorted({r['distance'] for res in results for r in res['rows']})
+  lines = [
+    '| seed | train time | '
+    + ' | '.join(f'~{d:,} tokens' for d in distances)
+    + ' | control (nothing stated) |',
+    '|-' * (len(distances) + 3) + '|',
+  ]
+  for res in results:
+    cells, control = [], [0, 0]
+    for d in distances:
+      for r in res['rows']:
+        if r['distance'] == d and r['stated']:
+          cells.append(f'{r["right"]}/{r["samples"]} ({r["tokens"]:,})')
+        elif r['distance'] == d:
+          control[0] += r['right']
+          control[1] += r['samples']
+    lines.append(
+      f'| {res["seed"]} | {res["seconds"] / 60:.1f} min | '
+      + ' | '.join(cells)
+      + f' | {control[0]}/{control[1]} |'
+    )
+  return '\n'.join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('what', choices=('data', 'score', 'run'))
+  parser.add_argument('path')
+  parser.add_argument('--from', dest='source', default='data/smalltalk')
+  parser.add_argument('--conversations', type=int, default=4000)
+  parser.add_argument('--most-chars', type=int, default=80_000)
+  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--seeds', default='0')
+  parser.add_argument('--distances', default='1000,4000,12000,24000')
+  parser.add_argument('--samples', type=int, default=6)
+  parser.add_argument('--n-hashes', type=int, default=None)
+  parser.add_argument(
+    '--seen', action='store_true', help='ask for training words instead'
+  )
+  parser.add_argument('--config', default='configs/long-conversations.json')
+  parser.add_argument('--data', default=None)
+  args, extra = parser.parse_known_args(argv)
+  distances = [int(d) for d in args.distances.split(',')]
+  if args.what == 'data':
+    write_data(
+      args.path, args.source, args.conversations, args.most_chars, args.seed
+    )
+    return
+  if args.what == 'score':
+    score(
+      args.path,
+      args.source,
+      distances,
+      args.samples,
+      args.n_hashes,
+      args.seen,
+    )
+    return
+  data = args.data or os.path.join(args.path, 'data')
+  if args.data is None and not os.path.isdir(data):
+    write_data(data, args.source, args.conversations, args.most_chars, 0)
+  results = []
+  for seed in [int(s) for s in args.seeds.split(',')]:
+    out, seconds = train(args.path, args.config, data, seed, extra)
+    rows = score(out, args.source, distances, args.samples, args.n_hashes)
+    results.append({'seed': seed, 'seconds': seconds, 'rows': rows})
+    with open(os.path.join(args.path, 'long_recall.json'), 'w') as f:
+      json.dump(results, f, indent=1)
+  print(table(results))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,192 @@
+"""Long conversations that test memory: something is said once at the
+start (a word, a number, a name), small talk follows for a chosen number
+of characters, and at the end the user asks for it.
+
+`bench/long_recall.py` writes such conversations for training (the
+long-conversations walkthrough of the README) and for measuring recall by
+distance through the chat engine. The phrasings are many and drawn at
+random, so a model learns to find what was said, not one sentence; the
+words of the measurement can be held out of the training ones (`split`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+
+import numpy as np
+
+from src.data import chatformat
+
+# (statement, acknowledgement, question, answer) phrasings for each kind;
+# `{}` is the value. An acknowledgement may repeat the value or not.
+WORD = (
+  (
+    'Remember this word for me: {}.',
+    'The secret word is {}.',
+    'Here is a word to keep in mind: {}',
+    'Please remember the word {}, I will ask you later.',
+    "I'll give you a word to remember. It is {}.",
+    'Keep this word for later: {}',
+    'My word of the day is {}.',
+    'Can you remember a word for me? {}',
+  ),
+  (
+    'Okay, I will remember it.',
+    'Got it: {}.',
+    'Sure, I will keep it in mind.',
+    'Noted. {} it is.',
+    'All right.',
+    "I won't forget.",
+  ),
+  (
+    'What was the word I asked you to remember?',
+    'Which word did I give you at the start?',
+    'Do you still remember the word I told you?',
+    'Tell me the secret word.',
+    'What was my word of the day?',
+    'So, what was that word from earlier?',
+  ),
+  (
+    '{}',
+    'The word was {}.',
+    'You told me {}.',
+    'It was {}.',
+    '{}. I remembered.',
+  ),
+)
+
+NUMBER = (
+  (
+    'Please remember the number {}.',
+    'My locker number is {}.',
+    'Here is a number to keep: {}',
+  ),
+  WORD[1],
+  (
+    'What number did I ask you to remember?',
+    'What was that number again?',
+    'Which number did I tell you?',
+  ),
+  ('{}', 'The number was {}.', 'It was {}.'),
+)
+
+NAME = (
+  ('My name is {}.', "Hi, I'm {}.", 'You can call me {}.'),
+  ('Nice to meet you, {}.', 'Hello {}!', 'Nice to meet you.'),
+  ("What's my name?", 'Do you remember my name?', 'Who am I?'),
+  ('{}', 'Your name is {}.', 'You are {}.'),
+)
+
+NAMES = (
+  'Alice Bruno Carmen Dmitri Elena Farid Greta Hiro Ines Jonas Kofi Lena '
+  'Mateo Nadia Oskar Priya Quinn Rosa Sami Tomas Uma Viktor Wanda Xavier '
+  'Yara Zoltan Amara Bjorn Chiara Dario Esme Felix Gwen Hugo Ilse Jasper '
+  'Kira Lucas Maren Nico Olga Pavel Rhea Soren Talia Ugo Vera Wes Zane'
+).split()
+
+
+@dataclasses.dataclass
+class Conversation:
+  turns: list  # (role, text) pairs, user first; the answer last.
+  kind: str  # 'word', 'number' or 'name'.
+  value: str  # What was said once and is asked for.
+  filler_chars: int  # Characters of small talk between statement and question.
+
+
+def word_list(conversations) -> list[str]:
+  """Distinct lowercase words of 4-10 letters in `conversations`'
+  text, sorted: the words a conversation may ask to remember."""
+  found = set()
+  for turn in chatformat.iter_turns(conversations):
+    found.update(re.findall(r'\b[a-z]{4,10}\b', turn.text))
+  return sorted(found)
+
+
+def split(words, held_share: float = 0.2):
+  """`(train, held)`: the words divided by a hash of each (the same on
+  every machine): the measurement asks for words no training
+  conversation stated."""
+  held = [w for w in words if zlib.crc32(w.encode()) % 1000 < held_share * 1000]
+  kept = set(held)
+  return [w for w in words if w not in kept], held
+
+
+def small_talk(conversations) -> list[list[tuple[str, str]]]:
+  """The conversations as `(role, text)` lists that start with the user
+  and end with the AI (others are left out)."""
+  out = []
+  for c in conversations:
+    turns = [(t.role, t.text) for t in c.turns]
+    if len(turns) >= 2 and turns[0][0] == 'user' and turns[-1][0] == 'ai':
+      out.append(turns)
+  return out
+
+
+def _pick(rng, options):
+  return options[int(rng.integers(len(options)))]
+
+
+def make(rng, talk, words, filler_chars: int, kind: str = 'word', stated=True):
+  """One conversation: the statement and its acknowledgement, whole small
+  talk conversations of at least `filler_chars` characters, the question
+  and (last) the answer.
+
+  Args:
+    rng: A NumPy Generator.
+    talk: `small_talk(...)` conversations.
+    words: Values for kind 'word'.
+    kind: 'word', 'number' or 'name'.
+    stated: False for the control (the statement and its acknowledgement
+      are left out; the rest is drawn alike).
+  """
+  phrasing = {'word': WORD, 'number': NUMBER, 'name': NAME}[kind]
+  if kind == 'word':
+    value = _pick(rng, words)
+  elif kind == 'number':
+    value = str(int(rng.integers(10, 10000)))
+  else:
+    value = _pick(rng, NAMES)
+  said, ack, ask, answer = (_pick(rng, p) for p in phrasing)
+  turns = [('user', said.format(value)), ('ai', ack.format(value))]
+  turns = turns if stated else []
+  used = 0
+  while used < filler_chars:
+    for turn in _pick(rng, talk):
+      turns.append(turn)
+      used += len(turn[1])
+  turns += [('user', ask), ('ai', answer.format(value))]
+  return Conversation(turns, kind, value, used)
+
+
+KINDS = ('word', 'word', 'word', 'number', 'name')  # Drawn alike: words 3/5.
+
+
+def training_set(rng, talk, words, n: int, most_chars: int, short=0.85):
+  """`n` conversations, kinds drawn from `KINDS`. A share `short` of them
+  have 50-2,000 characters of small talk (statement and question in one
+  training window: many different examples of finding what was said),
+  the others 2,000 to `most_chars`, log-uniform (as many at each scale:
+  what a long conversation looks like, its start spliced to its end in
+  training)."""
+  out = []
+  for _ in range(n):
+    lo, hi = (50, 2000) if rng.random() < short else (2000, most_chars)
+    chars = int(np.exp(rng.uniform(np.log(lo), np.log(max(hi, lo + 1)))))
+    out.append(make(rng, talk, words, chars, _pick(rng, KINDS)))
+  return out
+
+
+def to_text(conversations, markers=None) -> str:
+  """Conversations in the line format (every turn trained on)."""
+  markers = markers or chatformat.Markers()
+  return '\n\n'.join(
+    chatformat.format_conversation(
+      chatformat.Conversation(
+        tuple(chatformat.Turn(r, t, '', 0, True) for r, t in c.turns)
+      ),
+      markers,
+    )
+    for c in conversations
+  )
