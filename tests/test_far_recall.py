@@ -46,7 +46,13 @@ def test_a_model_trained_on_256_tokens_finds_a_fact_2000_back():
   256-token windows at random offsets of the 32k position grid, 8 LSH
   buckets (the route that learns the lookup soonest: steps 600-800 in
   three runs), from a fixed start; then facts 2,000 tokens back, 8
-  buckets (chunks of 256), 4 hash rounds."""
+  buckets (chunks of 256), 4 hash rounds.
+
+  Known to depend on the CPU (issue 50): passes on AVX-512 machines (a
+  Xeon, a Zen 5), fails on an AVX2 Zen 3 (best accuracy 0.09), and fails
+  on the Xeon with `XLA_FLAGS=--xla_cpu_max_isa=AVX2` (0.098): the lookup
+  appears after a plateau whose length the rounding decides
+  (BENCHMARKS.md "Recall in a long chat")."""
   weights, curve, _ = task.train(length=256, steps=1000, seed=0)
   assert max(curve.values()) > 0.5
   found = task.measure(weights, 2048, 4, samples=4, buckets=8)
