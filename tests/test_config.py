@@ -213,6 +213,8 @@ def test_empty_gin_seed_and_tokenizer_damage(tmp_path, tiny_run, copy_of):
     ginconf.parse(str(empty))
   with pytest.raises(UserError, match='train.seed -1 must be between'):
     plan.prepare(train_settings(tmp_path / 'o', seed=-1))
+  with pytest.raises(UserError, match='train.splice 1.5 must be between'):
+    plan.prepare(train_settings(tmp_path / 'o', splice=1.5))
   assert not (tmp_path / 'o').exists()
   missing = {'eval-data': str(tmp_path / 'nope')}
   with pytest.raises(UserError, match="eval-data '.*nope': no such"):

@@ -76,9 +76,13 @@ def test_the_model_reads_its_whole_context_after_short_windows(short_run):
 
 def test_a_batch_holds_windows_of_the_window_length(short_run, tmp_path):
   settings = train_settings(
-    tmp_path / 'p', window=32, **{'batch-size': 2, 'accumulate-steps': 2}
+    tmp_path / 'p',
+    window=32,
+    splice=0.5,
+    **{'batch-size': 2, 'accumulate-steps': 2},
   )
   run = plan.prepare(settings, MICRO, log=lambda line: None)
+  assert run.train_batches.splice == 0.5 and not run.eval_batches.splice
   inputs, targets, weights = run.train_batches.batch(3)
   assert inputs.shape == targets.shape == weights.shape == (2, 32)
   assert run.window == 32 and run.eval_batches.batch(0)[0].shape == (2, 32)
