@@ -270,7 +270,7 @@ def splice(window: Window, rng, offsets: np.ndarray) -> Window:
   n = max(1, min(n, length // SPLICE_LEAST))
   sizes = np.full([n], length // n)
   sizes[-1] += length - sizes.sum()
-  long = np.flatnonzero(np.diff(offsets) > sizes[0])
+  long = _longer(window.view, int(sizes[0]))
   chosen = [k] + [int(long[rng.integers(len(long))]) for _ in range(n - 1)]
   segments = []
   for size, c in zip(sizes, chosen):
@@ -280,6 +280,19 @@ def splice(window: Window, rng, offsets: np.ndarray) -> Window:
   out = Window(window.view, *segments[-1], window.left)
   out.before = tuple(segments[:-1])
   return out
+
+
+def _longer(view: TokenView, size: int) -> np.ndarray:
+  """Indices of `view`'s conversations longer than `size` tokens (by
+  length); the sorted lengths are kept on the view (one per epoch), so a
+  spliced window costs O(log conversations), not O(conversations)."""
+  cache = getattr(view, '_by_length', None)
+  if cache is None:
+    lengths = np.diff(view.offsets)
+    order = np.argsort(lengths, kind='stable')
+    cache = view._by_length = (order, lengths[order])
+  order, ordered = cache
+  return order[np.searchsorted(ordered, size, 'right') :]
 
 
 def _check_options(windows, pad_fraction, part, batch_size, replay, share):
