@@ -166,19 +166,21 @@ class FullContext:
   def build(cls, view, window: int, max_len: int, ai_only: bool, **kw):
     """None where nothing is to read: no held-out conversation longer than
     the window, a window of the whole context, or a model whose output is
-    not chunked (`output_loss.chunk_size` 0). `kw`: `model` (an eval
-    model of its own, initialized here at the context's length), `chunk`,
+    not chunked (`output_loss.chunk_size` 0). `kw`: `model` (makes an
+    eval model of its own, initialized at the context's length when first
+    due; called only where there is something to read), `chunk`,
     `progress`, `last` (the run's last step), and optionally `every` (4)
     and `most` (2)."""
     if view is None or window >= max_len:
       return None
-    ranges = losses.position_ranges(max_len)
-    fused = losses.chunked_model(kw['model'], kw['chunk'], True, ranges)
     lengths = np.diff(view.offsets)
-    longest = [
-      k for k in np.argsort(-lengths, kind='stable') if lengths[k] > window
-    ]
-    if fused is None or not longest:
+    order = np.argsort(-lengths, kind='stable')
+    longest = order[lengths[order] > window]
+    if not len(longest):
+      return None
+    ranges = losses.position_ranges(max_len)
+    fused = losses.chunked_model(kw['model'](), kw['chunk'], True, ranges)
+    if fused is None:
       return None
     ids, weights = [], []
     for k in longest[: kw.get('most', 2)]:

@@ -183,15 +183,11 @@ class JadeLoop(trax_training.Loop):
 
   def run_evals(self, summary_writers=None):
     super().run_evals(summary_writers)
+    writer = (summary_writers or [None])[0]
     if self.samples is not None and self.is_chief:
-      writer = (summary_writers or [None])[0]
       self.samples.after_eval(self.step, self._eval_model.weights, writer)
     if self.full_context is not None and self.is_chief:
-      self.full_context.after_eval(
-        self.step,
-        self._eval_model.weights,
-        (summary_writers or [None])[0],
-      )
+      self.full_context.after_eval(self.step, self._eval_model.weights, writer)
 
   def close_writers(self):
     self._running.close()

@@ -295,7 +295,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
       plan.window,
       plan.gin.max_len,
       s['ai-only-loss'],
-      model=reformer.reformer_lm(vocab, 'eval'),
+      model=lambda: reformer.reformer_lm(vocab, 'eval'),
       chunk=ginconf.output_loss(),
       progress=progress,
       last=s['steps'],
