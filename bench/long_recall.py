@@ -45,6 +45,7 @@ runtime.bootstrap(light=True)
 import numpy as np  # noqa: E402
 
 from src.analysis import long_recall as task  # noqa: E402
+from src.analysis import recall  # noqa: E402
 from src.data import chatformat  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +64,7 @@ def write_data(out: str, source: str, n: int, most_chars: int, seed: int):
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, 'long-chats.txt')
   with open(path, 'w', encoding='utf-8') as f:
-    f.write(task.to_text(convs))
+    f.write(recall.to_text([c.turns for c in convs], chatformat.Markers()))
   chars = sum(c.filler_chars for c in convs)
   print(
     f'{path}: {n} conversations, {chars / 1e6:.1f}M characters of small '
@@ -110,9 +111,7 @@ def score(
             'temperature': 0,
             'max_tokens': 24,
           }
-          t0 = time.perf_counter()
-          status, data, _ = _post(port, body)
-          took = time.perf_counter() - t0
+          status, data, took = _post(port, body)
           reply = (
             data['choices'][0]['message']['content'] if status == 200 else ''
           )

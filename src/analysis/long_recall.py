@@ -4,7 +4,8 @@ of characters, and at the end the user asks for it.
 
 `bench/long_recall.py` writes such conversations for training (the
 long-conversations walkthrough of the README) and for measuring recall by
-distance through the chat engine. The phrasings are many and drawn at
+distance through the chat engine (their line-format text:
+`recall.to_text`). The phrasings are many and drawn at
 random, so a model learns to find what was said, not one sentence; the
 words of the measurement can be held out of the training ones (`split`).
 """
@@ -17,6 +18,7 @@ import zlib
 
 import numpy as np
 
+from src.analysis import recall
 from src.data import chatformat
 
 # (statement, acknowledgement, question, answer) phrasings for each kind;
@@ -80,11 +82,12 @@ NAME = (
 )
 
 NAMES = (
-  'Alice Bruno Carmen Dmitri Elena Farid Greta Hiro Ines Jonas Kofi Lena '
-  'Mateo Nadia Oskar Priya Quinn Rosa Sami Tomas Uma Viktor Wanda Xavier '
-  'Yara Zoltan Amara Bjorn Chiara Dario Esme Felix Gwen Hugo Ilse Jasper '
-  'Kira Lucas Maren Nico Olga Pavel Rhea Soren Talia Ugo Vera Wes Zane'
-).split()
+  recall.NAMES
+  + (
+    'Amara Bjorn Chiara Dario Esme Felix Gwen Hugo Ilse Jasper Kira Lucas '
+    'Maren Nico Olga Pavel Rhea Soren Talia Ugo Vera Wes Zane'
+  ).split()
+)
 
 
 @dataclasses.dataclass
@@ -176,17 +179,3 @@ def training_set(rng, talk, words, n: int, most_chars: int, short=0.85):
     chars = int(np.exp(rng.uniform(np.log(lo), np.log(max(hi, lo + 1)))))
     out.append(make(rng, talk, words, chars, _pick(rng, KINDS)))
   return out
-
-
-def to_text(conversations, markers=None) -> str:
-  """Conversations in the line format (every turn trained on)."""
-  markers = markers or chatformat.Markers()
-  return '\n\n'.join(
-    chatformat.format_conversation(
-      chatformat.Conversation(
-        tuple(chatformat.Turn(r, t, '', 0, True) for r, t in c.turns)
-      ),
-      markers,
-    )
-    for c in conversations
-  )
