@@ -13,7 +13,14 @@ from jax import numpy as jnp
 from trax.layers.research import efficient_attention as ea
 
 from src.inference.decoding import Decoder
-from src.model import attention, decode_cache, ginconf, lsh_hash, reformer
+from src.model import (
+  attention,
+  decode_index,
+  decode_select,
+  ginconf,
+  lsh_hash,
+  reformer,
+)
 
 from .conftest import MICRO, TINY_GIN
 
@@ -111,7 +118,7 @@ def test_bucket_index_selects_what_the_sort_keeps():
     buckets[:, :block] += offsets[:, None]
     ring, counts = (
       np.array(a)
-      for a in decode_cache.rebuilt_index(
+      for a in decode_index.rebuilt_index(
         jnp.asarray(buckets), block, n_buckets, n_keep
       )
     )
@@ -123,10 +130,10 @@ def test_bucket_index_selects_what_the_sort_keeps():
         ring[h, own[h], counts[h, own[h]] % n_keep] = q
         counts[h, own[h]] += 1
       keep = min(n_keep, mem)
-      want = decode_cache.select_kv(
+      want = decode_select.select_kv(
         jnp.asarray((buckets == qb[:, None]).any(0)), q, keep
       )
-      got = decode_cache.select_indexed(
+      got = decode_select.select_indexed(
         jnp.asarray(buckets),
         jnp.asarray(qb),
         jnp.asarray(ring[np.arange(rounds), own]),

@@ -137,13 +137,9 @@ def test_axial_positions_start_at_the_token_scale():
 def _branch_output_sums(lm) -> tuple[list, list, list]:
   """Per block: the sum of |weights| of the attention's output projection
   (and of its query projection), and of the feed-forward's last kernel."""
-  from src.model import attention as layers
-
   attention, dense = reformer.branch_outputs(lm)
-  out = [
-    float(np.abs(a.weights[layers.output_index(a)]).sum()) for a in attention
-  ]
-  query = [float(np.abs(a.weights[0]).sum()) for a in attention]
+  out = [float(np.abs(a.weight(a.weights, 'o')).sum()) for a in attention]
+  query = [float(np.abs(a.weight(a.weights, 'q')).sum()) for a in attention]
   ff = [float(np.abs(d.weights[0]).sum()) for d in dense]
   return out, query, ff
 

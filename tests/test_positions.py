@@ -9,10 +9,9 @@ from src.model import positions
 
 
 def _layer(mode, offset='zero'):
-  layer = tl.AxialPositionalEncoding(
-    shape=(8, 16), d_embs=(4, 4), dropout=0.0, mode=mode
+  layer = positions.AxialPositions(
+    shape=(8, 16), d_embs=(4, 4), dropout=0.0, mode=mode, offset=offset
   )
-  positions.AxialPositions.adopt(layer, offset)
   layer.init(shapes.ShapeDtype((2, 128, 8), np.float32), rng=jax.random.key(0))
   return layer
 

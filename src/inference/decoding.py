@@ -22,9 +22,16 @@ from trax import layers as tl
 
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import attention, decode_block, decode_cache, ginconf, reformer
+from src.model import (
+  attention,
+  decode_cache,
+  decode_select,
+  decode_state,
+  ginconf,
+  reformer,
+)
 from src.model.positions import AxialPositions
-from src.storage import checkpoints, curves, modelfolder
+from src.storage import checkpoints, modelfolder
 
 MODEL_DIR_FIX = (
   'point --model-dir (or "eval": {"model-dir": ...} in config.json) at a '
@@ -69,12 +76,19 @@ def load_run(model_dir: str, mode: str, bindings=()):
   """A run's gin setup, tokenizer and a `mode` model with its weights.
 
   Every reader of a finished run (chat, perplexity) loads through here
-  (the folder itself is read by `modelfolder.load`).
+  (the folder itself is read by `modelfolder.load`, once).
 
   Returns:
     `(setup, tokenizer, layer, step)`: the layer initialized for batch 1 and
     the checkpoint's training step.
   """
+  model, layer = load_model(model_dir, mode, bindings)
+  return model.setup, model.tok, layer, model.step
+
+
+def load_model(model_dir: str, mode: str, bindings=()):
+  """`(model folder, layer)`: `load_run`'s, with the whole
+  `modelfolder.ModelFolder` read."""
   what = f'model-dir {model_dir!r}'
   model = modelfolder.load(model_dir, what, MODEL_DIR_FIX, bindings)
   setup = model.setup
@@ -86,7 +100,7 @@ def load_run(model_dir: str, mode: str, bindings=()):
   length = 1 if mode == 'predict' else setup.max_len
   signature = trax.shapes.ShapeDtype((1, length), np.int32)
   checkpoints.set_weights(model_dir, layer, signature, model.flat)
-  return setup, model.tok, layer, model.step
+  return model, layer
 
 
 def _turned_weights(model, lsh, local) -> list[bool]:
@@ -109,7 +123,7 @@ def _turned_weights(model, lsh, local) -> list[bool]:
         turned.add(id(w))
   for layer in lsh:
     if isinstance(layer, attention.DirectedLSHSelfAttention):  # w_a.
-      turned.add(id(layer.weights[3]))
+      turned.add(id(layer.weight(layer.weights, 'a')))
   return [id(w) in turned for w in jax.tree_util.tree_leaves(model.weights)]
 
 
@@ -140,7 +154,7 @@ def block_size(model, max_len: int) -> int:
     return 0
   size = math.lcm(*[layer._chunk_len for layer in lsh + local] or [64])
   limit = min(
-    [2 * decode_cache.keep_count(layer) - 1 for layer in lsh] or [size]
+    [2 * decode_select.keep_count(layer) - 1 for layer in lsh] or [size]
   )
   if size > limit or max_len % size:
     return 0
@@ -211,7 +225,32 @@ class Decoder:
     self.curves = None  # Where the model's training curves are, in words.
     self._turned = _turned_weights(predict_model, lsh, local)
     self.weights = predict_model.weights
-    leaves, self._state_tree = jax.tree_util.tree_flatten(predict_model.state)
+    # The decoder passes its own state; the layer's is not read.
+    predict_model.state = self._keep_fresh_state(predict_model.state)
+    self._rng = jax.random.PRNGKey(0)
+    self.traces = 0
+    self._step_fn = jax.jit(self._pure_step, donate_argnums=(1,))
+    # A block: the model without its output layer, then the output layer
+    # on the last real position only, so `[length, vocab]` logits never
+    # exist. One compilation per block length (`padded`: at most three)
+    # and per start block length (multiples of `min_start` or `block`).
+    *body, self._head = predict_model.sublayers
+    self._body = trax.layers.Serial(*body)
+    self._readers = {  # The layers a block's arguments go to.
+      id(node)
+      for node in reformer.all_layers(predict_model)
+      if node in lsh + local or isinstance(node, AxialPositions)
+    }
+    self.block = block_size(predict_model, max_len)
+    self._block_fn = jax.jit(self._pure_block, donate_argnums=(1,))
+    self._start_fn = jax.jit(self._pure_start, donate_argnums=(1,))
+    self.min_start = MIN_START
+    self.reset()
+
+  def _keep_fresh_state(self, state):
+    """Keeps what a fresh `state` is (`reset` makes it) and what `rewind`
+    restores; returns the state's shapes, for the model to hold."""
+    leaves, self._state_tree = jax.tree_util.tree_flatten(state)
     # What `rewind` restores: all but the memories indexed by position
     # (written only at or after the position, so kept as they are).
     self._positional = [
@@ -225,33 +264,10 @@ class Decoder:
       else np.array(leaf)
       for leaf, by in zip(leaves, self._positional)
     ]
-    predict_model.state = jax.tree_util.tree_unflatten(
+    return jax.tree_util.tree_unflatten(
       self._state_tree,
       [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in self._fresh],
-    )  # The decoder passes its own state; the layer's is not read.
-    self._rng = jax.random.PRNGKey(0)
-    self.traces = 0
-    self._step_fn = jax.jit(self._pure_step, donate_argnums=(1,))
-    # A block: the model without its output layer, then the output layer
-    # on the last real position only, so `[length, vocab]` logits never
-    # exist. One compilation per block length (`padded`: at most three)
-    # and per start block length (multiples of `min_start` or `block`).
-    *body, self._head = predict_model.sublayers
-    self._body = trax.layers.Serial(*body)
-    self._readers = (
-      lsh
-      + local
-      + [
-        node
-        for node in reformer.all_layers(predict_model)
-        if isinstance(node, AxialPositions)
-      ]
     )
-    self.block = block_size(predict_model, max_len)
-    self._block_fn = jax.jit(self._pure_block, donate_argnums=(1,))
-    self._start_fn = jax.jit(self._pure_start, donate_argnums=(1,))
-    self.min_start = MIN_START
-    self.reset()
 
   @classmethod
   def load(cls, model_dir: str, n_hashes: int | None = None) -> Decoder:
@@ -259,9 +275,9 @@ class Decoder:
     bindings = []
     if n_hashes is not None:
       bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
-    setup, tok, layer, step = load_run(model_dir, 'predict', bindings)
-    decoder = cls(layer, setup.max_len, tok, step)
-    decoder.curves = curves.where(model_dir)
+    model, layer = load_model(model_dir, 'predict', bindings)
+    decoder = cls(layer, model.setup.max_len, model.tok, model.step)
+    decoder.curves = model.curves_at
     return decoder
 
   @property
@@ -312,13 +328,19 @@ class Decoder:
     position only, so the `[length, vocab]` logits never exist."""
     self.traces += 1
     weights = self._model_weights(weights)
-    with decode_block.reading(self._readers, n, start):
-      x, body_state = self._body.pure_fn(
-        tokens, tuple(weights[:-1]), tuple(state[:-1]), rng, use_cache=True
-      )
+    *body_weights, head_weights = weights
+    *body_state, head_state = state
+    # Each reader layer gets the block's real length and kind with its
+    # state, as its call's argument (`decode_state.BlockRead`).
+    body_state = decode_state.wrap_readers(
+      self._body, tuple(body_state), self._readers, n, start
+    )
+    x, body_state = self._body.pure_fn(
+      tokens, tuple(body_weights), body_state, rng, use_cache=True
+    )
     last = jax.lax.dynamic_slice_in_dim(x, n - 1, 1, axis=1)
     logits, head_state = self._head.pure_fn(
-      last, weights[-1], state[-1], rng, use_cache=True
+      last, head_weights, head_state, rng, use_cache=True
     )
     return logits[0, -1], (*body_state, head_state)
 

@@ -20,7 +20,8 @@ classes from `ReformerLM.attention_type`, and gin/*.gin name these:
 Each reads its settings from Trax's gin names (`SelfAttention.chunk_len`,
 `LSHSelfAttention.n_hashes`, ...), as a subclass of the registered class.
 Any of them starts with its output projections at zero where
-`model.reformer_lm` sets `_zero_output` (`residual.zero_attention`).
+`model.reformer_lm` asks (`start_at_zero`; `residual.zero_attention`).
+Every chat-decoder call takes the path `decode_cache.route` chooses.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from trax import fastmath
 from trax import layers as tl
 from trax.layers.research import efficient_attention as ea
 
-from src.model import decode_block, decode_cache, lsh_hash
-from src.model.decode_block import TRAX_MASK, window_mask
+from src.model import decode_block, decode_cache, decode_index, lsh_hash
+from src.model.decode_state import unwrap
 
 
 def settings_name(cls) -> str:
@@ -46,20 +47,26 @@ def settings_name(cls) -> str:
   return cls.__name__
 
 
-def output_index(layer) -> int:
-  """Where `w_o` is in an attention head's weights, Trax's order
-  `w_q, [w_k,] w_v, w_o, ...` (`w_k` only without shared queries/keys)."""
-  return 2 if layer._share_qk else 3
+def weight_roles(layer) -> tuple[str, ...]:
+  """The roles of an attention head's weights, in Trax's order: `q`
+  (queries; also the keys where they are shared), `k` (keys, only where
+  not shared), `v`, `o` (the output projection), then what a class adds
+  (`a`, `b`: the directed score's). The one place that knows the order:
+  every reader asks `layer.weight(weights, role)`."""
+  shared = ('q', 'v', 'o') if layer._share_qk else ('q', 'k', 'v', 'o')
+  return shared + tuple(getattr(layer, 'EXTRA_ROLES', ()))
 
 
 def zero_output(layer, weights):
   """One head's `weights` with the output projection `w_o` zero where the
-  layer starts at zero (`_zero_output`): the head then adds nothing until
-  it has learned to."""
+  layer starts at zero (`start_at_zero`): the head then adds nothing
+  until it has learned to."""
   if not layer._zero_output:
     return weights
-  at = output_index(layer)
-  return (*weights[:at], jnp.zeros_like(weights[at]), *weights[at + 1 :])
+  return tuple(
+    jnp.zeros_like(w) if role == 'o' else w
+    for role, w in zip(weight_roles(layer), weights)
+  )
 
 
 def directed_qk(q, k_unit, a, b):
@@ -77,12 +84,25 @@ def directed_qk(q, k_unit, a, b):
 
 class _Ours:
   """What each of our attention classes adds to Trax's: the output
-  projections may start at zero (`_zero_output`, set by
-  `model.reformer_lm`), and a chat decoder's memory that never rolls is
-  appended to in place (`decode_cache.never_roll`)."""
+  projections may start at zero (`start_at_zero`, called by
+  `model.reformer_lm`), weights are read by role (`weight`), and a chat
+  decoder's calls take the paths `decode_cache.route` chooses."""
 
   _zero_output = False
   _never_rolls = False
+
+  def start_at_zero(self):
+    """The output projections start at zero when the layer is initialized."""
+    self._zero_output = True
+
+  def never_roll(self):
+    """The chat decoder's layer: its memory never rolls (see
+    `decode_cache`)."""
+    self._never_rolls = True
+
+  def weight(self, weights, role: str):
+    """One head's weight of `role` (see `weight_roles`)."""
+    return weights[weight_roles(self).index(role)]
 
   def create_weights_unbatched(self, input_signature, rng):
     weights = super().create_weights_unbatched(input_signature, rng)
@@ -94,24 +114,32 @@ class _Ours:
     )
 
   def forward_and_or_backward(self, inputs, weights, state, rng, **kwargs):
-    """Trax's, except for a block of new tokens of the chat decoder
-    (`decode_block`: each token as if fed alone, all at once)."""
-    block = decode_block.wants_block(
-      self,
-      inputs,
-      kwargs.get('update_state', True),
-      kwargs.get('compute_output', True),
-      kwargs.get('output_grad'),
+    """Trax's, except where `decode_cache.route` chooses a chat decoder's
+    path: a block (`_read_block`) or an indexed token (`_read_token`)."""
+    forward_only = (
+      kwargs.get('update_state', True)
+      and kwargs.get('compute_output', True)
+      and kwargs.get('output_grad') is None
     )
-    if block and self._reads_blocks():
-      out, new_state = self._read_block(inputs, weights, state, rng)
-      return out, new_state, None, None
+    path = decode_cache.route(self, inputs, state, forward_only=forward_only)
+    if path == decode_cache.BLOCK:
+      out, new = self._read_block(inputs, weights, state.state, rng, state.n)
+      return out, new, None, None
+    if path == decode_cache.TOKEN:
+      out, new = decode_cache.indexed_layer_step(
+        self, inputs, weights, state, rng
+      )
+      return out, new, None, None
     return super().forward_and_or_backward(
-      inputs, weights, state, rng, **kwargs
+      inputs, weights, unwrap(state), rng, **kwargs
     )
 
   def _reads_blocks(self) -> bool:
     """Whether `_read_block` can read this layer's blocks."""
+    return False
+
+  def _reads_tokens(self) -> bool:
+    """Whether the chat decoder's tokens take `route`'s TOKEN path."""
     return False
 
 
@@ -124,14 +152,14 @@ class LocalSelfAttention(_Ours, tl.SelfAttention):
   the whole memory: a local block of a mixed model would read, while
   chatting, thousands of tokens it never learned to weigh. Here the predict
   step keeps the training window: one token at a time through
-  `local_one_token_step`, longer feeds through Trax's step with
-  `window_mask`. Unchunked (full) attention is Trax's.
+  `local_one_token_step`, longer feeds through
+  `decode_block.windowed_step` (Trax's step with `window_mask`).
+  Unchunked (full) attention is Trax's.
   """
 
   def _incremental_forward_unbatched(self, x, mask=None, **kwargs):
-    trax_step = super()._incremental_forward_unbatched
     if not self._chunk_len:
-      return trax_step(x, mask, **kwargs)
+      return super()._incremental_forward_unbatched(x, mask, **kwargs)
     if kwargs['q_len'] == 1 and mask is None and not self._bias:
       out = local_one_token_step(
         self,
@@ -141,22 +169,13 @@ class LocalSelfAttention(_Ours, tl.SelfAttention):
         rng=kwargs['rng'],
       )
       return out, kwargs['state']
-    windowed = functools.partial(
-      window_mask,
-      chunk_len=int(self._chunk_len),
-      n_chunks_before=int(self._n_chunks_before),
-    )
-    ea.mask_self_attention = windowed  # Read by Trax's step as it is traced.
-    try:
-      return trax_step(x, mask, **kwargs)
-    finally:
-      ea.mask_self_attention = TRAX_MASK
+    return decode_block.windowed_step(self, x, **kwargs), kwargs['state']
 
   def _reads_blocks(self) -> bool:
     return bool(self._chunk_len) and not self._bias
 
-  def _read_block(self, x, weights, state, rng):
-    return decode_block.local_block(self, x, weights, state, rng)
+  def _read_block(self, x, weights, state, rng, n):
+    return decode_block.local_block(self, x, weights, state, rng, n)
 
 
 class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
@@ -165,7 +184,7 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
 
   def create_state_unbatched(self, input_signature, rng):
     state = super().create_state_unbatched(input_signature, rng)
-    return decode_cache.create_state(self, state, rng)
+    return decode_index.create_state(self, state, rng)
 
   def hash_vectors(self, vecs, rng, mask=None):
     """Trax's buckets, through `lsh_hash.bucket_ids` (factorized bucket
@@ -188,8 +207,9 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
     """What a predict step reads of the positions `x_k` (`[n, d]`), their
     keys and values side by side (`[n, _key_width]`): Trax's shared keys
     (`length_normalized`) and values."""
-    k = ea.length_normalized(jnp.matmul(x_k, weights[0]))
-    return jnp.concatenate([k, jnp.matmul(x_k, weights[1])], -1)
+    k = ea.length_normalized(jnp.matmul(x_k, self.weight(weights, 'q')))
+    v = jnp.matmul(x_k, self.weight(weights, 'v'))
+    return jnp.concatenate([k, v], -1)
 
   def _cached_qkv(self, q, parts, x_q, weights):
     """Queries, keys and values of a predict step's `attend`, from the
@@ -215,17 +235,14 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
     trax_step = super()._incremental_forward_unbatched
     return decode_cache.incremental_forward(self, trax_step, x, **kwargs)
 
-  def forward_and_or_backward(self, inputs, weights, state, rng, **kwargs):
-    trax_fab = super().forward_and_or_backward
-    return decode_cache.forward_and_or_backward(
-      self, trax_fab, inputs, weights, state, rng, **kwargs
-    )
-
   def _reads_blocks(self) -> bool:
-    return decode_cache.indexed(self)
+    return decode_index.indexed(self)
 
-  def _read_block(self, x, weights, state, rng):
-    return decode_block.lsh_block(self, x, weights, state, rng)
+  def _reads_tokens(self) -> bool:
+    return decode_index.indexed(self)
+
+  def _read_block(self, x, weights, state, rng, n):
+    return decode_block.lsh_block(self, x, weights, state, rng, n)
 
 
 class DirectedLSHSelfAttention(FastLSHSelfAttention):
@@ -239,6 +256,8 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
   a pair in view with `|q_i| cos(q_i, q_j) + a_i . b_j / sqrt(d)`,
   `a = x w_a`, `b = x w_b`: a query and a key projection of its own.
   """
+
+  EXTRA_ROLES = ('a', 'b')  # After Trax's weights (`weight_roles`).
 
   def create_weights_unbatched(self, input_signature, rng):
     """Trax's weights of one head, plus `w_a` and `w_b`."""
@@ -256,26 +275,29 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
 
   def _key_parts(self, x_k, weights):
     parts = super()._key_parts(x_k, weights)
-    return jnp.concatenate([parts, jnp.matmul(x_k, weights[4])], -1)
+    b = jnp.matmul(x_k, self.weight(weights, 'b'))
+    return jnp.concatenate([parts, b], -1)
 
   def _cached_qkv(self, q, parts, x_q, weights):
     q, k_unit, v = super()._cached_qkv(q, parts, x_q, weights)
     b = parts[..., self._d_qk + self._d_v :]
-    q, k = directed_qk(q, k_unit, jnp.matmul(x_q, weights[3]), b)
+    a = jnp.matmul(x_q, self.weight(weights, 'a'))
+    q, k = directed_qk(q, k_unit, a, b)
     return q, k, v
 
   def _block_scores(self, q, parts, x_q, weights):
     # `directed_qk`'s keys are scaled by sqrt(2) and `attend` divides by
     # sqrt(2 d): the score is (q . k + a . b) / sqrt(d).
     d = self._d_qk
-    a = jnp.matmul(x_q, weights[3])
+    a = jnp.matmul(x_q, self.weight(weights, 'a'))
     dots = jnp.sum(q[:, None, :] * parts[..., :d], -1)
     dots += jnp.sum(a[:, None, :] * parts[..., d + self._d_v :], -1)
     return dots / jnp.sqrt(jnp.asarray(d, dots.dtype))
 
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
-    w_q, w_v, w_o, w_a, w_b = weights
-    a, b = jnp.matmul(x, w_a), jnp.matmul(x, w_b)
+    a = jnp.matmul(x, self.weight(weights, 'a'))
+    b = jnp.matmul(x, self.weight(weights, 'b'))
+    trax_weights = tuple(self.weight(weights, role) for role in 'qvo')
 
     def directed_attend(q, k=None, v=None, **kw):
       at = kw['q_info']  # The positions of `q`'s rows, as sorted.
@@ -286,7 +308,7 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
       return ea.attend(q, k, v, **kw)
 
     return lsh_forward(
-      self, x, mask, weights=(w_q, w_v, w_o), attend=directed_attend, **kwargs
+      self, x, mask, weights=trax_weights, attend=directed_attend, **kwargs
     )
 
 
@@ -400,8 +422,6 @@ def lsh_forward(
     exclude_self=True,
     masked=self._masked,
   )
-  q_info = st
-
   kv_info = _kv_info(mask, st) if self._masked else None
 
   so, slogits = attend(
@@ -412,7 +432,7 @@ def lsh_forward(
     n_chunks_before=self._n_chunks_before,
     n_chunks_after=self._n_chunks_after,
     mask_fn=mask_fn,
-    q_info=q_info,
+    q_info=st,
     kv_info=kv_info,
     dropout=self._attention_dropout,
     rng=attend_rng,

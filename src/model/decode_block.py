@@ -4,15 +4,15 @@ The chat decoder (`src.inference.decoding.Decoder`) reads a conversation,
 and each follow-up message after a kept one, as blocks of a fixed number of
 tokens at any position. Each token of a block attends to exactly what it
 would attend to if it were fed alone: the same LSH candidates (bucket
-index and window, `decode_cache.select_indexed`), read from the key cache,
+index and window, `decode_select.select_indexed`), read from the key cache,
 and the same local window; only the arithmetic is shared, all of the
 block's tokens at once. Training reads a window differently (buckets sorted
 over the window); Trax's predict mode could read a block only at position 0
 and then only that way.
 
 A block's last tokens may be padding (a message rarely fills one): the
-decoder says how many are real (`reading`, set while the block function is
-traced); only those move the layer's position and enter the bucket index.
+decoder says how many are real (`decode_state.BlockRead`, the call's
+state); only those move the layer's position and enter the bucket index.
 What the padding wrote past them is overwritten by what comes next, and no
 read looks there (causal masks; `select_indexed` reads no bucket from the
 query's position on). The decoder never lets a block run past the memory.
@@ -20,7 +20,6 @@ query's position on). The decoder never lets a block run past the memory.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -28,7 +27,14 @@ from jax import numpy as jnp
 from trax import fastmath
 from trax.layers.research import efficient_attention as ea
 
-from src.model import decode_cache, lsh_hash
+from src.model import (
+  decode_index,
+  decode_keys,
+  decode_select,
+  decode_state,
+  lsh_hash,
+)
+from src.model.decode_state import LSHState, Memory
 
 TRAX_MASK = ea.mask_self_attention  # Trax's, before anyone wraps it.
 
@@ -46,42 +52,6 @@ def window_mask(dots, q_info, kv_info, *, chunk_len, n_chunks_before, **kw):
   return dots - 1e9 * (k < first).astype(dots.dtype)
 
 
-@contextlib.contextmanager
-def reading(layers, n=None, start: bool = False):
-  """While a block function is traced: `layers` (attention and position
-  layers) take `n` (a traced int) of the block's tokens as real; `start`:
-  the block starts an empty context and is read as Trax reads one there
-  (as training reads a window: buckets sorted over the block)."""
-  for layer in layers:
-    layer._block_valid, layer._block_start = n, start
-  try:
-    yield
-  finally:
-    for layer in layers:
-      layer._block_valid, layer._block_start = None, False
-
-
-def valid(layer, length: int):
-  """The real tokens of a block of `length` (see `reading`)."""
-  n = getattr(layer, '_block_valid', None)
-  return length if n is None else n
-
-
-def wants_block(self, inputs, update_state, compute_output, output_grad):
-  """Whether a predict-mode attention call is a block of a chat decoder
-  (`decode_cache.never_roll`): several new tokens, forward only."""
-  one = not isinstance(inputs, (tuple, list))
-  return (
-    one
-    and inputs.shape[-2] > 1
-    and self._never_rolls
-    and not getattr(self, '_block_start', False)
-    and update_state
-    and compute_output
-    and output_grad is None
-  )
-
-
 def append(mem, x, mem_end):
   """The layer's memory of inputs (Trax's: a tuple of one `[batch, mem,
   d]`) with the block `x` written from `mem_end`."""
@@ -93,60 +63,88 @@ def append(mem, x, mem_end):
   )
 
 
-def _per_head(fn, per_example, per_head, per_both):
-  """`fn` over every example and head (as `decode_cache._each_head`)."""
-  per_example_fn = jax.vmap(fn, in_axes=(None, 0, 0))
-  return jax.vmap(per_example_fn, in_axes=(0, None, 0))(
-    per_example, per_head, per_both
-  )
-
-
-def lsh_block(self, x, weights, state, rng):
+def lsh_block(self, x, weights, state, rng, n):
   """A block of tokens through a whole LSH layer with a bucket index and a
-  key cache (`decode_cache.create_state`).
+  key cache (`decode_index.create_state`).
 
   Args:
     x: `[batch, length, d_model]` the block's inputs.
-    state: `(mem_end, mem, (buckets, buckets_idx, hash_rng, ring, counts,
-      rotations, keys))`, the per-head entries stacked `[batch * n_heads,
-      ...]`.
+    state: a `Memory` whose heads are an `LSHState`, each entry stacked
+      `[batch * n_heads, ...]`.
+    n: How many of the block's tokens are real (a traced int).
 
   Returns:
     `(out [batch, length, d_model], new_state)`.
   """
-  mem_end, mem, per_head = state
+  del rng  # Dropout is off outside training.
+  memory = Memory.of(state)
+  s = LSHState.of(memory.heads)
   batch, length = x.shape[:2]
-  heads, n_hashes = self._n_heads, self._n_hashes
-  n = valid(self, length)
-  q_start = mem_end
-  buckets, buckets_idx, hash_rng, ring, counts, turns, keys = per_head
-  mem_len = keys.shape[1]
-  n_keep = min(decode_cache.keep_count(self), mem_len)
-  positions = q_start + jnp.arange(length, dtype=jnp.int32)
-
-  def by_example(a):
-    return jnp.reshape(a, (batch, heads) + a.shape[1:])
-
-  def flat(a):
-    return jnp.reshape(a, (batch * heads,) + a.shape[2:])
-
-  def project(x_b, w_h, turns_h):
-    q = jnp.matmul(x_b, w_h[0])
-    hashed = lsh_hash.hash_rounds(q, turns_h, self._n_buckets)
-    qb = jnp.transpose(jnp.reshape(hashed, (n_hashes, length)))
-    return q, qb, self._key_parts(x_b, w_h)
-
-  q, qb, parts = _per_head(project, x, weights, by_example(turns))
+  q_start = memory.mem_end
+  q, qb, parts = decode_state.each_head(
+    functools.partial(_project, self),
+    x,
+    weights,
+    decode_state.by_example(s.rotations, batch, self._n_heads),
+  )
   # Each token's own entries first (a later token of the block reads
   # them; `select_indexed` reads no bucket from the token's position on).
-  keys = decode_cache.write_keys(keys, flat(parts), q_start)
-  buckets = jnp.reshape(buckets, (batch * heads, n_hashes, mem_len))
-  buckets = jax.lax.dynamic_update_slice(
+  keys = decode_keys.write_keys(s.keys, decode_state.flat(parts), q_start)
+  buckets = _write_block_buckets(
+    self, s.buckets, decode_state.flat(qb), q_start
+  )
+  own = decode_index.own_buckets(self, decode_state.flat(qb))
+  out = _attend_all(
+    self, x, weights, q, qb, s.ring, own, buckets, keys, q_start
+  )
+
+  def write(i, index):
+    return decode_index.write_index(*index, own[:, i], q_start + i)
+
+  ring, counts = jax.lax.fori_loop(0, n, write, (s.ring, s.counts))
+  new = s._replace(
+    buckets=jnp.reshape(buckets, s.buckets.shape),
+    buckets_idx=jnp.full_like(s.buckets_idx, q_start + n),
+    ring=ring,
+    counts=counts,
+    keys=keys,
+  )
+  new_memory = Memory(q_start + n, append(memory.mem, x, q_start), new)
+  return out, new_memory.plain()
+
+
+def _project(self, x_b, w_h, turns_h):
+  """One head's queries, buckets (`[length, n_hashes]`) and `_key_parts` of
+  a block's rows `x_b`."""
+  q = jnp.matmul(x_b, self.weight(w_h, 'q'))
+  hashed = lsh_hash.hash_rounds(q, turns_h, self._n_buckets)
+  length = x_b.shape[0]
+  qb = jnp.transpose(jnp.reshape(hashed, (self._n_hashes, length)))
+  return q, qb, self._key_parts(x_b, w_h)
+
+
+def _write_block_buckets(self, buckets, qb, q_start):
+  """The buckets (`[batch * heads, n_hashes * mem]`) with a block's `qb`
+  (`[batch * heads, length, n_hashes]`) written from `q_start`:
+  `[batch * heads, n_hashes, mem]`."""
+  rows = buckets.shape[0]
+  buckets = jnp.reshape(buckets, (rows, self._n_hashes, -1))
+  return jax.lax.dynamic_update_slice(
     buckets,
-    jnp.transpose(flat(qb), (0, 2, 1)).astype(buckets.dtype),
+    jnp.transpose(qb, (0, 2, 1)).astype(buckets.dtype),
     (0, 0, q_start),
   )
-  own = decode_cache.own_buckets(self, flat(qb))  # [heads, length, rounds]
+
+
+def _attend_all(self, x, weights, q, qb, ring, own, buckets, keys, q_start):
+  """Every head's attention of each of a block's tokens over its own
+  candidates (bucket index and window, `decode_select.select_indexed`),
+  summed over heads: `[batch, length, d_model]`."""
+  batch, length = x.shape[:2]
+  heads, n_hashes = self._n_heads, self._n_hashes
+  mem_len = keys.shape[1]
+  n_keep = min(decode_select.keep_count(self), mem_len)
+  positions = q_start + jnp.arange(length, dtype=jnp.int32)
   # The rings as they were before the block: its own tokens are in every
   # query's window (length < 2 n_keep), and what the block would have
   # pushed out of a ring had n_keep newer positions of its bucket.
@@ -154,31 +152,26 @@ def lsh_block(self, x, weights, state, rng):
   lists = ring[h, jnp.arange(n_hashes)[None, None, :], own]
 
   def select(buckets_h, qb_i, lists_i, at):
-    return decode_cache.select_indexed(buckets_h, qb_i, lists_i, at, n_keep)
+    return decode_select.select_indexed(buckets_h, qb_i, lists_i, at, n_keep)
 
   def head(x_b, w_h, per):
-    q_h, qb_h, lists_h, buckets_h, keys_h = per
     kv = jax.vmap(select, in_axes=(None, 0, 0, 0))(
-      buckets_h, qb_h, lists_h, positions
+      per['buckets'], per['qb'], per['lists'], positions
     )
-    return attend_block(self, x_b, q_h, positions, kv, keys_h[kv], w_h)
+    parts = per['keys'][kv]
+    return attend_block(self, x_b, per['q'], positions, kv, parts, w_h)
 
-  per = (q, qb, by_example(lists), by_example(buckets), by_example(keys))
-  out = _per_head(head, x, weights, per)
-  out = jnp.sum(out, axis=1).astype(x.dtype)  # Over heads.
+  def example(a):
+    return decode_state.by_example(a, batch, heads)
 
-  def write(i, index):
-    return decode_cache.write_index(*index, own[:, i], q_start + i)
-
-  ring, counts = jax.lax.fori_loop(0, n, write, (ring, counts))
-  buckets = jnp.reshape(buckets, (batch * heads, n_hashes * mem_len))
-  buckets_idx = jnp.full_like(buckets_idx, q_start + n)
-  per_head = (buckets, buckets_idx, hash_rng, ring, counts, turns, keys)
-  return out, (mem_end + n, append(mem, x, mem_end), per_head)
+  per = dict(q=q, qb=qb, lists=example(lists), buckets=example(buckets),
+             keys=example(keys))  # fmt: skip
+  out = decode_state.each_head(head, x, weights, per)
+  return jnp.sum(out, axis=1).astype(x.dtype)  # Over heads.
 
 
 def attend_block(self, x_rows, q, positions, kv, parts, weights):
-  """`decode_cache.attend_parts` for all of a block's tokens at once, one
+  """`decode_keys.attend_parts` for all of a block's tokens at once, one
   head: each query (`q`, `[length, d_qk]`, at `positions`) over its own
   candidates `kv` (`[length, n]`), whose keys and values are `parts`
   (`[length, n, width]`): `[length, d_model]`. (Dropout is off outside
@@ -190,7 +183,7 @@ def attend_block(self, x_rows, q, positions, kv, parts, weights):
   dots = jnp.exp(dots - fastmath.logsumexp(dots, axis=-1, keepdims=True))
   d = self._d_qk
   o = jnp.sum(dots[..., None] * parts[..., d : d + self._d_v], 1)
-  return jnp.matmul(o, weights[2])
+  return jnp.matmul(o, self.weight(weights, 'o'))
 
 
 def local_window(self, x, q_start, length: int, weights, rng):
@@ -199,10 +192,7 @@ def local_window(self, x, q_start, length: int, weights, rng):
   training gave it (`window_mask`), read from one fixed-size slice:
   `[length, d_model]`."""
   attend_rng, output_rng = fastmath.random.split(rng)
-  if self._share_qk:
-    w_q, w_v, w_o = weights
-  else:
-    w_q, w_k, w_v, w_o = weights
+  w_q, w_v, w_o = (self.weight(weights, role) for role in 'qvo')
   mem_len = x.shape[0]
   chunk, before = int(self._chunk_len), int(self._n_chunks_before)
   size = min(chunk * (1 + before) + length - 1, mem_len)
@@ -214,18 +204,8 @@ def local_window(self, x, q_start, length: int, weights, rng):
   if length == 1:  # Trax duplicates a lone query row (matmul rounding).
     rows, at = jnp.concatenate([rows] * 2, 0), jnp.concatenate([at] * 2)
   q = jnp.matmul(rows, w_q)
-  if self._share_qk:
-    k = ea.length_normalized(jnp.matmul(window, w_q))
-  else:
-    k = jnp.matmul(window, w_k)
-  mask_fn = functools.partial(
-    window_mask,
-    chunk_len=chunk,
-    n_chunks_before=before,
-    causal=True,
-    exclude_self=self._share_qk,
-    masked=False,
-  )
+  k = local_keys(self, window, weights)
+  mask_fn = local_mask(self, causal=True, masked=False)
   o, _ = ea.attend(
     q,
     k,
@@ -240,19 +220,74 @@ def local_window(self, x, q_start, length: int, weights, rng):
   return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
 
 
-def local_block(self, x, weights, state, rng):
-  """A block of tokens through a chunked local attention layer, each token
-  over the window `local_window` gives it: `(out [batch, length,
-  d_model], new_state)`."""
-  mem_end, mem, per_head = state
+def local_block(self, x, weights, state, rng, n):
+  """A block of tokens (`n` of them real) through a chunked local attention
+  layer, each token over the window `local_window` gives it: `(out [batch,
+  length, d_model], new_state)`."""
+  memory = Memory.of(state)
   length = x.shape[1]
-  n = valid(self, length)
-  mem = append(mem, x, mem_end)
+  mem = append(memory.mem, x, memory.mem_end)
 
   def head(x_b, w_h, _):
-    return local_window(self, x_b, mem_end, length, w_h, rng)
+    return local_window(self, x_b, memory.mem_end, length, w_h, rng)
 
   none = jnp.zeros((x.shape[0], self._n_heads))
-  out = _per_head(head, mem[0], weights, none)
+  out = decode_state.each_head(head, mem[0], weights, none)
   out = jnp.sum(out, axis=1).astype(x.dtype)  # Over heads.
-  return out, (mem_end + n, mem, per_head)
+  return out, Memory(memory.mem_end + n, mem, memory.heads).plain()
+
+
+def windowed_step(
+  self, x, *, q_start, q_len, weights, state, rng, update_state
+):
+  """Trax 1.4.1's `SelfAttention` predict step of `q_len` tokens from
+  `q_start` (`x`: `[mem, d]`, one head), the same computation, masked to
+  the local window training used (`window_mask`): `[q_len, d_model]`."""
+  del state, update_state
+  attend_rng, output_rng = fastmath.random.split(rng)
+  w_q, w_v, w_o = (self.weight(weights, role) for role in 'qvo')
+  q_range = q_start + jnp.arange(q_len, dtype=jnp.int32)
+  if q_len == 1:  # Trax duplicates a lone query row (matmul rounding).
+    q = jnp.matmul(jnp.concatenate([x[q_range]] * 2, 0), w_q)
+  else:
+    q = jnp.matmul(x[q_range], w_q)
+  k = local_keys(self, x, weights)
+  mask_fn = local_mask(self, causal=self._causal, masked=self._masked)
+  chunks = {}
+  if q_len > self._chunk_len:  # Trax's: only at the start of a context.
+    chunks = dict(
+      q_chunk_len=self._chunk_len,
+      kv_chunk_len=self._chunk_len,
+      n_chunks_before=self._n_chunks_before,
+      n_chunks_after=self._n_chunks_after,
+    )
+  o, _ = ea.attend(
+    q, k, jnp.matmul(x, w_v), mask_fn=mask_fn, q_info=q_range,
+    kv_info=jnp.arange(k.shape[-2], dtype=jnp.int32),
+    dropout=self._attention_dropout, rng=attend_rng, **chunks,
+  )  # fmt: skip
+  out = jnp.matmul(o, w_o)
+  if q_len == 1:
+    out = out[:1]
+  return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+
+
+def local_keys(self, x, weights):
+  """A local layer's keys of the rows `x`: its queries' (as Trax makes
+  shared ones) or its own."""
+  if self._share_qk:
+    return ea.length_normalized(jnp.matmul(x, self.weight(weights, 'q')))
+  return jnp.matmul(x, self.weight(weights, 'k'))
+
+
+def local_mask(self, causal: bool, masked: bool):
+  """`attend`'s mask for a local layer's predict step: Trax's, within the
+  window training used (`window_mask`)."""
+  return functools.partial(
+    window_mask,
+    chunk_len=int(self._chunk_len),
+    n_chunks_before=int(self._n_chunks_before),
+    causal=causal,
+    exclude_self=self._share_qk,
+    masked=masked,
+  )

@@ -234,14 +234,7 @@ def parse(
       f'gin file {path!r} not found; set "gin" in config.json '
       '(or --gin) to a file in gin/'
     )
-  try:
-    with open(path, encoding='utf-8') as f:
-      text = f.read()
-  except (OSError, UnicodeDecodeError) as e:
-    raise UserError(
-      f'{path}: cannot be read ({_one_line(e)}); save it as UTF-8 text'
-    ) from None
-  return parse_text(text, path, bindings, base)
+  return parse_text(files.read_text(path, 'text'), path, bindings, base)
 
 
 def _class_settings(kinds, model_settings: dict, path: str) -> dict:

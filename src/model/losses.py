@@ -245,13 +245,9 @@ class ChunkedOutput(tl.Layer):
       self.state = hit_counts_zero()
 
   def forward(self, inputs):
-    x, kernel, bias, targets, weights = inputs
+    # (x, kernel, bias, targets, weights), in `chunked_cross_entropy`'s order.
     out = chunked_cross_entropy(
-      x,
-      kernel,
-      bias,
-      targets,
-      weights,
+      *inputs,
       self._chunk_size,
       with_accuracy=self._with_accuracy,
       ranges=self._ranges,
@@ -262,6 +258,13 @@ class ChunkedOutput(tl.Layer):
     loss, hits, total = out
     self.state = (hits, total)
     return loss
+
+
+def loss_part(fused):
+  """What `chunked_model`'s second layer (`ChunkedOutput`) holds of a
+  `fused` tree (its weights, or its state)."""
+  _, loss = fused
+  return loss
 
 
 def hit_counts_zero():
@@ -287,8 +290,8 @@ def chunked_model(
   accuracy) without the full `[batch, length, vocab]` logits; or None.
 
   `model'` is `model` with its output `Dense` replaced by `OutputWeights`
-  (same layers, same weights, nothing initialized again), so
-  `weights[0]` has the model's structure as Trax's Loop expects. None when
+  (same layers, same weights, nothing initialized again), so its first
+  weights have the model's structure, as Trax's Loop expects. None when
   `chunk_size` is 0 or the model does not end in a plain Dense layer.
   """
   if not chunk_size:

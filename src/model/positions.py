@@ -9,7 +9,8 @@ model trained on short windows then trains every row of the grid, so the
 positions it meets far into a long context are not the untrained ones it
 started with (BENCHMARKS.md, "The 32k context, used").
 
-`reformer.reformer_lm` gives Trax's axial layer this class (`adopt`).
+`reformer.reformer_lm` puts this class where Trax's axial layer was
+(`like`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax import numpy as jnp
 from trax import fastmath
 from trax import layers as tl
 
-from src.model import decode_block
+from src.model.decode_state import BlockRead
 
 OFFSETS = ('zero', 'random')
 
@@ -33,17 +34,27 @@ class AxialPositions(tl.AxialPositionalEncoding):
   window starts on the grid. Evaluation and sampling always start at 0.
   """
 
-  _offset = 'zero'
-
-  @staticmethod
-  def adopt(layer, offset: str = 'zero'):
-    """Makes Trax's `AxialPositionalEncoding` `layer` (built inside
-    `ReformerLM`) this class, its training windows starting at `offset`
-    (one of OFFSETS)."""
+  def __init__(self, *args, offset: str = 'zero', **kwargs):
+    super().__init__(*args, **kwargs)
     if offset not in OFFSETS:
       raise ValueError(f'offset {offset!r}: one of {OFFSETS}')
-    layer.__class__ = AxialPositions
-    layer._offset = offset
+    self._offset = offset
+
+  @classmethod
+  def like(cls, layer, offset: str = 'zero', kernel_initializer=None):
+    """This class built with the settings of Trax's `AxialPositionalEncoding`
+    `layer` (as `ReformerLM` built it), its training windows starting at
+    `offset` (one of OFFSETS), its embeddings drawn by `kernel_initializer`
+    (None: `layer`'s)."""
+    return cls(
+      shape=layer._shape,
+      d_embs=layer._d_embs,
+      kernel_initializer=kernel_initializer or layer._kernel_initializer,
+      dropout=layer._dropout,
+      dropout_broadcast_dims=layer._dropout_broadcast_dims,
+      mode=layer._mode,
+      offset=offset,
+    )
 
   def _table(self):
     """`[max_len, d_model]`: every position's embedding."""
@@ -75,10 +86,12 @@ class AxialPositions(tl.AxialPositionalEncoding):
     """
     length = inputs.shape[1]
     if self._mode == 'predict':
-      # One token, or a block of a chat decoder (`decode_block.reading`:
-      # its real tokens move the position): each row looked up alone.
-      position = self.state
-      self.state = position + decode_block.valid(self, length)
+      # One token, or a block of a chat decoder (a `BlockRead`: its real
+      # tokens move the position): each row looked up alone.
+      position, real = self.state, length
+      if isinstance(position, BlockRead):
+        position, real = position.state, position.n
+      self.state = position + real
       at = position + jnp.arange(length)
       rows = jax.vmap(self._one_position)(at)[:, 0]
       return inputs + rows[None].astype(inputs.dtype)

@@ -129,23 +129,46 @@ def reformer_lm(
         'residual.zero_attention = False in the gin file'
       )
     for layer in attention if zero_outputs[0] else ():
-      if not hasattr(layer, '_zero_output'):
+      if not hasattr(layer, 'start_at_zero'):
         raise UserError(
           f'residual.zero_attention needs the attention classes of '
           f"src/model/attention.py, not Trax's {type(layer).__name__}; "
           'name them in ReformerLM.attention_type'
         )
-      layer._zero_output = True
+      layer.start_at_zero()
     for layer in dense if zero_outputs[1] else ():
-      layer._kernel_initializer = _zeros
+      _replace(lm, layer, _zero_dense(layer))
   for layer in all_layers(lm):
     if isinstance(layer, tl.AxialPositionalEncoding):
-      axial.AxialPositions.adopt(layer, offset)
+      init = None
       if axial_init_scale is not None:
         d_model = sum(layer._d_embs)
-        std = axial_init_scale / math.sqrt(d_model)
-        layer._kernel_initializer = tl.RandomNormalInitializer(std)
+        init = tl.RandomNormalInitializer(axial_init_scale / math.sqrt(d_model))
+      _replace(lm, layer, axial.AxialPositions.like(layer, offset, init))
   return lm
+
+
+def _zero_dense(layer):
+  """Trax's `Dense` `layer` built again with a kernel that starts at zero."""
+  return tl.Dense(
+    layer._n_units,
+    kernel_initializer=_zeros,
+    bias_initializer=layer._bias_initializer,
+    use_bias=layer._use_bias,
+    use_bfloat16=layer._use_bfloat16,
+  )
+
+
+def _replace(root, old, new):
+  """Puts `new` where `old` is among the sublayers of a layer in `root` (a
+  model not initialized yet)."""
+  for node in all_layers(root):
+    subs = getattr(node, 'sublayers', None) or []
+    for i, sub in enumerate(subs):
+      if sub is old:
+        subs[i] = new
+        return
+  raise ValueError(f'{type(old).__name__} is not inside the model')
 
 
 def all_layers(layer) -> list:

@@ -74,6 +74,11 @@ def check_local(model: dict, local: dict | None, where: str):
 
 _INT, _FRACTION, _PROBABILITY, _BOOL = 'int', 'fraction', 'probability', 'bool'
 MAX_LEN = 1 << 20  # Tokens of context.
+# Ranges many settings share.
+_LENGTH = (_INT, 1, MAX_LEN)  # A number of tokens.
+_SPAN = (_INT, 0, MAX_LEN)  # A number of tokens, or 0.
+_RATE = (_FRACTION, 0, 1)  # A dropout rate.
+_FLAG = (_BOOL, 0, 1)
 _MODEL_RANGES = {
   'd_model': (_INT, 1, 16384),
   'd_ff': (_INT, 1, 65536),
@@ -81,31 +86,31 @@ _MODEL_RANGES = {
   'd_attention_value': (_INT, 1, 4096),
   'n_layers': (_INT, 1, 128),
   'n_heads': (_INT, 1, 256),
-  'max_len': (_INT, 1, MAX_LEN),
-  'dropout': (_FRACTION, 0, 1),
+  'max_len': _LENGTH,
+  'dropout': _RATE,
   'pos_start_from_zero_prob': (_PROBABILITY, 0, 1),
-  'pos_max_offset_to_add': (_INT, 0, MAX_LEN),
+  'pos_max_offset_to_add': _SPAN,
   'ff_use_sru': (_INT, 0, 64),
-  'ff_chunk_size': (_INT, 0, MAX_LEN),
+  'ff_chunk_size': _SPAN,
   'ff_sparsity': (_INT, 0, 65536),
-  'attention_chunk_size': (_INT, 0, MAX_LEN),
+  'attention_chunk_size': _SPAN,
 }
 _ATTENTION_RANGES = {
-  'chunk_len': (_INT, 1, MAX_LEN),
+  'chunk_len': _LENGTH,
   'n_chunks_before': (_INT, 0, 64),
   'n_chunks_after': (_INT, 0, 64),
   'n_hashes': (_INT, 1, 64),
-  'predict_mem_len': (_INT, 1, MAX_LEN),
-  'predict_drop_len': (_INT, 1, MAX_LEN),
-  'attention_dropout': (_FRACTION, 0, 1),
-  'output_dropout': (_FRACTION, 0, 1),
-  'max_length_for_buckets': (_INT, 1, MAX_LEN),
+  'predict_mem_len': _LENGTH,
+  'predict_drop_len': _LENGTH,
+  'attention_dropout': _RATE,
+  'output_dropout': _RATE,
+  'max_length_for_buckets': _LENGTH,
   'n_parallel_heads': (_INT, 1, 256),
-  'causal': (_BOOL, 0, 1),
-  'masked': (_BOOL, 0, 1),
-  'bias': (_BOOL, 0, 1),
-  'use_python_loop': (_BOOL, 0, 1),
-  'use_reference_code': (_BOOL, 0, 1),
+  'causal': _FLAG,
+  'masked': _FLAG,
+  'bias': _FLAG,
+  'use_python_loop': _FLAG,
+  'use_reference_code': _FLAG,
 }
 _ATTENTION_CLASSES = {
   'LSHSelfAttention',

@@ -208,7 +208,7 @@ class FullContext:
       self._jitted = jax.jit(self._fused.pure_fn)
     values, _ = self._jitted(
       (ids, ids, w),
-      (weights, self._fused.weights[1]),
+      (weights, losses.loss_part(self._fused.weights)),
       self._fused.state,
       jax.random.PRNGKey(step),
     )

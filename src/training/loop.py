@@ -153,8 +153,8 @@ class JadeLoop(trax_training.Loop):
     if fused is None:
       return super()._init_evaluator(eval_task)
     return trax_training._Evaluator(
-      weights=self._for_n_devices(fused.weights[1]),
-      state=self._for_n_devices(fused.state[1]),
+      weights=self._for_n_devices(losses.loss_part(fused.weights)),
+      state=self._for_n_devices(losses.loss_part(fused.state)),
       metrics_fn=trax_training._accelerate_model_with_metrics(
         fused, self.n_devices
       ),

@@ -1,0 +1,90 @@
+"""The key cache of a predict-mode LSH layer, and attention over it.
+
+Each position's keys and values (and directed key), as the layer's
+`_key_parts` makes them, are kept in its predict state (`[mem, width]`,
+`decode_state.LSHState.keys`), so a new token's candidates are read, not
+projected again. `attend_parts` is Trax's one-token attention over given
+candidates; `indexed_token` takes them from the bucket index
+(`decode_select.select_indexed`) and the key cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import numpy as jnp
+from trax import fastmath
+from trax.layers.research import efficient_attention as ea
+
+from src.model import decode_select
+
+
+def write_keys(keys, parts, q_start):
+  """The key cache `keys` (`[..., mem, width]`) with `parts` (`[...,
+  n, width]`, new positions' `_key_parts`) written from `q_start` on, in
+  place."""
+  at = (0,) * (keys.ndim - 2) + (q_start, 0)
+  return jax.lax.dynamic_update_slice(keys, parts.astype(keys.dtype), at)
+
+
+def attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng):
+  """Attention of the new token at `q_start` (query `q`, `[2, d_qk]`;
+  input row `x_q`, `[1, d]`) over the memory positions `kv_indices`,
+  whose keys and values are `parts` (`[n, width]`, the layer's
+  `_key_parts`), as Trax's one-token step computes it: `[1, d]`."""
+  attend_rng, output_rng = fastmath.random.split(rng)
+  q_range = q_start + jnp.arange(1, dtype=jnp.int32)
+  # Trax duplicates the query row so matmul rounding matches its tests.
+  q, k, v = self._cached_qkv(q, parts, jnp.concatenate([x_q] * 2, 0), weights)
+  mask_fn = functools.partial(
+    ea.mask_self_attention, causal=True, masked=True, exclude_self=True
+  )
+  o, _ = ea.attend(
+    q,
+    k,
+    v,
+    mask_fn=mask_fn,
+    q_info=q_range.astype(jnp.int32),
+    kv_info=kv_indices.astype(jnp.int32),
+    dropout=self._attention_dropout,
+    rng=attend_rng,
+  )
+  out = jnp.matmul(o, self.weight(weights, 'o'))[:1]
+  return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+
+
+def attend_selected(self, x, q, q_start, kv_indices, weights, rng):
+  """`attend_parts` for a memory without a key cache: the candidates'
+  keys and values projected from the memory `x` (`[mem, d]`)."""
+  x_q = x[q_start + jnp.arange(1, dtype=jnp.int32)]
+  parts = self._key_parts(x[kv_indices], weights)
+  return attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng)
+
+
+def indexed_token(
+  self, x_q, *, q_start, weights, q, qb, buckets, lists, keys, rng
+):
+  """One head's attention of the newest token through the bucket index
+  (the token already written into it, `write_index`) and the key cache
+  (its own entry written, `write_keys`).
+
+  Args:
+    x_q: `[1, d]` the token's input.
+    q, qb: the token's query and buckets (`decode_select.query_buckets`).
+    buckets: `[n_hashes * mem]` each position's buckets (read only
+      before `q_start`).
+    lists: `[n_hashes, n_keep]` the rings of the token's buckets.
+    keys: `[mem, width]` the key cache.
+
+  Returns:
+    `[1, d_v]`: Trax's one-token step over the positions its sort keeps.
+  """
+  mem = keys.shape[0]
+  all_buckets = jnp.reshape(buckets, (self._n_hashes, mem))
+  n_keep = min(decode_select.keep_count(self), mem)
+  kv_indices = decode_select.select_indexed(
+    all_buckets, qb, lists, q_start, n_keep
+  )
+  parts = keys[kv_indices]
+  return attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng)

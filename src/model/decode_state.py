@@ -1,0 +1,145 @@
+"""The predict-mode state of an attention layer, by name.
+
+Trax keeps an attention layer's predict state as `(mem_end, mem,
+per_head)` (`Memory` here): the position, the memory of inputs, and each
+head's own entries stacked `[batch * n_heads, ...]`. An LSH layer's
+per-head entries are Trax's `(buckets, buckets_idx, hash_rng)` and, where
+the layer keeps a bucket index (`decode_index.create_state`), the index
+and the key cache after them: `LSHState`.
+
+Trax's own code maps over the state with `nested_map_multiarg`, which
+gives back plain tuples, and a jitted step must get back the structure it
+was given (or it is compiled again): so the state is kept as plain
+tuples, every reader takes it through `LSHState.of` / `Memory.of` and
+names its fields, and every writer gives back `.plain()`. Nothing unpacks
+the tuple by position.
+
+`BlockRead` is how the chat decoder passes a block's arguments (how many
+of its tokens are real, and whether it starts an empty context) to the
+layers that read it: as their state argument for that call, wrapped around
+their own state (`wrap_readers`), so the arguments travel with the call
+and no layer is told anything between calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+from jax import numpy as jnp
+
+
+class LSHState(NamedTuple):
+  """An indexed LSH layer's per-head predict state (each `[batch * n_heads,
+  ...]` in the layer's state, one head's in Trax's per-head loop)."""
+
+  buckets: Any  # `[n_hashes * mem]` each position's bucket in each round.
+  buckets_idx: Any  # Positions hashed so far (Trax's).
+  hash_rng: Any  # Trax's hashing key.
+  ring: Any  # `[n_hashes, n_buckets, n_keep]` each bucket's last positions.
+  counts: Any  # `[n_hashes, n_buckets]` positions each bucket holds.
+  rotations: Any  # The hashing rotations, drawn once (`decode_index`).
+  keys: Any  # `[mem, width]` each position's `_key_parts`.
+
+  @classmethod
+  def of(cls, state) -> LSHState:
+    return cls(*state)
+
+  def plain(self) -> tuple:
+    """As the state keeps it."""
+    return tuple(self)
+
+  def trax(self) -> tuple:
+    """The part Trax's own predict step reads and returns."""
+    return (self.buckets, self.buckets_idx, self.hash_rng)
+
+  def index(self) -> tuple:
+    """The part Trax knows nothing of: the bucket index and key cache."""
+    return (self.ring, self.counts, self.rotations, self.keys)
+
+
+class Memory(NamedTuple):
+  """Trax's predict-mode state of an attention layer."""
+
+  mem_end: Any  # The next position (tokens in the memory).
+  mem: Any  # `(inputs,)`: `[batch, mem, d_model]` the inputs so far.
+  heads: Any  # The per-head entries (`LSHState` or Trax's, or `()`).
+
+  @classmethod
+  def of(cls, state) -> Memory:
+    return cls(*state)
+
+  def plain(self) -> tuple:
+    """As the state keeps it."""
+    return (self.mem_end, self.mem, tuple(self.heads))
+
+
+class Appended(NamedTuple):
+  """What Trax's `_use_predict_mem` returns: a call's tokens written into
+  the memory."""
+
+  inputs: Any  # The memory with the new tokens (what the heads read).
+  heads: Any  # The per-head state entries.
+  q_start: Any  # The first new token's position.
+  mem: Any  # The new memory.
+  mem_end: Any  # The new position.
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockRead:
+  """A block of the chat decoder, given to a layer that reads it.
+
+  A pytree whose `start` is static (Trax traces a layer's state through
+  its gradient wrapper: a plain field would arrive as a tracer)."""
+
+  def __init__(self, n, start: bool, state):
+    self.n = n  # How many of the block's tokens are real (a traced int).
+    self.start = start  # It starts an empty context (read as Trax reads one).
+    self.state = state  # The layer's own state.
+
+  def tree_flatten(self):
+    return (self.n, self.state), self.start
+
+  @classmethod
+  def tree_unflatten(cls, start, children):
+    n, state = children
+    return cls(n, start, state)
+
+
+def unwrap(state):
+  """A layer's own state, whether or not a block call wraps it."""
+  return state.state if isinstance(state, BlockRead) else state
+
+
+def wrap_readers(layer, state, readers, n, start: bool):
+  """`layer`'s state tree (Trax keeps a combinator's state as the tuple of
+  its sublayers' states) with the state of each layer whose `id` is in
+  `readers` wrapped in a `BlockRead` of `n` real tokens."""
+  if id(layer) in readers:
+    return BlockRead(n, start, state)
+  subs = layer.sublayers or ()
+  if not subs:
+    return state
+  return tuple(
+    wrap_readers(sub, sub_state, readers, n, start)
+    for sub, sub_state in zip(subs, state)
+  )
+
+
+def each_head(fn, per_example, per_head, per_both):
+  """`fn(example's, head's, both's)` over every example and head of a
+  layer's call: `[batch, n_heads, ...]`."""
+  per_example_fn = jax.vmap(fn, in_axes=(None, 0, 0))
+  return jax.vmap(per_example_fn, in_axes=(0, None, 0))(
+    per_example, per_head, per_both
+  )
+
+
+def by_example(a, batch: int, heads: int):
+  """`[batch * heads, ...]` per-head state entries as `[batch, heads, ...]`."""
+  return jnp.reshape(a, (batch, heads) + a.shape[1:])
+
+
+def flat(a):
+  """`[batch, heads, ...]` as the state keeps it, `[batch * heads, ...]`."""
+  return jnp.reshape(a, (a.shape[0] * a.shape[1],) + a.shape[2:])
