@@ -51,7 +51,7 @@ def conversation(turns, tok, length: int) -> list[tuple[str, str]]:
   return out
 
 
-def timed(slot, messages, settings) -> tuple[float, dict]:
+def timed(convs, messages, settings) -> tuple[float, dict]:
   """Seconds to the reply's first text, and the result."""
   first = []
   started = time.perf_counter()
@@ -61,7 +61,7 @@ def timed(slot, messages, settings) -> tuple[float, dict]:
       first.append(time.perf_counter() - started)
 
   job = engine.Request(list(messages), settings)
-  result = slot.run(job, threading.Event(), emit)
+  result = convs.run(job, threading.Event(), emit)
   return (first or [time.perf_counter() - started])[0], result
 
 
@@ -89,16 +89,16 @@ def main(argv=None):
   for length in args.lengths:
     messages = conversation(turns, tok, length)
     for _ in range(2):  # The first pass compiles; the second is timed.
-      slot = engine.Conversations(decoder)
+      convs = engine.Conversations(decoder)
       asked = messages + [(chatformat.USER, 'How are you?')]
-      read, result = timed(slot, asked, settings)
+      read, result = timed(convs, asked, settings)
       if result['dropped_turns']:
         sys.exit(f'{length} tokens do not fit the context: trimmed')
       follow = asked + [
         (chatformat.AI, result['text'] or '.'),
         (chatformat.USER, 'And what about tomorrow?'),
       ]
-      first, again = timed(slot, follow, settings)
+      first, again = timed(convs, follow, settings)
     new = again['prompt_tokens'] - again['reused_tokens']
     print(
       f'| {result["prompt_tokens"]:,} tokens | {read:.2f} s | {new} | '

@@ -65,7 +65,7 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
   layer.rng = jax.random.PRNGKey(0)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   decoder = decoding.Decoder(layer, common.DECODE_CONTEXT, tok)
-  slot = engine.Conversations(decoder)
+  convs = engine.Conversations(decoder)
   rng = np.random.default_rng(0)
   words = [tok.decode([int(i)]) for i in rng.integers(10, tok.vocab_size, 4000)]
   # ~4k tokens of history in 2-message exchanges, then a new message.
@@ -90,16 +90,16 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
     return openai_api.parse_job(body, 'bench', decoder.max_len, defaults)
 
   def first_token(reuse: bool, exact=False) -> tuple[float, dict]:
-    slot.reset()
-    slot.run(job(history, exact), threading.Event())
+    convs.reset()
+    convs.run(job(history, exact), threading.Event())
     # The follow-up a chat client sends: everything so far, the reply it
     # got, and a new 20-token message.
-    follow = slot.conversation + [(chatformat.USER, new)]
+    follow = convs.conversation + [(chatformat.USER, new)]
     if not reuse:  # Another conversation came in between.
-      slot.reset()
+      convs.reset()
     shown = []  # When the reply's first text reached the client.
     t0 = time.perf_counter()
-    r = slot.run(
+    r = convs.run(
       job(follow, exact),
       threading.Event(),
       emit=lambda text: shown or shown.append(time.perf_counter()),
@@ -155,7 +155,7 @@ def _alternating(decoder, words, job, slots: int, turns: int = 4) -> float:
   """Median first-token time of two users who alternate follow-ups, each
   with ~1.9k tokens of history, on a server keeping `slots`
   conversations."""
-  slot = engine.Conversations(decoder, slots)
+  convs = engine.Conversations(decoder, slots)
   users = []
   for u in range(2):
     start = 2000 * u
@@ -172,7 +172,7 @@ def _alternating(decoder, words, job, slots: int, turns: int = 4) -> float:
   for turn in range(turns):
     for messages in users:
       t0 = time.perf_counter()
-      r = slot.run(job(messages), threading.Event())
+      r = convs.run(job(messages), threading.Event())
       if turn:  # The first turn of each reads its history.
         times.append(time.perf_counter() - t0)
       messages += [
@@ -203,7 +203,7 @@ def start_server(run_dir: str, n_hashes: int | None = None):
   import uvicorn
 
   decoder = decoding.Decoder.load(run_dir, n_hashes=n_hashes)
-  server = serve.Server(decoder, 'bench', max_queue=64)
+  server = serve.Server(decoder, serve.ServerSettings('bench', max_queue=64))
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]

@@ -288,7 +288,7 @@ def test_cancel_stops_at_the_next_token(decoder):
   from src.apps import openai_api
   from src.inference import engine, sampling
 
-  slot = engine.Conversations(decoder)
+  convs = engine.Conversations(decoder)
   job = openai_api.parse_job(
     {
       'messages': [{'role': 'user', 'content': 'Hi'}],
@@ -305,23 +305,23 @@ def test_cancel_stops_at_the_next_token(decoder):
     emitted.append(text)
     cancel.set()
 
-  result = slot.run(job, cancel, emit)
+  result = convs.run(job, cancel, emit)
   # Nothing was generated after the piece that was sent.
   assert len(emitted) == 1 and result['text'] == emitted[0]
   assert result['completion_tokens'] < 64
-  # The slot is usable after a cancelled reply, and reuses it (unseeded
-  # sampling reuses what it read; a greedy reply is read as a fresh
+  # The conversations are usable after a cancelled reply, and reuse it
+  # (unseeded sampling reuses what it read; a greedy reply is read as a fresh
   # server reads it: test_a_follow_up_is_answered_as_a_fresh_server_would).
   job.messages += [('ai', result['text']), ('user', 'Go on')]
   job.settings = dataclasses.replace(job.settings, temperature=0.7)
-  again = slot.run(job, threading.Event())
+  again = convs.run(job, threading.Event())
   assert again['reused_tokens'] > 0
 
 
 def test_a_full_queue_is_refused_with_503(decoder):
   from src.apps import openai_api, serve
 
-  server = serve.Server(decoder, 'out', None, 2)
+  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=2))
 
   async def scenario():
     await server._turn(server._enter())  # Answering one request.
@@ -568,7 +568,7 @@ def test_a_full_queue_refuses_a_stream_before_its_200(decoder):
 
   from src.apps import serve
 
-  server = serve.Server(decoder, 'out', None, 0)
+  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=0))
 
   async def busy():
     await server._turn(server._enter())  # Answering; no one may wait.
@@ -658,11 +658,11 @@ def test_a_follow_up_is_answered_as_a_fresh_server_would(server, settings):
   assert warm == fresh
 
 
-def _fresh_read(slot, turns):
+def _fresh_read(convs, turns):
   """What a fresh server reads for an exact reply (`engine.prepare`)."""
-  slot.context.reset()
-  slot.context.turns = list(turns)
-  slot.context.feed(slot.context.ids(), exact=True)
+  convs.context.reset()
+  convs.context.turns = list(turns)
+  convs.context.feed(convs.context.ids(), exact=True)
 
 
 def test_reuse_gives_the_fresh_reads_logits_bit_for_bit(decoder):
@@ -670,28 +670,28 @@ def test_reuse_gives_the_fresh_reads_logits_bit_for_bit(decoder):
 
   from src.inference import engine
 
-  slot = engine.Conversations(decoder)
-  turn = slot._turn
+  convs = engine.Conversations(decoder)
+  turn = convs._turn
   earlier = [
     turn('user', 'Hello, I am Robin and I would like to talk about trains'),
     turn('ai', 'Hi there, trains are great and I like them a lot'),
   ]
   more = earlier + [turn('user', 'How are you?'), turn('ai', 'Fine, thanks')]
-  _fresh_read(slot, earlier)
-  d = slot.decoder
+  _fresh_read(convs, earlier)
+  d = convs.decoder
   assert d.block and d.mark >= d.block  # Past the first block.
   # The reply as generated: one token at a time after the kept state.
-  for i in slot.context.ids(more)[len(slot.context.ids()) :][:5]:
+  for i in convs.context.ids(more)[len(convs.context.ids()) :][:5]:
     d.feed([i])
-  kept, _ = slot._reuse(more, slot.context.ids(more), exact=True)
+  kept, _ = convs._reuse(more, convs.context.ids(more), exact=True)
   assert kept == d.mark > 0 and kept % d.block == 0
-  reused = slot.context.ask('And you?', 8)
-  _fresh_read(slot, more)
-  fresh = slot.context.ask('And you?', 8)
+  reused = convs.context.ask('And you?', 8)
+  _fresh_read(convs, more)
+  fresh = convs.context.ask('And you?', 8)
   np.testing.assert_array_equal(reused, fresh)
   # A kept state that does not share tokens up to its mark is not kept.
-  _fresh_read(slot, [turn('user', 'Something else ' * 8)])
-  assert slot._reuse(more, slot.context.ids(more), exact=True)[0] == 0
+  _fresh_read(convs, [turn('user', 'Something else ' * 8)])
+  assert convs._reuse(more, convs.context.ids(more), exact=True)[0] == 0
 
 
 def test_exact_reuse_needs_the_start_block_a_fresh_read_takes(decoder):
@@ -702,29 +702,29 @@ def test_exact_reuse_needs_the_start_block_a_fresh_read_takes(decoder):
 
   from src.inference import decoding, engine
 
-  slot = engine.Conversations(decoder)
-  turn = slot._turn
+  convs = engine.Conversations(decoder)
+  turn = convs._turn
   words = ' '.join(f'word{i}' for i in range(12))
   history = [turn('user', words), turn('ai', words), turn('user', words)]
   follow = history + [turn('ai', 'Fine'), turn('user', 'And?')]
   decoder.min_start = 64
   try:
-    _fresh_read(slot, history)
+    _fresh_read(convs, history)
     assert decoder.start == 64 and decoder.position > 64
-    want = slot.context.ids(follow)
+    want = convs.context.ids(follow)
     assert decoder.start_part(2 + len(want)) == 64
-    assert slot._reuse(follow, want, exact=True)[0] == decoder.mark
-    reused = slot.context.ask('So?', 4)
-    _fresh_read(slot, follow)
-    np.testing.assert_array_equal(reused, slot.context.ask('So?', 4))
+    assert convs._reuse(follow, want, exact=True)[0] == decoder.mark
+    reused = convs.context.ask('So?', 4)
+    _fresh_read(convs, follow)
+    np.testing.assert_array_equal(reused, convs.context.ask('So?', 4))
     # Read from the start without a start block: a fresh read of the
     # follow-up takes one, so nothing is kept.
-    _fresh_read(slot, history[:1])
+    _fresh_read(convs, history[:1])
     assert decoder.start == 0
-    assert slot._reuse(follow, want, exact=True)[0] == 0
+    assert convs._reuse(follow, want, exact=True)[0] == 0
   finally:
     decoder.min_start = decoding.MIN_START
-    slot.reset()
+    convs.reset()
 
 
 def test_fuzzed_requests_get_a_reply_or_an_openai_error(decoder):
@@ -765,7 +765,7 @@ def test_fuzzed_requests_get_a_reply_or_an_openai_error(decoder):
       'model': st.just('out') | value,
     },
   )
-  server = serve.Server(decoder, 'out', None, 4)
+  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=4))
   http = TestClient(server.app(), base_url='http://127.0.0.1:8000')
 
   @settings(
@@ -796,7 +796,7 @@ def test_slots_let_alternating_users_feed_only_their_new_tokens(decoder, slots):
   from src.apps import openai_api
   from src.inference import engine, sampling
 
-  slot = engine.Conversations(decoder, slots)
+  convs = engine.Conversations(decoder, slots)
   greedy = sampling.SamplingSettings(temperature=0, repetition_penalty=1.0)
 
   def ask(messages):
@@ -806,7 +806,7 @@ def test_slots_let_alternating_users_feed_only_their_new_tokens(decoder, slots):
       decoder.max_len,
       greedy,
     )
-    return slot.run(job, threading.Event())
+    return convs.run(job, threading.Event())
 
   ann = [{'role': 'user', 'content': 'Hello! I am Ann.'}]
   bob = [{'role': 'user', 'content': 'Good morning, Bob here.'}]
@@ -816,7 +816,7 @@ def test_slots_let_alternating_users_feed_only_their_new_tokens(decoder, slots):
   # Ann's follow-up after Bob spoke: reused with 2 slots, read again with 1.
   reused = ask(ann)['reused_tokens']
   assert (reused > 0) == (slots == 2), reused
-  assert len(slot.parked) == slots - 1
+  assert len(convs.parked) == slots - 1
 
 
 def test_allow_host_admits_a_reverse_proxys_name(decoder):
@@ -826,7 +826,9 @@ def test_allow_host_admits_a_reverse_proxys_name(decoder):
 
   body = {'messages': [{'role': 'user', 'content': 'Hi'}], 'max_tokens': 2}
   for allowed, status in (((), 403), (('chat.example.org',), 200)):
-    server = serve.Server(decoder, 'out', allow_hosts=allowed)
+    server = serve.Server(
+      decoder, serve.ServerSettings('out', allow_hosts=allowed)
+    )
     with TestClient(server.app(), base_url='https://chat.example.org') as c:
       assert c.post('/v1/chat/completions', json=body).status_code == status
 
@@ -837,50 +839,57 @@ def test_messages_are_tokenized_once_within_a_bound(decoder, monkeypatch):
   kept is bounded in bytes, least recently used dropped first."""
   from src.inference import engine
 
-  slot = engine.Conversations(decoder)
+  convs = engine.Conversations(decoder)
   calls = []
-  encode = slot.context.user_ids
+  encode = convs.context.user_ids
   monkeypatch.setattr(
-    slot.context, 'user_ids', lambda text: calls.append(text) or encode(text)
+    convs.context, 'user_ids', lambda text: calls.append(text) or encode(text)
   )
-  first = slot._turn('user', 'Hello there')
+  first = convs._turn('user', 'Hello there')
   one = engine._entry_bytes('Hello there', first)
   monkeypatch.setattr(engine, 'TOKENIZED_BYTES', 2 * one - 1)  # One fits.
-  assert slot._turn('user', 'Hello there') is first and len(calls) == 1
-  second = slot._turn('ai', 'Hello there')
+  assert convs._turn('user', 'Hello there') is first and len(calls) == 1
+  second = convs._turn('ai', 'Hello there')
   assert second.ids[0] == decoder.tokenizer.ai_start_id
   assert len(calls) == 2  # Another role: another turn.
-  assert ('user', 'Hello there') not in slot._tokenized  # Over the bound.
-  assert slot._cached_bytes == engine._entry_bytes('Hello there', second)
+  assert ('user', 'Hello there') not in convs._tokenized  # Over the bound.
+  assert convs._cached_bytes == engine._entry_bytes('Hello there', second)
   # The bound is real memory: what 2,000 messages of 1,000 characters take
   # (Python's allocator says) is at most what is counted (an upper bound:
   # a token of a small vocabulary is a shared int).
   import tracemalloc
 
   monkeypatch.setattr(engine, 'TOKENIZED_BYTES', 1 << 40)
-  slot._tokenized.clear()
-  slot._cached_bytes = 0
+  convs._tokenized.clear()
+  convs._cached_bytes = 0
   tracemalloc.start()
   before = tracemalloc.get_traced_memory()[0]
   for i in range(2000):
-    slot._turn('user', f'message {i} ' + 'word ' * 198)
+    convs._turn('user', f'message {i} ' + 'word ' * 198)
   taken = tracemalloc.get_traced_memory()[0] - before
   tracemalloc.stop()
-  assert taken <= slot._cached_bytes < taken * 4
+  assert taken <= convs._cached_bytes < taken * 4
 
 
 def test_a_request_sent_again_that_ends_at_the_mark_is_read(decoder):
   """A kept state whose mark falls exactly where the request ends (the
   same question sent again, the grid aligned there) is not reused up to
   it: there would be no token left to read for the reply's logits."""
-  from src.inference import engine
+  from src.inference import decoding, engine, generate
 
-  slot = engine.Conversations(decoder)
+  convs = engine.Conversations(decoder)
   want = list(range(10, 40))
   have = want + [7, 8, 9]
   lead = 1 + 1  # The pad and START.
-  assert slot._kept(have, 0, lead + len(want), want, exact=True) == 0
-  assert slot._kept(have, 0, lead + 16, want, exact=True) == 16
+
+  def parked(mark):
+    context = generate.Context(decoder)
+    context.turns = [generate.Turn('user', '', have)]
+    held = decoding.Held(None, len(have) + lead, 0, mark, None)
+    return engine.Slot(context, held=held)
+
+  assert convs._kept(parked(lead + len(want)), want, exact=True) == 0
+  assert convs._kept(parked(lead + 16), want, exact=True) == 16
 
 
 # ---- Round 3 (issue 52): disconnects, bursts, CORS, options.
@@ -961,7 +970,7 @@ def _until(condition, seconds=10.0):
 def test_abandoned_requests_free_the_model_queued_or_running(decoder):
   from src.apps import serve
 
-  server = serve.Server(decoder, 'out', max_queue=8)
+  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=8))
   calls, ended = _slow(server)
   with _in_process(server) as port:
     running = _send_and_leave(port)
@@ -984,7 +993,7 @@ def test_a_burst_of_streams_gets_whole_streams_or_json_503s(decoder):
   any 200, or a stream that is served to its end."""
   from src.apps import serve
 
-  server = serve.Server(decoder, 'out', max_queue=4)
+  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=4))
   body = {
     'messages': [{'role': 'user', 'content': 'Hello'}],
     'max_tokens': 8,
@@ -1099,9 +1108,10 @@ def test_a_page_of_an_allowed_origin_chats_and_another_is_refused(decoder):
 
   allowed, refused = {'page': ''}, {'page': ''}
   with _static_page(allowed) as origin, _static_page(refused) as other:
-    server = serve.Server(
-      decoder, 'out', api_key=KEY, allow_origins=(origin + '/',)
+    settings = serve.ServerSettings(
+      'out', api_key=KEY, allow_origins=(origin + '/',)
     )
+    server = serve.Server(decoder, settings)
     with _in_process(server) as port, _browser() as driver:
       api = f'http://127.0.0.1:{port}/v1/chat/completions'
       allowed['page'] = refused['page'] = _CALLER % {'api': api, 'key': KEY}
@@ -1121,7 +1131,9 @@ def test_cors_preflight_and_headers_for_allowed_origins_only(decoder):
   from src.apps import serve
 
   origin = 'http://127.0.0.1:5173'
-  server = serve.Server(decoder, 'out', api_key=KEY, allow_origins=(origin,))
+  server = serve.Server(
+    decoder, serve.ServerSettings('out', api_key=KEY, allow_origins=(origin,))
+  )
   with TestClient(server.app(), base_url='http://127.0.0.1:8000') as http:
     pre = http.options(
       '/v1/chat/completions',
@@ -1303,7 +1315,7 @@ def test_new_chat_mid_reply_sends_a_clean_history(decoder):
 
   from src.apps import serve
 
-  server = serve.Server(decoder, 'out')
+  server = serve.Server(decoder, serve.ServerSettings('out'))
   jobs = _streaming(server)
   with _in_process(server) as port, _browser() as driver:
     driver.get(f'http://127.0.0.1:{port}/')
@@ -1337,7 +1349,7 @@ def test_a_refused_send_takes_its_bubble_back(decoder):
 
   from src.apps import serve
 
-  server = serve.Server(decoder, 'out', max_queue=0)
+  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=0))
   jobs = _streaming(server)
   with _in_process(server) as port, _browser() as driver:
     driver.get(f'http://127.0.0.1:{port}/')
@@ -1370,7 +1382,7 @@ def test_the_repl_and_the_server_read_a_prompt_the_same_way(decoder):
     'hello there how are you doing today my friend what is new with the '
     'cat and the weather in lisbon this week tell me more please'
   ).split()
-  slot = engine.Conversations(decoder)
+  convs = engine.Conversations(decoder)
   tok = decoder.tokenizer
   settings = sampling.SamplingSettings(temperature=0.9, max_new_tokens=12)
   lengths = set()
@@ -1398,11 +1410,11 @@ def test_the_repl_and_the_server_read_a_prompt_the_same_way(decoder):
       decoder.max_len,
       sampling.SamplingSettings(),
     )
-    slot.reset()
-    logits, _, _ = slot.prepare(job)
+    convs.reset()
+    logits, _, _ = convs.prepare(job)
     np.testing.assert_array_equal(np.asarray(logits), repl, err_msg=text)
-    slot.reset()
-    assert slot.run(job, threading.Event())['text'] == repl_reply, text
+    convs.reset()
+    assert convs.run(job, threading.Event())['text'] == repl_reply, text
   assert len(lengths) >= block // 2  # Many remainders, 1-3 among them.
   assert {1, 2, 3} <= lengths
 
@@ -1411,7 +1423,7 @@ def test_a_stop_strings_hidden_tokens_are_not_kept(decoder):
   from src.apps import openai_api
   from src.inference import engine, sampling
 
-  slot = engine.Conversations(decoder)
+  convs = engine.Conversations(decoder)
 
   def ask(messages, **extra):
     job = openai_api.parse_job(
@@ -1420,7 +1432,7 @@ def test_a_stop_strings_hidden_tokens_are_not_kept(decoder):
       decoder.max_len,
       sampling.SamplingSettings(repetition_penalty=1.0),
     )
-    return slot.run(job, threading.Event())
+    return convs.run(job, threading.Event())
 
   first = [{'role': 'user', 'content': 'Hello'}]
   whole = ask(first, seed=3)
@@ -1433,7 +1445,7 @@ def test_a_stop_strings_hidden_tokens_are_not_kept(decoder):
     {'role': 'user', 'content': 'Go on'},
   ]
   again = ask(follow)  # Unseeded: it would reuse a kept state.
-  slot.reset()
+  convs.reset()
   fresh = ask(follow)
   assert again['prompt_tokens'] == fresh['prompt_tokens']
   assert again['reused_tokens'] == 0

@@ -246,7 +246,7 @@ def _in_view_flags(buckets, s, ids, first, ids_of, setup, view, n_hashes, rng):
   # Input positions are the ids' shifted by one (the model's
   # ShiftRight): the answer's query sits at `first`.
   statement = ids_of(*s.turns[0])
-  value_at = len(generate.START) + statement.index(ids[first]) + 1
+  value_at = generate.LEAD + statement.index(ids[first])
   question = ids_of(*s.turns[-2])
   asked_at = range(first - len(question), first)
   layers = {}  # Layer -> what some head of it may attend to.

@@ -19,7 +19,7 @@ from src.core.signals import StopSignals
 from src.data import chatformat
 from src.inference import engine, sampling
 from src.inference.decoding import Decoder
-from src.inference.generate import START, Context, Turn
+from src.inference.generate import LEAD, Context, Turn
 
 HELP = """commands:
   /help              this list
@@ -185,7 +185,7 @@ class ChatSession:
       turns.append(Turn(turn.role, turn.text, ids))
     self.reset()
     budget = self.decoder.max_len - self.settings.max_new_tokens - 64
-    budget -= 1 + len(START)
+    budget -= LEAD
     while turns and sum(len(t.ids) for t in turns) > budget:
       turns.pop(0)
     self.context.reread(turns)

@@ -166,9 +166,8 @@ def main(argv=None):
   if args.serve:
     from src.apps import serve
 
-    serve.serve(
-      decoder,
-      os.path.basename(os.path.normpath(model_dir)),
+    settings = serve.ServerSettings(
+      model_id=os.path.basename(os.path.normpath(model_dir)),
       host=args.host,
       port=args.port,
       api_key=api_key,
@@ -180,6 +179,7 @@ def main(argv=None):
       allow_hosts=tuple(args.allow_host),
       debug_headers=args.debug_headers,
     )
+    serve.serve(decoder, settings)
     return 0
   session = chat.ChatSession(decoder, sampler)
   if args.prompt is not None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import os
@@ -59,32 +60,36 @@ def _loopback(host: str) -> bool:
   return host.strip('[]').lower() in LOOPBACK_NAMES
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+  """How the server is reached and what it allows (`evaluate.py --serve`'s
+  options)."""
+
+  model_id: str = 'model'  # The name `/v1/models` gives the model.
+  host: str = '127.0.0.1'
+  port: int = 8000
+  api_key: str | None = None  # None: no key asked (loopback only).
+  max_queue: int = 16  # Requests that may wait beyond the one served.
+  # Sampling for what a request does not say.
+  defaults: sampling.SamplingSettings = dataclasses.field(
+    default_factory=sampling.SamplingSettings
+  )
+  allow_origins: tuple[str, ...] = ()  # Web pages that may call the API.
+  allow_hosts: tuple[str, ...] = ()  # Host names besides the address's.
+  slots: int = 1  # Conversations kept at once (`engine.Slot`).
+  debug_headers: bool = False  # Send X-Jade-Reused-Tokens.
+  open_without_key: bool = False  # Serve beyond loopback without a key.
+
+
 class Server:
   """The model, its queue and the ASGI app."""
 
-  def __init__(
-    self,
-    decoder: Decoder,
-    model_id: str,
-    api_key: str | None = None,
-    max_queue: int = 16,
-    defaults: sampling.SamplingSettings | None = None,
-    host: str = '127.0.0.1',
-    port: int = 8000,
-    allow_origins: tuple[str, ...] = (),
-    slots: int = 1,
-    allow_hosts: tuple[str, ...] = (),
-    debug_headers: bool = False,
-  ):
-    self.slot = engine.Conversations(decoder, slots)
-    self.debug_headers = debug_headers
-    self.host, self.port = host, port
-    self.allow_origins = {o.rstrip('/').lower() for o in allow_origins}
-    self.allow_hosts = {h.strip('[]').lower() for h in allow_hosts}
-    self.defaults = defaults or sampling.SamplingSettings()
-    self.model_id = model_id
-    self.api_key = api_key
-    self.max_queue = max_queue
+  def __init__(self, decoder: Decoder, settings: ServerSettings = None):
+    settings = settings or ServerSettings()
+    self.settings = settings
+    self.conversations = engine.Conversations(decoder, settings.slots)
+    self.allow_origins = {o.rstrip('/').lower() for o in settings.allow_origins}
+    self.allow_hosts = {h.strip('[]').lower() for h in settings.allow_hosts}
     self.waiting = 0
     self.served = 0
     self.created = int(time.time())
@@ -99,11 +104,11 @@ class Server:
     one that was never used."""
     if self._lock is None:
       self._lock = asyncio.Lock()
-    if self._lock.locked() and self.waiting >= self.max_queue:
+    if self._lock.locked() and self.waiting >= self.settings.max_queue:
       raise ApiError(
         503,
         f'the server is busy ({self.waiting} requests waiting; '
-        f'--max-queue {self.max_queue}); try again shortly',
+        f'--max-queue {self.settings.max_queue}); try again shortly',
       )
     self.waiting += 1
     return asgi.Place()
@@ -156,7 +161,7 @@ class Server:
   def _run(self, job: Job, cancel: threading.Event, emit=None) -> dict:
     """The engine's reply to `job`; what it refuses is a 400."""
     try:
-      return self.slot.run(job, cancel, emit)
+      return self.conversations.run(job, cancel, emit)
     except engine.Refused as e:
       raise ApiError(400, str(e), e.param) from None
 
@@ -263,11 +268,11 @@ class Server:
     )
 
   def _check_key(self, request):
-    if not self.api_key:
+    if not self.settings.api_key:
       return
     scheme, _, given = request.headers.get('authorization', '').partition(' ')
     if scheme.lower() != 'bearer' or not hmac.compare_digest(
-      given.strip().encode(), self.api_key.encode()
+      given.strip().encode(), self.settings.api_key.encode()
     ):
       raise ApiError(
         401, 'wrong or missing API key (Authorization: Bearer KEY)'
@@ -282,7 +287,7 @@ class Server:
     name = host.rsplit(':', 1)[0] if not host.endswith(']') else host
     name = name.strip('[]').lower()
     known = name in LOOPBACK_NAMES or name in self.allow_hosts
-    if _loopback(self.host) and not known:
+    if _loopback(self.settings.host) and not known:
       raise ApiError(
         403,
         f'Host {host[:80]!r} is not this server (a loopback server answers '
@@ -313,7 +318,7 @@ class Server:
     return JSONResponse(
       {
         'status': 'ok',
-        'model': self.model_id,
+        'model': self.settings.model_id,
         'busy': bool(self._lock and self._lock.locked()),
         'waiting': self.waiting,
         'served': self.served,
@@ -321,9 +326,9 @@ class Server:
     )
 
   def _model(self) -> dict:
-    d = self.slot.decoder
+    d = self.conversations.decoder
     return {
-      'id': self.model_id,
+      'id': self.settings.model_id,
       'object': 'model',
       'created': self.created,
       'owned_by': 'jade-v8',
@@ -361,7 +366,10 @@ class Server:
           400, f'the body is not JSON we read ({e})'[:200]
         ) from None
       job = parse_job(
-        body, self.model_id, self.slot.decoder.max_len, self.defaults
+        body,
+        self.settings.model_id,
+        self.conversations.decoder.max_len,
+        self.settings.defaults,
       )
       ident = f'chatcmpl-{uuid.uuid4().hex[:24]}'
       headers = {'X-Jade-System-Dropped': str(job.dropped_system)}
@@ -394,7 +402,7 @@ class Server:
     """How many context tokens were kept from an earlier request: only
     with --debug-headers (it tells a client how much of its conversation
     matches what another client sent)."""
-    if not self.debug_headers:
+    if not self.settings.debug_headers:
       return {}
     return {'X-Jade-Reused-Tokens': str(r['reused_tokens'])}
 
@@ -403,7 +411,7 @@ class Server:
       'id': ident,
       'object': 'chat.completion',
       'created': int(time.time()),
-      'model': self.model_id,
+      'model': self.settings.model_id,
       'choices': [
         {
           'index': 0,
@@ -427,7 +435,7 @@ class Server:
       'id': ident,
       'object': 'chat.completion.chunk',
       'created': int(time.time()),
-      'model': self.model_id,
+      'model': self.settings.model_id,
       'choices': [choice],
     }
     if usage is not None:
@@ -505,49 +513,24 @@ def _check_slots(decoder: Decoder, slots: int, log):
   )
 
 
-def serve(
-  decoder: Decoder,
-  model_id: str,
-  host: str = '127.0.0.1',
-  port: int = 8000,
-  api_key: str | None = None,
-  max_queue: int = 16,
-  defaults: sampling.SamplingSettings | None = None,
-  log=print,
-  allow_origins: tuple[str, ...] = (),
-  open_without_key: bool = False,
-  slots: int = 1,
-  allow_hosts: tuple[str, ...] = (),
-  debug_headers: bool = False,
-):
+def serve(decoder: Decoder, settings: ServerSettings, log=print):
   """Serves until interrupted (Ctrl-C, SIGTERM: streams are cut within
   a few seconds)."""
   import uvicorn
 
-  check_host(host, api_key, open_without_key)
-  server = Server(
-    decoder,
-    model_id,
-    api_key=api_key,
-    max_queue=max_queue,
-    defaults=defaults,
-    host=host,
-    port=port,
-    allow_origins=allow_origins,
-    slots=slots,
-    allow_hosts=allow_hosts,
-    debug_headers=debug_headers,
-  )
+  host, port, api_key = settings.host, settings.port, settings.api_key
+  check_host(host, api_key, settings.open_without_key)
+  server = Server(decoder, settings)
   where = f'http://{host}:{port}'
   log(
-    f'serving {model_id} (step {decoder.step}, context {decoder.max_len} '
-    f'tokens) on {where}: chat page {where}/, API {where}/v1'
+    f'serving {settings.model_id} (step {decoder.step}, context '
+    f'{decoder.max_len} tokens) on {where}: chat page {where}/, API {where}/v1'
     + ('' if api_key else ' (no API key)')
   )
   if getattr(decoder, 'curves', None):
     log(f'how it trained: {decoder.curves}')
-  if slots > 1:
-    _check_slots(decoder, slots, log)
+  if settings.slots > 1:
+    _check_slots(decoder, settings.slots, log)
   if not _loopback(host):
     log(
       f'note: {host} is reachable from other machines; anyone who can '

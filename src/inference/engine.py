@@ -1,14 +1,17 @@
 """The inference engine: a conversation's decoder state, its reuse, and a
 reply streamed token by token.
 
-`stream_reply` is the one reply loop: the chat REPL (`src.apps.chat`), the
-server (`src.apps.serve`) and training samples' callers all stream through
-it (new text as it displays, stop strings held back until they cannot
-match, cancellation between tokens). `Conversations` keeps the
-conversations a server has read (`--slots`) and reads each request's
-conversation at the cost of its new tokens where it can, exactly as a
-fresh read would where the reply must be reproducible. Nothing here knows
-HTTP: what a request asks that cannot fit is `Refused`.
+`stream_reply` is the streamed reply: the chat REPL (`src.apps.chat`) and
+the server (`src.apps.serve`) stream through it (new text as it displays,
+stop strings held back until they cannot match, cancellation between
+tokens). Training samples and `chat_quality` take whole replies from
+`generate.fresh_replies`; every reply's tokens come from the one token
+loop, `generate.generate`. `Conversations` keeps the conversations a
+server has read (a `Slot` each, `--slots` of them) and reads each
+request's conversation at the cost of its new tokens where it can,
+exactly as a fresh read would where the reply must be reproducible.
+Nothing here knows HTTP: what a request asks that cannot fit is
+`Refused`.
 """
 
 from __future__ import annotations
@@ -34,9 +37,6 @@ MAX_PIECE_CHARS = 64
 # Bytes of the messages, texts and token lists `Conversations` keeps
 # (`_turn`), as `_entry_bytes` counts them: several long conversations.
 TOKENIZED_BYTES = 16 << 20
-
-# Decoder positions before a context's first token: the pad and START.
-_LEAD = 1 + len(generate.START)
 
 
 class Refused(ValueError):
@@ -201,20 +201,22 @@ class _Logprobs:
 
 
 @dataclasses.dataclass
-class _Parked:
-  """A conversation kept out of the decoder: its state and what it read."""
+class Slot:
+  """One conversation the model keeps (`--slots` of them at most): what
+  its client knows, what the context read, and its decoder state, in the
+  decoder while it is the live one (`held` None) or moved out with it."""
 
-  held: decoding.Held  # The decoder's state (moved out, never copied).
-  turns: list  # The context's turns.
-  conversation: list  # The conversation as its client knows it.
-
-  def ids(self) -> list[int]:
-    return [i for t in self.turns for i in t.ids]
+  context: generate.Context  # The turns it read.
+  # The conversation as its client knows it (each message it sent, each
+  # reply as it saw it), for the reuse of unseeded sampling.
+  conversation: list = dataclasses.field(default_factory=list)
+  held: decoding.Held | None = None  # Moved out of the decoder, not copied.
 
 
 class Conversations:
-  """The model and the conversations it keeps (`slots`: the one in the
-  decoder, and `slots - 1` parked with their own decoder state).
+  """The model and the conversations it keeps: the live `Slot` (in the
+  decoder) and up to `max_slots - 1` parked ones, each with its own
+  decoder state.
 
   A reply that must be reproducible (temperature 0, or a seed) is computed
   from the state a fresh server would read: the request is tokenized as
@@ -227,69 +229,70 @@ class Conversations:
   kept state whose tokens (or text) are the client's without rewinding.
   """
 
-  def __init__(self, decoder: Decoder, slots: int = 1):
+  def __init__(self, decoder: Decoder, max_slots: int = 1):
     self.decoder = decoder
     self.tok = decoder.tokenizer
-    self.context = generate.Context(decoder)
-    # The conversation as the client knows it (each message it sent, each
-    # reply as it saw it), for the reuse of unseeded sampling.
-    self.conversation: list[tuple[str, str]] = []
-    # Conversations kept besides the one in the decoder (`--slots` - 1),
-    # least recently used first: each holds its own decoder state.
-    self.slots = slots
-    self.parked: list[_Parked] = []
+    self.max_slots = max_slots  # `--slots`.
+    self.live = Slot(generate.Context(decoder))
+    self.parked: list[Slot] = []  # Least recently used first.
     # Messages tokenized lately (`_turn`), least recently used first.
     self._tokenized: collections.OrderedDict = collections.OrderedDict()
     self._cached_bytes = 0
 
+  @property
+  def context(self) -> generate.Context:
+    """The live conversation's context (what the decoder's state read)."""
+    return self.live.context
+
+  @property
+  def conversation(self) -> list:
+    """The live conversation as its client knows it."""
+    return self.live.conversation
+
+  def slots(self) -> list[Slot]:
+    """Every kept conversation, the live one first."""
+    return [self.live] + self.parked
+
   def _park(self):
-    """Moves the decoder's conversation into `parked` (its state is moved,
-    not copied: the decoder then starts a fresh one), dropping the least
-    recently used beyond `slots`."""
-    if self.context.used() and self.slots > 1:
-      held = self.decoder.take()
-      self.parked.append(
-        _Parked(held, list(self.context.turns), list(self.conversation))
-      )
-      del self.parked[: max(0, len(self.parked) - (self.slots - 1))]
+    """Parks the live slot (its state moved out: the decoder then starts a
+    fresh one), dropping the least recently used beyond `max_slots`."""
+    if self.context.used() and self.max_slots > 1:
+      self.live.held = self.decoder.take()
+      self.parked.append(self.live)
+      del self.parked[: max(0, len(self.parked) - (self.max_slots - 1))]
+      self.live = Slot(generate.Context(self.decoder))
     self.reset()
 
-  def _unpark(self, kept: _Parked):
-    """Makes `kept` the decoder's conversation again (the current one
-    parked first)."""
-    self.parked.remove(kept)
+  def _unpark(self, slot: Slot):
+    """Makes the parked `slot` the live one (the live one parked first)."""
+    self.parked.remove(slot)
     self._park()
-    self.decoder.put(kept.held)
-    self.context.turns = kept.turns
-    self.conversation = kept.conversation
+    self.decoder.put(slot.held)
+    slot.held = None
+    self.live = slot
 
   def _take_text(self, earlier) -> bool:
     """Makes the kept conversation whose client saw exactly `earlier` the
-    decoder's (the current one first); whether there is one."""
-    if self.conversation and earlier == self.conversation:
-      return True
-    for kept in self.parked:
-      if kept.conversation == earlier:
-        self._unpark(kept)
+    live one; whether there is one."""
+    for slot in self.slots():
+      if slot.conversation and slot.conversation == earlier:
+        if slot is not self.live:
+          self._unpark(slot)
         return True
     return False
 
   def _choose(self, want: list[int], exact: bool):
-    """Moves into the decoder the kept conversation that keeps the most
-    of the request's tokens `want` (the current one first on a tie);
-    parks the current one when another is better, or when none fits and
-    it is not empty."""
-    d = self.decoder
-    most = self._kept(self.context.ids(), d.start, d.mark, want, exact)
-    best = None
-    for kept in self.parked:
-      held = kept.held
-      n = self._kept(kept.ids(), held.start, held.mark, want, exact)
+    """Makes live the kept conversation that keeps the most of the
+    request's tokens `want` (the live one first on a tie); parks the live
+    one when another is better, or when none fits and it is not empty."""
+    best, most = self.live, 0
+    for slot in self.slots():
+      n = self._kept(slot, want, exact)
       if n > most:
-        best, most = kept, n
-    if best is not None:
+        best, most = slot, n
+    if best is not self.live:
       self._unpark(best)
-    elif not most and self.slots > 1:
+    elif not most and self.max_slots > 1:
       self._park()  # Keep it for its owner; this one starts afresh.
 
   def _turn(self, role: str, content: str) -> generate.Turn:
@@ -377,7 +380,7 @@ class Conversations:
         self.context.reset()
         self.context.turns = turns
         logits = self.context.feed(want, exact)
-    self.conversation = list(earlier) + [(chatformat.USER, last)]
+    self.live.conversation = list(earlier) + [(chatformat.USER, last)]
     return logits, reused, dropped
 
   def _reuse(self, turns: list[generate.Turn], want, exact: bool):
@@ -390,29 +393,31 @@ class Conversations:
       `want`; `(0, None)` when nothing could be kept (then nothing moved).
     """
     d = self.decoder
-    have = self.context.ids()
-    kept = self._kept(have, d.start, d.mark, want, exact)
+    kept = self._kept(self.live, want, exact)
     if not kept:
       return 0, None
-    if kept < len(have):  # Back to the mark: a fresh read's state.
-      d.rewind()
+    if kept < len(self.context.ids()):  # Back to the mark: a fresh read's
+      d.rewind()  # state.
     self.context.turns = list(turns)
     logits = d.feed(want[kept:], blocks=True) if len(want) > kept else None
-    return kept + _LEAD, logits
+    return kept + generate.LEAD, logits
 
-  def _kept(self, have, start: int, mark: int, want, exact: bool) -> int:
-    """How many of the tokens `want` a state that read `have` keeps (a
-    fresh read's state up to decoder position `mark`, after a start block
-    of `start`): all of `have` if they begin `want` and the reply need
-    not be exact, else up to the mark if `have` and `want` agree that far
-    and a fresh read of `want` takes the same start block, else 0."""
+  def _kept(self, slot: Slot, want, exact: bool) -> int:
+    """How many of the tokens `want` the state of `slot` keeps (it read
+    `slot.context.ids()`; it is a fresh read's state up to decoder position
+    `mark`, after a start block of `start`): all it read if that begins
+    `want` and the reply need not be exact, else up to the mark if the
+    two agree that far and a fresh read of `want` takes the same start
+    block, else 0."""
+    have = slot.context.ids()
+    state = slot.held or self.decoder  # Where its start and mark are.
     if not have or not want:
       return 0
     if not exact and want[: len(have)] == have:
       return len(have)
-    if self.decoder.start_part(_LEAD + len(want)) != start:
+    if self.decoder.start_part(generate.LEAD + len(want)) != state.start:
       return 0
-    at_mark = mark - _LEAD  # In the context's tokens.
+    at_mark = state.mark - generate.LEAD  # In the context's tokens.
     # At least one token is read after it (its logits start the reply; a
     # request sent again can end exactly at the mark).
     same = 0 < at_mark < len(want) and have[:at_mark] == want[:at_mark]
@@ -448,7 +453,7 @@ class Conversations:
         observe=probs.observe if job.logprobs is not None else None,
         ends=probs.ends if job.logprobs is not None else None,
       )
-      self.conversation.append((chatformat.AI, reply.text))
+      self.live.conversation.append((chatformat.AI, reply.text))
     except BaseException:
       self.reset()
       raise
@@ -468,5 +473,6 @@ class Conversations:
     }
 
   def reset(self):
+    """A fresh live conversation (the parked ones are kept)."""
     self.context.reset()
-    self.conversation = []
+    self.live.conversation = []

@@ -36,6 +36,9 @@ from src.inference.decoding import Decoder
 
 # Fed before the first turn of every context (see the module docstring).
 START = [tokenizer.EOS_ID]
+# Decoder positions before a context's first turn: the decoder's pad and
+# START. The one place that counts them.
+LEAD = 1 + len(START)
 
 
 @dataclasses.dataclass
@@ -114,13 +117,13 @@ class Context:
 
   def budget(self) -> int:
     """Tokens the turns may take in a context (besides pad and START)."""
-    return self.decoder.max_len - 1 - len(START)
+    return self.decoder.max_len - LEAD
 
   def room(self, max_new_tokens: int) -> int:
     """The most tokens a user message may have in an empty context, with
     a reply of `max_new_tokens` (besides the message: pad, START, start
     marker, reply, end marker)."""
-    return self.decoder.max_len - max_new_tokens - 3 - len(START)
+    return self.decoder.max_len - max_new_tokens - 2 - LEAD
 
   def keep_last(self, turns: list[Turn], needed: int) -> list[Turn]:
     """The last of `turns` that leave room for `needed` more tokens in a
@@ -135,8 +138,7 @@ class Context:
 
   def make_room(self, needed: int):
     """Drops the oldest turns until `needed` more tokens fit; re-reads."""
-    lead = 1 + len(START)  # The decoder's pad and the context's start.
-    start = lead if self.used() == 0 else 0
+    start = LEAD if self.used() == 0 else 0
     if self.used() + start + needed <= self.decoder.max_len:
       return
     kept = self.keep_last(self.turns, needed)
