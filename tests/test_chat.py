@@ -18,7 +18,7 @@ from src.data import chatformat, tokenizer
 from src.inference import decoding, sampling, scoring
 from src.inference.generate import display
 from src.model import ginconf, reformer
-from src.storage import checkpoints
+from src.storage import checkpoints, modelfolder
 
 from .conftest import DATA, EXACT_LSH
 
@@ -50,7 +50,7 @@ def exact_decoder(out, bindings=()):
   tok = tokenizer.load(out)
   predict = reformer.reformer_lm(tok.vocab_size, 'predict')
   one = trax.shapes.ShapeDtype((1, 1), np.int32)
-  checkpoints.load_weights(out, predict, one)
+  checkpoints.set_weights(out, predict, one, modelfolder.read_weights(out)[0])
   return decoding.Decoder(predict, 128, tok)
 
 
@@ -68,8 +68,9 @@ def test_greedy_incremental_equals_full_forward(tiny_run):
   inc_decoder = exact_decoder(out)
   tok = inc_decoder.tokenizer
   full_model = reformer.reformer_lm(tok.vocab_size, 'eval')
-  checkpoints.load_weights(
-    out, full_model, trax.shapes.ShapeDtype((1, 128), np.int32)
+  flat, _ = modelfolder.read_weights(out)
+  checkpoints.set_weights(
+    out, full_model, trax.shapes.ShapeDtype((1, 128), np.int32), flat
   )
   # Compiled once (calling the layer runs it op by op, ~5 s a call).
   w, st, key = full_model.weights, full_model.state, jax.random.PRNGKey(0)
@@ -284,8 +285,9 @@ def test_perplexity_is_exp_of_mean_token_loss(tiny_run):
   stream = tok.encode_conversations(chatformat.read_file(path))
   ginconf.parse(os.path.join(out, 'model.gin'))
   layer = reformer.reformer_lm(tok.vocab_size, 'eval')
-  checkpoints.load_weights(
-    out, layer, trax.shapes.ShapeDtype((1, 128), np.int32)
+  flat, _ = modelfolder.read_weights(out)
+  checkpoints.set_weights(
+    out, layer, trax.shapes.ShapeDtype((1, 128), np.int32), flat
   )
   loss_layer = trax.layers.WeightedCategoryCrossEntropy()
   # LSH hashing is random per call and flips on float noise, so the forward

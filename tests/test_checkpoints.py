@@ -159,11 +159,11 @@ def test_loading_draws_no_weights_and_gives_trax_init_state(tiny_run):
   from trax import layers as tl
 
   from src.model import reformer
-  from src.storage import checkpoints
+  from src.storage import checkpoints, modelfolder
 
   folder = tiny_run['out']
   _, tok, loaded, _ = decoding.load_run(folder, 'predict')
-  flat, _ = checkpoints.read_weights(folder)
+  flat, _ = modelfolder.read_weights(folder)
   trax_way = reformer.reformer_lm(tok.vocab_size, 'predict')
   one = trax.shapes.ShapeDtype((1, 1), np.int32)
   trax_way.rng = jax.random.PRNGKey(0)

@@ -22,7 +22,7 @@ import pytest
 
 from src.config import jsonconfig
 from src.core.errors import UserError
-from src.storage import checkpoints
+from src.storage import modelfolder
 from src.training import distributed
 from tests.conftest import EXACT_LSH, MICRO, ROOT, micro_args
 
@@ -139,8 +139,8 @@ def test_two_processes_train_the_model_one_process_trains(tmp_path):
   # (b) A single process with both devices trains the same weights.
   assert rc == 0, err[-3000:]
   assert '2 device(s)' in out
-  multi, _ = checkpoints.read_weights(str(tmp_path / 'p0' / 'run'))
-  one, _ = checkpoints.read_weights(str(tmp_path / 'one' / 'run'))
+  multi, _ = modelfolder.read_weights(str(tmp_path / 'p0' / 'run'))
+  one, _ = modelfolder.read_weights(str(tmp_path / 'one' / 'run'))
   assert len(multi) == len(one)
   for a, b in zip(multi, one, strict=True):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
@@ -301,7 +301,7 @@ def test_two_processes_of_two_devices_resume_like_one_of_four(tmp_path):
   args[args.index('--batch-size') + 1] = '4'
   rc, out, err = finish([start(tmp_path / 'one', args, devices=4)])[0]
   assert rc == 0, err[-3000:]
-  multi, _ = checkpoints.read_weights(str(tmp_path / 'p0' / 'run'))
-  one, _ = checkpoints.read_weights(str(tmp_path / 'one' / 'run'))
+  multi, _ = modelfolder.read_weights(str(tmp_path / 'p0' / 'run'))
+  one, _ = modelfolder.read_weights(str(tmp_path / 'one' / 'run'))
   for a, b in zip(multi, one, strict=True):
     np.testing.assert_allclose(a, b, rtol=5e-4, atol=5e-5)

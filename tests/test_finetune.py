@@ -16,7 +16,7 @@ from src.core import safe_pickle
 from src.core.errors import UserError
 from src.data import chatformat, tokenizer
 from src.inference import decoding
-from src.storage import checkpoints, export, snapshots
+from src.storage import export, modelfolder, snapshots
 from src.training import finetune, trainer
 
 from .conftest import (
@@ -155,7 +155,7 @@ def test_finetune_takes_tokenizer_settings_and_weights(
   # the one step left the pretrained weights as they were.
   loop = finetuned['loop']
   assert loop.step == 1 and snapshots.latest_step(out) == 1
-  source, _ = checkpoints.read_export(exported['dir'])
+  source, _ = modelfolder.read_weights(exported['dir'])
   mine = flat_weights(loop.model)
   assert len(mine) == len(source)
   for a, b in zip(mine, source):
@@ -241,7 +241,7 @@ def test_unknown_pieces_are_counted():
 
 
 def test_set_weights_names_a_shape_mismatch(exported):
-  flat, _ = checkpoints.read_export(exported['dir'])
+  flat, _ = modelfolder.read_weights(exported['dir'])
   flat[0] = flat[0][:-1]
   setup = finetune.load(exported['dir']).setup  # Parses its model.gin.
   with pytest.raises(UserError, match=r'weight array 0 has shape \(299, 32\)'):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from src.core import safe_pickle
 from src.core.errors import UserError
-from src.storage import checkpoints, curves, modelfolder, snapshots
+from src.storage import curves, modelfolder, snapshots
 
 from .conftest import json_values, reseal_export
 
@@ -193,7 +193,7 @@ def test_fuzz_a_run_checkpoint(pristine, tmp_path_factory, name, edit, inner):
     data = _edit(data, edit)
   open(path, 'wb').write(data)
   snapshots.seal(folder, snapshots.read_manifest(folder)['step'])
-  _bounded(lambda: checkpoints.read_weights(folder, 16 << 20))
+  _bounded(lambda: modelfolder.read_weights(folder, 16 << 20))
   _outside_untouched(tmp_path, ['run'])
 
 
@@ -203,7 +203,7 @@ def test_the_fuzz_targets_load_unmutated(pristine, tmp_path):
   folder = _fresh(pristine, tmp_path, 'export')
   assert modelfolder.load(folder, 'model-dir', 'copy it').kind == 'export'
   run = _fresh(pristine, tmp_path, 'run')
-  flat, step = checkpoints.read_weights(run, 16 << 20)
+  flat, step = modelfolder.read_weights(run, 16 << 20)
   assert step > 0 and flat
   assert safe_pickle.read_weights_file(
     os.path.join(run, 'model.weights.npy.gz')

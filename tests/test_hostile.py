@@ -22,7 +22,7 @@ from src.core import files, safe_pickle
 from src.core.errors import UserError
 from src.data import tokenizer
 from src.inference import decoding
-from src.storage import checkpoints, export, snapshots
+from src.storage import export, modelfolder, snapshots
 from src.training import trainer
 
 from .conftest import (
@@ -637,11 +637,10 @@ def test_an_export_is_checked_before_its_tokenizer_or_gin_is_read(
 def test_what_is_parsed_is_what_was_hashed(exported, tmp_path, monkeypatch):
   """A file swapped after its checksum was checked is not read: the
   checked bytes are."""
-  from src.storage import modelfolder
 
   folder = str(tmp_path / 'model')
   shutil.copytree(exported['dir'], folder)
-  real = checkpoints.verify_export
+  real = modelfolder.verify_export
 
   def verify_then_swap(path, *args, **kwargs):
     meta, contents = real(path, *args, **kwargs)
@@ -649,7 +648,7 @@ def test_what_is_parsed_is_what_was_hashed(exported, tmp_path, monkeypatch):
     os.mkfifo(os.path.join(path, 'model.gin'))  # Would block a reader.
     return meta, contents
 
-  monkeypatch.setattr(checkpoints, 'verify_export', verify_then_swap)
+  monkeypatch.setattr(modelfolder, 'verify_export', verify_then_swap)
   model = modelfolder.load(folder, 'model-dir', 'copy it again')
   assert model.kind == 'export' and model.step == exported['info']['step']
 

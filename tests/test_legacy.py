@@ -18,7 +18,7 @@ import pytest
 from src.apps import chat
 from src.inference import decoding, sampling
 from src.model import ginconf
-from src.storage import checkpoints
+from src.storage import modelfolder
 from src.training import trainer
 
 from .conftest import (
@@ -95,7 +95,7 @@ def test_an_old_run_resumes_and_its_export_chats_and_fine_tunes(
   with open(os.path.join(model, 'model.gin'), 'w', encoding='utf-8') as f:
     f.write(as_before(text))
   reseal_export(model, 'model.gin')
-  checkpoints.verify_export(model)
+  modelfolder.verify_export(model)
 
   decoder = decoding.Decoder.load(model)
   settings = sampling.SamplingSettings(max_new_tokens=4, seed=1)

@@ -33,6 +33,30 @@ def train(
   `seed`: the model's start (None: Trax draws one). `until`: stop at the
   first evaluation whose accuracy reaches it (None: train `steps`).
   Returns `({step: accuracy}, seconds)`."""
+  loop = _loop(lm, data, held_out, steps, rate, warmup, every, seed)
+  t0 = time.time()
+  done = 0
+  while done < steps:
+    n = min(every, steps - done)
+    loop.run(n)
+    done += n
+    _, accuracy = loop.history.get('eval', 'metrics/WeightedCategoryAccuracy')[
+      -1
+    ]
+    if log:
+      log(
+        f'step {done}: held-out accuracy {accuracy:.3f} '
+        f'({time.time() - t0:.0f} s)'
+      )
+    if until is not None and accuracy >= until:
+      break
+  history = loop.history.get('eval', 'metrics/WeightedCategoryAccuracy')
+  curve = {int(s): round(float(a), 4) for s, a in history}
+  return curve, time.time() - t0
+
+
+def _loop(lm, data, held_out, steps, rate, warmup, every, seed):
+  """Trax's `Loop` for `train`."""
   import trax
   from trax import layers as tl
   from trax.supervised import training
@@ -63,25 +87,7 @@ def train(
     output_dir=None,
     random_seed=seed,
   )
-  t0 = time.time()
-  done = 0
-  while done < steps:
-    n = min(every, steps - done)
-    loop.run(n)
-    done += n
-    _, accuracy = loop.history.get('eval', 'metrics/WeightedCategoryAccuracy')[
-      -1
-    ]
-    if log:
-      log(
-        f'step {done}: held-out accuracy {accuracy:.3f} '
-        f'({time.time() - t0:.0f} s)'
-      )
-    if until is not None and accuracy >= until:
-      break
-  history = loop.history.get('eval', 'metrics/WeightedCategoryAccuracy')
-  curve = {int(s): round(float(a), 4) for s, a in history}
-  return curve, time.time() - t0
+  return loop
 
 
 def recall_batches(rng, batch: int, length: int, pairs: int = 63):

@@ -17,6 +17,7 @@ import os
 import re
 from typing import Any
 
+from src.core import files
 from src.core.errors import UserError
 
 WINDOWS = ('moving', 'fixed')  # Values of train.windows.
@@ -432,13 +433,7 @@ class Section:
 def _read_section_data(path: str, section: str) -> dict:
   """The settings of `section` in the JSON file `path` (strict: valid
   JSON, no key twice, only the known sections)."""
-  try:
-    with open(path, encoding='utf-8') as f:
-      text = f.read()
-  except (OSError, UnicodeDecodeError) as e:
-    raise UserError(
-      f'{path}: cannot be read ({e}); save it as UTF-8 JSON'
-    ) from None
+  text = files.read_text(path, 'JSON')
 
   def no_duplicates(pairs):
     seen = {}

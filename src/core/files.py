@@ -195,6 +195,26 @@ def parse_json(text: str, path: str):
     ) from None
 
 
+def damaged(path: str, e: Exception, fix: str) -> UserError:
+  """The one line for a file of ours that does not hold what it must:
+  which file, what is wrong (`e`) and the `fix`."""
+  return UserError(f'{path}: damaged ({type(e).__name__}: {e}); {fix}')
+
+
+def read_text(path: str, kind: str) -> str:
+  """A settings file the user wrote (a config, a gin file), as text; a
+  file that cannot be read, or is not UTF-8, is one line: save it as
+  UTF-8 `kind`."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    reason = ' '.join(str(e).split())
+    raise UserError(
+      f'{path}: cannot be read ({reason}); save it as UTF-8 {kind}'
+    ) from None
+
+
 def read_json(path: str, limit: int = MB):
   """A JSON file from a model or run folder, bounded (see `read_regular`)."""
   data = read_regular(path, limit)

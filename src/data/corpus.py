@@ -438,8 +438,9 @@ def prepare(
     `(tokenizer, Corpus)`. A newly trained tokenizer is saved to out-dir
     only once the whole corpus parsed without error.
   """
-  parse_kwargs = {'markers': markers, 'repeat_limit': repeat_limit}
-  parse_kwargs['collapse'] = collapse
+  parse_kwargs = dict(
+    markers=markers, repeat_limit=repeat_limit, collapse=collapse
+  )
   setting = 'eval-data' if name == 'eval' else 'data'
   scanned = scan(chatformat.list_files(data, setting))
   if tok is None:
@@ -453,13 +454,11 @@ def prepare(
       f'note: the token cache in {folder} is damaged ({problem}); '
       'building it again'
     )
-  if meta is not None:
-    if save_tokenizer:
-      tokenizer.save(out_dir, tok)
-    return tok, _open(folder, meta, scanned.n_bytes, hit=True)
-  meta = _build_cache(
-    out_dir, name, key, scanned, tok, parse_kwargs, workers, log
-  )
+  hit = meta is not None
+  if not hit:
+    meta = _build_cache(
+      out_dir, name, key, scanned, tok, parse_kwargs, workers, log
+    )
   if save_tokenizer:
     tokenizer.save(out_dir, tok)
-  return tok, _open(folder, meta, scanned.n_bytes, hit=False)
+  return tok, _open(folder, meta, scanned.n_bytes, hit=hit)

@@ -22,7 +22,7 @@ import sentencepiece as spm
 
 from src.core import rundir
 from src.core.errors import UserError
-from src.core.files import read_json, read_regular, write_atomic
+from src.core.files import damaged, read_json, read_regular, write_atomic
 from src.data import chatformat
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -270,10 +270,8 @@ def _read_info(info_path: str, required: bool) -> dict:
     ):
       raise ValueError('markers must be three strings')
   except (OSError, ValueError, KeyError, TypeError) as e:
-    raise UserError(
-      f'{info_path}: damaged ({type(e).__name__}: {e}); it must be the JSON '
-      'this run wrote (copy the run folder again)'
-    ) from None
+    fix = 'it must be the JSON this run wrote (copy the run folder again)'
+    raise damaged(info_path, e, fix) from None
   return info
 
 

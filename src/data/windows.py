@@ -376,11 +376,8 @@ class WindowBatches:
     self.part = part
     self.view = view
     self.replay = replay
-    self.replay_tokens = (
-      0
-      if replay is None
-      else max(1, round(len(view) * replay_share / (1 - replay_share)))
-    )
+    share = 0 if replay is None else replay_share / (1 - replay_share)
+    self.replay_tokens = max(1, round(len(view) * share)) if share else 0
     self._drawn = None  # (epoch, view with its replay draw), cached.
     self.ai_only = ai_only
     self.max_len = max_len

@@ -176,7 +176,7 @@ def _choose(run_dir: str, step: int | None) -> str:
   snapshot of `step`."""
   if not os.path.isdir(run_dir):
     raise UserError(f'{run_dir}: no such folder; give a training out-dir')
-  if checkpoints.is_export(run_dir):
+  if modelfolder.is_export(run_dir):
     raise UserError(
       f'{run_dir} is already an export; copy the folder to share it'
     )
@@ -295,7 +295,7 @@ def _info(run_dir: str, folder: str, model, flat, scalars) -> dict:
   if logged and (not evaluated or logged[0] > evaluated[0]):
     evaluated = logged
   return {
-    'format': checkpoints.EXPORT_FORMAT,
+    'format': modelfolder.EXPORT_FORMAT,
     'step': int(step),
     'context_length': model.setup.max_len,
     'vocab_size': tok.vocab_size,
@@ -323,9 +323,9 @@ def _write(tmp, run_dir, out_dir, model, flat, info, scalars):
 
   step = model.step
   save_file(
-    {checkpoints.weight_key(i): w for i, w in enumerate(flat)},
-    os.path.join(tmp, checkpoints.EXPORT_WEIGHTS),
-    metadata={'format': checkpoints.EXPORT_FORMAT, 'step': str(step)},
+    {modelfolder.weight_key(i): w for i, w in enumerate(flat)},
+    os.path.join(tmp, modelfolder.EXPORT_WEIGHTS),
+    metadata={'format': modelfolder.EXPORT_FORMAT, 'step': str(step)},
   )
   for name in (tokenizer.MODEL_FILE, tokenizer.INFO_FILE):
     data = files.read_regular(os.path.join(run_dir, name), tokenizer.MAX_BYTES)
@@ -353,7 +353,7 @@ def _write(tmp, run_dir, out_dir, model, flat, info, scalars):
     }
     for name in sorted(os.listdir(tmp))
   }
-  snapshots.write_json(os.path.join(tmp, checkpoints.EXPORT_META), info)
+  snapshots.write_json(os.path.join(tmp, modelfolder.EXPORT_META), info)
   for name in os.listdir(tmp):  # Readable by others: it is for sharing.
     os.chmod(os.path.join(tmp, name), 0o644)
 

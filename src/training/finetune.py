@@ -56,10 +56,8 @@ def read_record(out_dir: str) -> dict | None:
     str(record['path'])
     int(record['step'])
   except (OSError, ValueError, KeyError, TypeError) as e:
-    raise UserError(
-      f'{path}: damaged ({type(e).__name__}: {e}); it records where this '
-      'fine-tune run started; restore it or use a new out-dir'
-    ) from None
+    fix = 'it records where this fine-tune run started; restore it or use '
+    raise files.damaged(path, e, fix + 'a new out-dir') from None
   return record
 
 

@@ -216,9 +216,7 @@ def prepare(
   start_step, checkpoint_folder, damage = _resume_point(setup, out_dir, leader)
   window = _window(s, setup, out_dir, start_step and not leader)
   batch_size, micro = _batch_size(s, cluster)
-  memory, limit, step_seconds = _preflight(
-    setup, s['vocab-size'], micro, window
-  )
+  memory, limit, seconds = _preflight(setup, s['vocab-size'], micro, window)
   data = _data(s, fine, leader, _markers(s), window, batch_size, cluster, log)
   tok, train_corpus, eval_corpus, replay_corpus = data['corpora']
   train_view, eval_view, held = data['views']
@@ -247,7 +245,7 @@ def prepare(
     held=held,
     memory=memory,
     memory_limit=limit,
-    step_seconds=step_seconds * s['accumulate-steps'],
+    step_seconds=seconds * s['accumulate-steps'],
   )
 
 

@@ -290,16 +290,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
     )
   _add_samples(loop, plan, cluster, progress, log)
   if cluster.chief:
-    loop.full_context = callbacks.FullContext.build(
-      plan.eval_batches.view,
-      plan.window,
-      plan.gin.max_len,
-      s['ai-only-loss'],
-      model=lambda: reformer.reformer_lm(vocab, 'eval'),
-      chunk=ginconf.output_loss(),
-      progress=progress,
-      last=s['steps'],
-    )
+    _add_full_context(loop, plan, progress)
     _write_text(
       os.path.join(out_dir, rundir.OPERATIVE_GIN), ginconf.operative_text()
     )
@@ -308,6 +299,22 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
     f'{start + 1}..{total}; TensorBoard: tensorboard --logdir {out_dir}'
   )
   return loop
+
+
+def _add_full_context(loop, plan, progress):
+  """The chief's evaluation of long held-out conversations at the whole
+  context (`callbacks.FullContext`), where windows are shorter."""
+  vocab, s = plan.tokenizer.vocab_size, plan.settings
+  loop.full_context = callbacks.FullContext.build(
+    plan.eval_batches.view,
+    plan.window,
+    plan.gin.max_len,
+    s['ai-only-loss'],
+    model=lambda: reformer.reformer_lm(vocab, 'eval'),
+    chunk=ginconf.output_loss(),
+    progress=progress,
+    last=s['steps'],
+  )
 
 
 @contextlib.contextmanager
