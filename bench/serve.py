@@ -203,7 +203,9 @@ def start_server(run_dir: str, n_hashes: int | None = None):
   import uvicorn
 
   decoder = decoding.Decoder.load(run_dir, n_hashes=n_hashes)
-  server = serve.Server(decoder, serve.ServerSettings('bench', max_queue=64))
+  server = serve.Server(
+    decoder, serve.ServerSettings(model_id='bench', max_queue=64)
+  )
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     port = s.getsockname()[1]

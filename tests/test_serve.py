@@ -321,7 +321,9 @@ def test_cancel_stops_at_the_next_token(decoder):
 def test_a_full_queue_is_refused_with_503(decoder):
   from src.apps import openai_api, serve
 
-  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=2))
+  server = serve.Server(
+    decoder, serve.ServerSettings(model_id='out', max_queue=2)
+  )
 
   async def scenario():
     await server._turn(server._enter())  # Answering one request.
@@ -568,7 +570,9 @@ def test_a_full_queue_refuses_a_stream_before_its_200(decoder):
 
   from src.apps import serve
 
-  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=0))
+  server = serve.Server(
+    decoder, serve.ServerSettings(model_id='out', max_queue=0)
+  )
 
   async def busy():
     await server._turn(server._enter())  # Answering; no one may wait.
@@ -765,7 +769,9 @@ def test_fuzzed_requests_get_a_reply_or_an_openai_error(decoder):
       'model': st.just('out') | value,
     },
   )
-  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=4))
+  server = serve.Server(
+    decoder, serve.ServerSettings(model_id='out', max_queue=4)
+  )
   http = TestClient(server.app(), base_url='http://127.0.0.1:8000')
 
   @settings(
@@ -827,7 +833,7 @@ def test_allow_host_admits_a_reverse_proxys_name(decoder):
   body = {'messages': [{'role': 'user', 'content': 'Hi'}], 'max_tokens': 2}
   for allowed, status in (((), 403), (('chat.example.org',), 200)):
     server = serve.Server(
-      decoder, serve.ServerSettings('out', allow_hosts=allowed)
+      decoder, serve.ServerSettings(model_id='out', allow_hosts=allowed)
     )
     with TestClient(server.app(), base_url='https://chat.example.org') as c:
       assert c.post('/v1/chat/completions', json=body).status_code == status
@@ -970,7 +976,9 @@ def _until(condition, seconds=10.0):
 def test_abandoned_requests_free_the_model_queued_or_running(decoder):
   from src.apps import serve
 
-  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=8))
+  server = serve.Server(
+    decoder, serve.ServerSettings(model_id='out', max_queue=8)
+  )
   calls, ended = _slow(server)
   with _in_process(server) as port:
     running = _send_and_leave(port)
@@ -993,7 +1001,9 @@ def test_a_burst_of_streams_gets_whole_streams_or_json_503s(decoder):
   any 200, or a stream that is served to its end."""
   from src.apps import serve
 
-  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=4))
+  server = serve.Server(
+    decoder, serve.ServerSettings(model_id='out', max_queue=4)
+  )
   body = {
     'messages': [{'role': 'user', 'content': 'Hello'}],
     'max_tokens': 8,
@@ -1109,7 +1119,7 @@ def test_a_page_of_an_allowed_origin_chats_and_another_is_refused(decoder):
   allowed, refused = {'page': ''}, {'page': ''}
   with _static_page(allowed) as origin, _static_page(refused) as other:
     settings = serve.ServerSettings(
-      'out', api_key=KEY, allow_origins=(origin + '/',)
+      model_id='out', api_key=KEY, allow_origins=(origin + '/',)
     )
     server = serve.Server(decoder, settings)
     with _in_process(server) as port, _browser() as driver:
@@ -1132,7 +1142,8 @@ def test_cors_preflight_and_headers_for_allowed_origins_only(decoder):
 
   origin = 'http://127.0.0.1:5173'
   server = serve.Server(
-    decoder, serve.ServerSettings('out', api_key=KEY, allow_origins=(origin,))
+    decoder,
+    serve.ServerSettings(model_id='out', api_key=KEY, allow_origins=(origin,)),
   )
   with TestClient(server.app(), base_url='http://127.0.0.1:8000') as http:
     pre = http.options(
@@ -1315,7 +1326,7 @@ def test_new_chat_mid_reply_sends_a_clean_history(decoder):
 
   from src.apps import serve
 
-  server = serve.Server(decoder, serve.ServerSettings('out'))
+  server = serve.Server(decoder, serve.ServerSettings(model_id='out'))
   jobs = _streaming(server)
   with _in_process(server) as port, _browser() as driver:
     driver.get(f'http://127.0.0.1:{port}/')
@@ -1349,7 +1360,9 @@ def test_a_refused_send_takes_its_bubble_back(decoder):
 
   from src.apps import serve
 
-  server = serve.Server(decoder, serve.ServerSettings('out', max_queue=0))
+  server = serve.Server(
+    decoder, serve.ServerSettings(model_id='out', max_queue=0)
+  )
   jobs = _streaming(server)
   with _in_process(server) as port, _browser() as driver:
     driver.get(f'http://127.0.0.1:{port}/')

@@ -132,3 +132,33 @@ def test_constructors_take_settings_not_long_argument_lists():
         if positional > MAX_POSITIONAL:
           wide.append(f'{rel}:{node.lineno} ({positional} positional)')
   assert wide == []
+
+
+def test_classes_built_with_few_positional_arguments():
+  """What `test_constructors_take_settings_not_long_argument_lists` cannot
+  see in the text: a dataclass's generated constructor (one with many
+  fields is keyword-only)."""
+  import importlib
+  import inspect
+  import pkgutil
+
+  import src.apps
+  import src.inference
+
+  wide = []
+  for package in (src.apps, src.inference):
+    for info in pkgutil.iter_modules(package.__path__):
+      module = importlib.import_module(f'{package.__name__}.{info.name}')
+      for name, cls in inspect.getmembers(module, inspect.isclass):
+        if cls.__module__ != module.__name__:
+          continue
+        try:
+          params = inspect.signature(cls).parameters.values()
+        except (TypeError, ValueError):
+          continue
+        kinds = (inspect.Parameter.POSITIONAL_ONLY,
+                 inspect.Parameter.POSITIONAL_OR_KEYWORD)  # fmt: skip
+        positional = [p for p in params if p.kind in kinds]
+        if len(positional) > MAX_POSITIONAL:
+          wide.append(f'{module.__name__}.{name} ({len(positional)})')
+  assert wide == []

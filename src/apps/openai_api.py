@@ -88,7 +88,7 @@ class ApiError(Exception):
     }
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Job(engine.Request):
   """One chat-completion request, checked."""
 

@@ -60,7 +60,7 @@ def _loopback(host: str) -> bool:
   return host.strip('[]').lower() in LOOPBACK_NAMES
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerSettings:
   """How the server is reached and what it allows (`evaluate.py --serve`'s
   options)."""

@@ -21,7 +21,7 @@ from src.core.errors import UserError
 MIN_TEMPERATURE = 1e-4
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class SamplingSettings:
   """Sampling controls (also settable with `/set NAME VALUE` in the REPL).
 
