@@ -463,3 +463,29 @@ def test_subtitles_time_order_markup_gaps_and_broken_cues(tmp_path):
   _, warnings, convs = convert_to('subtitles', latin, tmp_path / 'l')
   assert convs == [[('user', 'Café?'), ('ai', 'Oui.')]]
   assert 'reading it as Windows-1252' in warnings[0]
+
+
+def test_every_importer_meets_its_contract():
+  """Each registered module has the functions its Protocol names, taking
+  the arguments the converters pass."""
+  import inspect
+
+  from src.data import importers
+
+  def params(fn):
+    return [
+      p.name
+      for p in inspect.signature(fn).parameters.values()
+      if p.kind is not p.VAR_KEYWORD
+    ]
+
+  for name, module in importers.FORMATS.items():
+    assert isinstance(module, importers.DatasetImporter), name
+    assert len(params(module.sources)) == 1, name
+    read = inspect.signature(module.read).parameters.values()
+    assert any(p.kind is p.VAR_KEYWORD for p in read), name  # **options
+    assert len(params(module.read)) >= 2, name  # (source, report, ...)
+  for name, module in importers.CHATS.items():
+    assert isinstance(module, importers.ChatImporter), name
+    assert len(params(module.sources)) == 1, name
+    assert params(module.items) == ['source', 'warn'], name

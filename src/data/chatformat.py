@@ -336,15 +336,24 @@ def iter_turns(conversations) -> Iterator[Turn]:
     yield from conversation.turns
 
 
+def format_turn(
+  role: str, text: str, markers: Markers = Markers(), train: bool = True
+) -> str:
+  """One turn as its line of the format (without the line's end): the one
+  writer of the format, for every writer of it (converters, the REPL's
+  /save, analysis files). `text` is one line already (line breaks as the
+  marker, no AI markers: `importers.base.clean_message`)."""
+  if role != AI:
+    return text
+  prefix = '' if train else NO_LOSS + ' '
+  return f'{prefix}{markers.ai_start} {text} {markers.ai_end}'
+
+
 def format_conversation(
   conversation: Conversation, markers: Markers = Markers()
 ) -> str:
   """Renders a conversation back into the line format (one line a turn)."""
-  out = []
-  for turn in conversation.turns:
-    if turn.role == AI:
-      prefix = '' if turn.train else NO_LOSS + ' '
-      out.append(f'{prefix}{markers.ai_start} {turn.text} {markers.ai_end}')
-    else:
-      out.append(turn.text)
-  return '\n'.join(out) + '\n'
+  lines = [
+    format_turn(t.role, t.text, markers, t.train) for t in conversation.turns
+  ]
+  return '\n'.join(lines) + '\n'

@@ -175,12 +175,7 @@ def write(
       report.skipped[str(e).split(' (')[0]] += 1
       continue
     lines = [
-      (
-        ('' if train else chatformat.NO_LOSS + ' ')
-        + f'{m.ai_start} {text} {m.ai_end}'
-      )
-      if role == AI
-      else text
+      chatformat.format_turn(role, text, m, train)
       for role, text, train in built
     ]
     blocks.append('\n'.join(lines))

@@ -31,7 +31,8 @@ import unicodedata
 
 from src.core import bars, files
 from src.core.errors import UserError
-from src.data.importers import wording
+from src.data import chatformat
+from src.data.importers import jsonstream, wording
 from src.data.importers.base import (
   AI,
   USER,
@@ -273,6 +274,25 @@ def progress(binary, total: int, desc: str):
       yield io.BufferedReader(_Counted(binary, bar), 1 << 20)
 
 
+def json_items(path: str, wanted: set[str], marks: set[str]):
+  """A JSON export read as a stream, with progress (the steps every JSON
+  importer shares): yields `(prefix, value, where)` for each object at a
+  prefix in `wanted` (a message; `where` is `file[n]`, n counting them)
+  and `(prefix, value, None)` for each mark (`jsonstream.objects`: a
+  chat's name, or None where a list of messages starts)."""
+  n = 0
+  with (
+    open_input(path) as raw,
+    progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
+  ):
+    for prefix, value in jsonstream.objects(f, path, wanted, marks):
+      if prefix in wanted:
+        yield prefix, value, f'{path}[{n}]'
+        n += 1
+      else:
+        yield prefix, value, None
+
+
 class _Writer:
   """Writes one export's conversations into an open text file, merging
   each side's consecutive messages into one line and cutting a
@@ -323,11 +343,8 @@ class _Writer:
     text = f' {m.line_break} '.join(self.parts)
     if self.lines == 0 and self.written:
       self.f.write('\n')  # The blank line between conversations.
-    if self.role == AI:
-      self.f.write(f'{m.ai_start} {text} {m.ai_end}\n')
-      self.has_ai = True
-    else:
-      self.f.write(text + '\n')
+    self.f.write(chatformat.format_turn(self.role, text, m) + '\n')
+    self.has_ai = self.has_ai or self.role == AI
     self.lines += 1
     self.chars += len(text)
     self.parts, self.pending = [], 0

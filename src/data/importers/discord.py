@@ -17,10 +17,9 @@ read as a stream.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 
-from src.data.importers import chatlog, jsonstream
+from src.data.importers import chatlog
 from src.data.importers.base import stem
 
 _EMOJI = re.compile(r'<a?:(\w{1,64}):\d{1,24}>')
@@ -77,25 +76,19 @@ def _key(message) -> tuple | None:
 def items(source: chatlog.Source, warn):
   del warn
   (path,) = source.paths
-  n = 0
   seen: dict = {}  # Insertion-ordered: the oldest key is dropped first.
-  with (
-    chatlog.open_input(path) as raw,
-    chatlog.progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
-  ):
-    for _prefix, value in jsonstream.objects(
-      f, path, {'messages.item'}, {'messages'}
-    ):
-      if value is None:
+  messages = chatlog.json_items(path, {'messages.item'}, {'messages'})
+  for _, value, where in messages:
+    if where is None:
+      if value is None:  # The channel's messages start.
         yield chatlog.Chat(source.name)
-      else:
-        key = _key(value)
-        if key is not None and key in seen:
-          yield chatlog.Drop('duplicate')
-        else:
-          if key is not None:
-            seen[key] = None
-            if len(seen) > DEDUP_WINDOW:
-              del seen[next(iter(seen))]
-          yield item(value, f'{path}[{n}]')
-        n += 1
+      continue
+    key = _key(value)
+    if key is not None and key in seen:
+      yield chatlog.Drop('duplicate')
+      continue
+    if key is not None:
+      seen[key] = None
+      if len(seen) > DEDUP_WINDOW:
+        del seen[next(iter(seen))]
+    yield item(value, where)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from src.data.importers import chatlog, jsonstream
+from src.data.importers import chatlog
 from src.data.importers.base import stem
 
 _CHATS = ('chats.list.item', 'left_chats.list.item')
@@ -107,16 +107,10 @@ def items(source: chatlog.Source, warn):
   del warn
   (path,) = source.paths
   name = source.name
-  n = 0
-  with (
-    chatlog.open_input(path) as raw,
-    chatlog.progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
-  ):
-    for prefix, value in jsonstream.objects(f, path, _WANTED, _MARKS):
-      if prefix.endswith('.name'):
-        name = str(value)
-      elif prefix.endswith('messages') and value is None:
-        yield chatlog.Chat(name)
-      else:
-        yield item(value, f'{path}[{n}]')
-        n += 1
+  for prefix, value, where in chatlog.json_items(path, _WANTED, _MARKS):
+    if where is not None:
+      yield item(value, where)
+    elif prefix.endswith('.name'):
+      name = str(value)
+    elif value is None:  # A chat's messages start.
+      yield chatlog.Chat(name)
