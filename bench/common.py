@@ -82,6 +82,12 @@ VARIANTS = {
     'ReformerLM.attention_type = [@LocalSelfAttention, '
     '@FastLSHSelfAttention, @LocalSelfAttention]'
   ],
+  # The shipped blocks with smeared keys (each key sees the position
+  # before: `attention.SmearedLocalSelfAttention`).
+  'smeared': [
+    'ReformerLM.attention_type = [@SmearedLocalSelfAttention, '
+    '@SmearedDirectedLSHSelfAttention, @SmearedLocalSelfAttention]'
+  ],
 }
 
 

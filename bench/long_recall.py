@@ -7,6 +7,8 @@ once (a word, a number, a name), small talk, then the question.
       [--distances 1000,4000,12000,24000] [--samples 6] [--n-hashes H]
   python bench/long_recall.py run WORK --from data/smalltalk [--seeds 0,1,2]
       [--config configs/long-conversations.json] [--data DIR]
+  python bench/long_recall.py probe RUN --from data/smalltalk
+      [--chars 100,600] [--samples 40] [--seen]
 
 `data` writes training conversations in the line format
 (`src/analysis/long_recall.py`: each states one value at its start and
@@ -20,6 +22,13 @@ for each distance, `--samples` conversations whose word (held out of
 training) was stated about that many tokens (the run's tokenizer) before
 the question, and the same number with nothing stated (the control: what
 guessing scores). A reply is right when it contains the word.
+
+`probe` looks inside instead of asking: the teacher-forced
+log-probability (nats) of the last AI turn ("The word was X.") of
+`--samples` conversations per amount of small talk (`--chars`), with the
+word stated and without (the control), and how many of those turns the
+model predicts token for token (argmax). A model that uses what was said
+gives the stated ones a higher log-probability than the control.
 
 `run` trains one run per seed with the walkthrough's settings
 (`train.py --config ... --data ... --seed S`, timed), then scores each.
@@ -161,6 +170,53 @@ def train(work: str, config: str, data: str, seed: int, extra) -> tuple:
   return out, time.perf_counter() - t0
 
 
+def probe(run: str, source: str, chars, samples: int, seen: bool = False):
+  """`{chars: {'stated', 'control', 'hits', 'control_hits'}}` (see the
+  module's text), on the run's eval model at 1,024 tokens."""
+  import trax
+
+  from src.data import tokenizer
+  from src.inference import decoding, scoring
+  from src.model import reformer
+  from src.storage import checkpoints
+
+  model, _ = decoding.load_model(run, 'eval')
+  tok, length = model.tok, 1024
+  layer = reformer.reformer_lm(tok.vocab_size, 'eval')
+  signature = trax.shapes.ShapeDtype((1, length), np.int32)
+  checkpoints.set_weights(run, layer, signature, model.flat)
+  forward = scoring.forward_fn(layer)
+  talk, (train_words, held) = _talk(source)
+  out = {}
+  for n in chars:
+    found = {'stated': [], 'control': [], 'hits': 0, 'control_hits': 0}
+    for i in range(samples):
+      for stated, key in ((True, 'stated'), (False, 'control')):
+        rng = np.random.default_rng(1000 + i)  # The same draw for both.
+        words = train_words if seen else held
+        c = task.make(rng, talk, words, n, 'word', stated=stated)
+        ids = [tokenizer.EOS_ID]
+        for role, text in c.turns:
+          piece = tok.encode(text)
+          if role == chatformat.AI:
+            piece = [tok.ai_start_id] + piece + [tok.ai_end_id]
+          first, ids = len(ids) + 1, ids + piece  # The answer's text.
+        if len(ids) > length:
+          continue
+        x = np.zeros((1, length), np.int32)
+        x[0, : len(ids)] = ids
+        logits = np.asarray(forward(x))[0, first : len(ids) - 1]
+        want = np.asarray(ids[first:-1])
+        found[key].append(-scoring.token_losses(logits, want).sum())
+        hit = bool((logits.argmax(-1) == want).all())
+        found['hits' if stated else 'control_hits'] += hit
+    for key in ('stated', 'control'):
+      found[key] = round(float(np.mean(found[key])), 2)
+    out[n] = found
+    print(f'{n} characters of small talk: {found}', flush=True)
+  return out
+
+
 def table(results) -> str:
   distances = sorted({r['distance'] for res in results for r in res['rows']})
   lines = [
@@ -188,7 +244,7 @@ def table(results) -> str:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('what', choices=('data', 'score', 'run'))
+  parser.add_argument('what', choices=('data', 'score', 'run', 'probe'))
   parser.add_argument('path')
   parser.add_argument('--from', dest='source', default='data/smalltalk')
   parser.add_argument('--conversations', type=int, default=4000)
@@ -201,6 +257,7 @@ def main(argv=None):
   parser.add_argument(
     '--seen', action='store_true', help='ask for training words instead'
   )
+  parser.add_argument('--chars', default='100,600')
   parser.add_argument('--config', default='configs/long-conversations.json')
   parser.add_argument('--data', default=None)
   args, extra = parser.parse_known_args(argv)
@@ -209,6 +266,10 @@ def main(argv=None):
     write_data(
       args.path, args.source, args.conversations, args.most_chars, args.seed
     )
+    return
+  if args.what == 'probe':
+    chars = [int(c) for c in args.chars.split(',')]
+    probe(args.path, args.source, chars, args.samples, args.seen)
     return
   if args.what == 'score':
     score(

@@ -17,7 +17,7 @@ from src.core.errors import UserError
 from src.data import chatformat, tokenizer
 from src.inference import decoding, sampling, scoring
 from src.inference.generate import display
-from src.model import ginconf, reformer
+from src.model import attention, ginconf, reformer
 from src.storage import checkpoints, modelfolder
 
 from .conftest import DATA, EXACT_LSH
@@ -559,3 +559,50 @@ def test_the_context_holds_every_token_shown_however_a_reply_ends(
   )
   assert decoder.position == 2 + sum(len(t.ids) for t in context.turns)
   assert context.turns[-1].ids[1:-1] == reply.ids
+
+
+def test_smeared_attention_reads_while_chatting_what_training_reads():
+  """A model with smeared attention (`SmearedLocalSelfAttention`,
+  `SmearedDirectedLSHSelfAttention`: each key and value sees the position
+  before) gives, token by token, in blocks at any position and from a start
+  block, the logits of the training (eval) forward pass (LSH made exact;
+  random weights, so the smearing weights are not zero)."""
+  from .conftest import MICRO
+
+  smeared = (
+    'ReformerLM.attention_type = [@SmearedLocalSelfAttention, '
+    '@SmearedDirectedLSHSelfAttention, @SmearedLocalSelfAttention]'
+  )
+  ginconf.parse(
+    os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
+    MICRO + ('SelfAttention.chunk_len = 16', *EXACT_LSH, smeared),
+  )
+  full_model = reformer.reformer_lm(300, 'eval')
+  full_model.init(trax.shapes.ShapeDtype((1, 128), np.int32))
+  roles = [attention.weight_roles(a) for a in reformer.branch_outputs(
+    full_model)[0]]  # fmt: skip
+  assert all(r[-2:] == ('s', 'u') for r in roles), roles
+  predict = reformer.reformer_lm(300, 'predict')
+  predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
+  predict.weights = full_model.weights
+  d = decoding.Decoder(predict, 128)
+  assert d.block == 64  # EXACT_LSH chunks of 64.
+  ids = [int(i) for i in np.random.default_rng(3).integers(3, 300, 127)]
+  x = np.zeros((1, 128), np.int32)
+  x[0, :127] = ids
+  w, st = full_model.weights, full_model.state
+  whole = np.asarray(full_model.pure_fn(x, w, st, jax.random.PRNGKey(0))[0])
+  by_token = [d.feed(ids[:1], blocks=False)]
+  by_token += [d.feed([t], blocks=False) for t in ids[1:]]
+  np.testing.assert_allclose(
+    np.stack(by_token), whole[0, 1:], atol=2e-4, rtol=1e-4
+  )
+  for first, start in ((0, 0), (21, 0), (0, 64)):
+    d.reset()
+    d.min_start = start or 10**9
+    if first:
+      d.feed(ids[:first], blocks=False)
+    got = d.feed(ids[first:100], blocks=True)
+    np.testing.assert_allclose(got, whole[0, 100], atol=2e-4, rtol=1e-4)
+    got = d.feed(ids[100:110], blocks=True)
+    np.testing.assert_allclose(got, whole[0, 110], atol=2e-4, rtol=1e-4)

@@ -133,6 +133,14 @@ TINY_GIN = os.path.join(
   os.path.dirname(os.path.dirname(os.path.dirname(__file__))), 'gin', 'tiny.gin'
 )
 GRID = 32768  # The position grid: gin/reformer_32k.gin's context.
+# The blocks with smeared keys and values (src/model/attention.py): the
+# lookup is found in one layer, at steps 550-650 on AVX2 and AVX-512
+# alike, where the shipped blocks' plateau lasted as long as the rounding
+# decided (BENCHMARKS.md "Smeared keys and values").
+SMEARED = (
+  'ReformerLM.attention_type = [@SmearedLocalSelfAttention, '
+  '@SmearedDirectedLSHSelfAttention, @SmearedLocalSelfAttention]',
+)
 LSH_CHUNK = 32  # gin/tiny.gin's.
 
 

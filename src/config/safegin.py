@@ -34,6 +34,8 @@ _OUR_ATTENTION = {
   'LocalSelfAttention',
   'FastLSHSelfAttention',
   'DirectedLSHSelfAttention',
+  'SmearedLocalSelfAttention',
+  'SmearedDirectedLSHSelfAttention',
 }
 _OPTIMIZERS = {'Adam', 'Adafactor', 'SGD', 'Momentum', 'RMSProp', 'SM3'}
 ACTIVATIONS = frozenset(

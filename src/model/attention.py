@@ -35,7 +35,7 @@ from trax import layers as tl
 from trax.layers.research import efficient_attention as ea
 
 from src.model import decode_block, decode_cache, decode_index, lsh_hash
-from src.model.decode_state import unwrap
+from src.model.decode_state import shifted, unwrap
 
 
 def settings_name(cls) -> str:
@@ -90,6 +90,7 @@ class _Ours:
 
   _zero_output = False
   _never_rolls = False
+  _smeared = False  # Keys that see the position before (`Smeared...`).
 
   def start_at_zero(self):
     """The output projections start at zero when the layer is initialized."""
@@ -104,6 +105,14 @@ class _Ours:
     """One head's weight of `role` (see `weight_roles`)."""
     return weights[weight_roles(self).index(role)]
 
+  def _values(self, x, weights, x_before):
+    """One head's values of the rows `x`: `x w_v`, plus their
+    predecessors' `x_before w_u` where the layer smears them."""
+    v = jnp.matmul(x, self.weight(weights, 'v'))
+    if self._smeared:
+      v = v + jnp.matmul(x_before, self.weight(weights, 'u'))
+    return v
+
   def create_weights_unbatched(self, input_signature, rng):
     weights = super().create_weights_unbatched(input_signature, rng)
     return zero_output(self, weights)
@@ -115,7 +124,8 @@ class _Ours:
 
   def forward_and_or_backward(self, inputs, weights, state, rng, **kwargs):
     """Trax's, except where `decode_cache.route` chooses a chat decoder's
-    path: a block (`_read_block`) or an indexed token (`_read_token`)."""
+    path: a block (`_read_block`) or an indexed token
+    (`decode_cache.indexed_layer_step`)."""
     forward_only = (
       kwargs.get('update_state', True)
       and kwargs.get('compute_output', True)
@@ -203,12 +213,13 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
     """Floats a position keeps in the decode cache (`_key_parts`)."""
     return self._d_qk + self._d_v
 
-  def _key_parts(self, x_k, weights):
-    """What a predict step reads of the positions `x_k` (`[n, d]`), their
-    keys and values side by side (`[n, _key_width]`): Trax's shared keys
-    (`length_normalized`) and values."""
+  def _key_parts(self, x_k, weights, x_before):
+    """What a predict step reads of the positions `x_k` (`[n, d]`; each
+    one's preceding position's input in `x_before`, read by smeared keys),
+    their keys and values side by side (`[n, _key_width]`): Trax's shared
+    keys (`length_normalized`) and values."""
     k = ea.length_normalized(jnp.matmul(x_k, self.weight(weights, 'q')))
-    v = jnp.matmul(x_k, self.weight(weights, 'v'))
+    v = self._values(x_k, weights, x_before)
     return jnp.concatenate([k, v], -1)
 
   def _cached_qkv(self, q, parts, x_q, weights):
@@ -273,10 +284,16 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
   def _key_width(self) -> int:
     return super()._key_width() + self._d_qk  # And `b`.
 
-  def _key_parts(self, x_k, weights):
-    parts = super()._key_parts(x_k, weights)
-    b = jnp.matmul(x_k, self.weight(weights, 'b'))
+  def _key_parts(self, x_k, weights, x_before):
+    parts = super()._key_parts(x_k, weights, x_before)
+    b = self._directed_keys(x_k, weights, x_before)
     return jnp.concatenate([parts, b], -1)
+
+  def _directed_keys(self, x, weights, x_before):
+    """`b = x w_b`: the directed score's keys of the rows `x` (a smeared
+    class adds its predecessors' `x_before w_s`)."""
+    del x_before
+    return jnp.matmul(x, self.weight(weights, 'b'))
 
   def _cached_qkv(self, q, parts, x_q, weights):
     q, k_unit, v = super()._cached_qkv(q, parts, x_q, weights)
@@ -296,8 +313,7 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
 
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
     a = jnp.matmul(x, self.weight(weights, 'a'))
-    b = jnp.matmul(x, self.weight(weights, 'b'))
-    trax_weights = tuple(self.weight(weights, role) for role in 'qvo')
+    b = self._directed_keys(x, weights, shifted(x))
 
     def directed_attend(q, k=None, v=None, **kw):
       at = kw['q_info']  # The positions of `q`'s rows, as sorted.
@@ -308,8 +324,90 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
       return ea.attend(q, k, v, **kw)
 
     return lsh_forward(
-      self, x, mask, weights=trax_weights, attend=directed_attend, **kwargs
+      self, x, mask, weights=weights, attend=directed_attend, **kwargs
     )
+
+
+class SmearedLocalSelfAttention(LocalSelfAttention):
+  """A local attention whose keys and values see the position before too
+  (smeared): `k_t = x_t w_k + x_(t-1) w_s`, `v_t = x_t w_v + x_(t-1) w_u`.
+
+  A query then finds "what came after X" in one layer, by matching the
+  key of the position whose predecessor is X (the induction head that
+  copying needs), and a position found reads out what came before it
+  (a value stated before its key), without a previous-token head in a
+  layer below (which absolute positions make slow to learn: the copy
+  task is learned ~3x sooner, BENCHMARKS.md "Smeared keys"). Its own keys
+  (`share_qk` off), no bias.
+  """
+
+  EXTRA_ROLES = ('s', 'u')
+  _smeared = True
+
+  def create_weights_unbatched(self, input_signature, rng):
+    """Trax's weights of one head, plus `w_s`."""
+    weights = super().create_weights_unbatched(input_signature, rng)
+    return (*weights, *smear_weights(self, input_signature, rng))
+
+  def forward_unbatched(self, x, mask=None, *, weights, state, rng, **_):
+    """Trax 1.4.1's `SelfAttention.forward_unbatched` with smeared keys."""
+    attend_rng, output_rng = fastmath.random.split(rng)
+    q = jnp.matmul(x, self.weight(weights, 'q'))
+    k = decode_block.local_keys(self, x, weights, shifted(x))
+    v = self._values(x, weights, shifted(x))
+    info = jnp.arange(q.shape[-2], dtype=jnp.int32)
+    kv_info = info
+    if self._masked:  # `mask` is True on valid tokens.
+      kv_info = info * jnp.where(mask, 1, -1).astype(jnp.int32)
+    mask_fn = functools.partial(
+      ea.mask_self_attention,
+      causal=self._causal,
+      exclude_self=False,
+      masked=self._masked,
+    )
+    o, _ = ea.attend(
+      q, k, v, q_chunk_len=self._chunk_len, kv_chunk_len=self._chunk_len,
+      n_chunks_before=self._n_chunks_before,
+      n_chunks_after=self._n_chunks_after, mask_fn=mask_fn, q_info=info,
+      kv_info=kv_info, dropout=self._attention_dropout, rng=attend_rng,
+    )  # fmt: skip
+    out = jnp.matmul(o, self.weight(weights, 'o'))
+    out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+    return out, state
+
+
+class SmearedDirectedLSHSelfAttention(DirectedLSHSelfAttention):
+  """Directed LSH whose directed keys and values see the position before
+  too: `b_t = x_t w_b + x_(t-1) w_s`, `v_t = x_t w_v + x_(t-1) w_u` (see
+  `SmearedLocalSelfAttention`): a query's `a` finds, in its buckets, the
+  position that followed what it looks for, and reads what preceded
+  what it found."""
+
+  EXTRA_ROLES = ('a', 'b', 's', 'u')
+  _smeared = True
+
+  def create_weights_unbatched(self, input_signature, rng):
+    """The directed weights of one head, plus `w_s`."""
+    weights = super().create_weights_unbatched(input_signature, rng)
+    return (*weights, *smear_weights(self, input_signature, rng))
+
+  def _directed_keys(self, x, weights, x_before):
+    b = jnp.matmul(x, self.weight(weights, 'b'))
+    return b + jnp.matmul(x_before, self.weight(weights, 's'))
+
+
+def smear_weights(layer, input_signature, rng):
+  """`(w_s, w_u)`: the projections of the position before into the keys
+  (`[d_model, d_qk]`) and the values (`[d_model, d_v]`), drawn as the
+  layer's other projections are."""
+  if isinstance(input_signature, (tuple, list)):
+    input_signature = input_signature[0]
+  d_model = input_signature.shape[-1]
+  rng_s, rng_u = fastmath.random.split(fastmath.random.split(rng, 7)[6])
+  return (
+    layer._kernel_initializer((d_model, layer._d_qk), rng_s),
+    layer._kernel_initializer((d_model, layer._d_v), rng_u),
+  )
 
 
 def _buckets(self, q, x, mask, state, update_state):
@@ -402,10 +500,8 @@ def lsh_forward(
   """
   attend = attend or ea.attend
   attend_rng, output_rng = fastmath.random.split(rng)
-  w_q, w_v, w_o = weights
-
-  q = jnp.matmul(x, w_q)
-  v = jnp.matmul(x, w_v)
+  q = jnp.matmul(x, self.weight(weights, 'q'))
+  v = self._values(x, weights, shifted(x))
 
   buckets, state = _buckets(self, q, x, mask, state, update_state)
   seqlen = x.shape[0]
@@ -439,7 +535,7 @@ def lsh_forward(
   )
 
   o = _unsorted(so, slogits, undo_sort, sticker, self._n_hashes, seqlen)
-  out = jnp.matmul(o, w_o)
+  out = jnp.matmul(o, self.weight(weights, 'o'))
   out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
   return out, state
 

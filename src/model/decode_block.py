@@ -81,9 +81,10 @@ def lsh_block(self, x, weights, state, rng, n):
   s = LSHState.of(memory.heads)
   batch, length = x.shape[:2]
   q_start = memory.mem_end
+  before = decode_state.rows_before(memory.mem[0], x, q_start)
   q, qb, parts = decode_state.each_head(
     functools.partial(_project, self),
-    x,
+    (x, before),
     weights,
     decode_state.by_example(s.rotations, batch, self._n_heads),
   )
@@ -113,14 +114,15 @@ def lsh_block(self, x, weights, state, rng, n):
   return out, new_memory.plain()
 
 
-def _project(self, x_b, w_h, turns_h):
+def _project(self, rows, w_h, turns_h):
   """One head's queries, buckets (`[length, n_hashes]`) and `_key_parts` of
-  a block's rows `x_b`."""
+  a block's rows (`rows`: the rows and their predecessors)."""
+  x_b, before = rows
   q = jnp.matmul(x_b, self.weight(w_h, 'q'))
   hashed = lsh_hash.hash_rounds(q, turns_h, self._n_buckets)
   length = x_b.shape[0]
   qb = jnp.transpose(jnp.reshape(hashed, (self._n_hashes, length)))
-  return q, qb, self._key_parts(x_b, w_h)
+  return q, qb, self._key_parts(x_b, w_h, before)
 
 
 def _write_block_buckets(self, buckets, qb, q_start):
@@ -192,7 +194,7 @@ def local_window(self, x, q_start, length: int, weights, rng):
   training gave it (`window_mask`), read from one fixed-size slice:
   `[length, d_model]`."""
   attend_rng, output_rng = fastmath.random.split(rng)
-  w_q, w_v, w_o = (self.weight(weights, role) for role in 'qvo')
+  w_q, w_o = self.weight(weights, 'q'), self.weight(weights, 'o')
   mem_len = x.shape[0]
   chunk, before = int(self._chunk_len), int(self._n_chunks_before)
   size = min(chunk * (1 + before) + length - 1, mem_len)
@@ -204,12 +206,17 @@ def local_window(self, x, q_start, length: int, weights, rng):
   if length == 1:  # Trax duplicates a lone query row (matmul rounding).
     rows, at = jnp.concatenate([rows] * 2, 0), jnp.concatenate([at] * 2)
   q = jnp.matmul(rows, w_q)
-  k = local_keys(self, window, weights)
+  preceding = None
+  if self._smeared:  # The window's predecessors: zeros before position 0.
+    from_ = jnp.maximum(start - 1, 0)
+    earlier = fastmath.dynamic_slice_in_dim(x, from_, size, axis=0)
+    preceding = jnp.where(start > 0, earlier, decode_state.shifted(window))
+  k = local_keys(self, window, weights, preceding)
   mask_fn = local_mask(self, causal=True, masked=False)
   o, _ = ea.attend(
     q,
     k,
-    jnp.matmul(window, w_v),
+    self._values(window, weights, preceding),
     mask_fn=mask_fn,
     q_info=at,
     kv_info=(start + jnp.arange(size)).astype(jnp.int32),
@@ -245,13 +252,13 @@ def windowed_step(
   the local window training used (`window_mask`): `[q_len, d_model]`."""
   del state, update_state
   attend_rng, output_rng = fastmath.random.split(rng)
-  w_q, w_v, w_o = (self.weight(weights, role) for role in 'qvo')
+  w_q, w_o = self.weight(weights, 'q'), self.weight(weights, 'o')
   q_range = q_start + jnp.arange(q_len, dtype=jnp.int32)
   if q_len == 1:  # Trax duplicates a lone query row (matmul rounding).
     q = jnp.matmul(jnp.concatenate([x[q_range]] * 2, 0), w_q)
   else:
     q = jnp.matmul(x[q_range], w_q)
-  k = local_keys(self, x, weights)
+  k = local_keys(self, x, weights, decode_state.shifted(x))
   mask_fn = local_mask(self, causal=self._causal, masked=self._masked)
   chunks = {}
   if q_len > self._chunk_len:  # Trax's: only at the start of a context.
@@ -262,7 +269,8 @@ def windowed_step(
       n_chunks_after=self._n_chunks_after,
     )
   o, _ = ea.attend(
-    q, k, jnp.matmul(x, w_v), mask_fn=mask_fn, q_info=q_range,
+    q, k, self._values(x, weights, decode_state.shifted(x)),
+    mask_fn=mask_fn, q_info=q_range,
     kv_info=jnp.arange(k.shape[-2], dtype=jnp.int32),
     dropout=self._attention_dropout, rng=attend_rng, **chunks,
   )  # fmt: skip
@@ -272,12 +280,16 @@ def windowed_step(
   return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
 
 
-def local_keys(self, x, weights):
+def local_keys(self, x, weights, x_before=None):
   """A local layer's keys of the rows `x`: its queries' (as Trax makes
-  shared ones) or its own."""
+  shared ones) or its own, smeared with their predecessors' `x_before`
+  where the layer smears them (`attention.SmearedLocalSelfAttention`)."""
   if self._share_qk:
     return ea.length_normalized(jnp.matmul(x, self.weight(weights, 'q')))
-  return jnp.matmul(x, self.weight(weights, 'k'))
+  k = jnp.matmul(x, self.weight(weights, 'k'))
+  if self._smeared:
+    k = k + jnp.matmul(x_before, self.weight(weights, 's'))
+  return k
 
 
 def local_mask(self, causal: bool, masked: bool):

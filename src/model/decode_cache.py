@@ -167,7 +167,8 @@ def incremental_forward(
   )
   keys = full.keys
   if self._never_rolls:  # Its keys: `x` holds the block from position 0.
-    parts = self._key_parts(x[:q_len], weights)
+    rows = x[:q_len]
+    parts = self._key_parts(rows, weights, decode_state.shifted(rows))
     keys = decode_keys.write_keys(keys, parts, 0)
   return out, new._replace(ring=ring, counts=counts, keys=keys).plain()
 
@@ -203,6 +204,22 @@ def one_token_step(self, x, *, q_start, weights, state, rng):
   return out, (jnp.reshape(all_buckets, (-1,)), new_idx, hash_rng)
 
 
+def _token_queries(self, x, weights, appended, rotations):
+  """Each head's query, buckets and `_key_parts` of a new token `x`
+  (`[batch, 1, d_model]`, in the memory already: `appended`), hashed with
+  its `rotations` (`[batch, heads, ...]`)."""
+
+  def query(rows, w_h, turns_h):  # The row as a memory of one position.
+    x_b, before = rows
+    w_q = self.weight(w_h, 'q')
+    q, qb = decode_select.query_buckets(self, x_b, 0, w_q, None, turns_h)
+    return q, qb, self._key_parts(x_b, w_h, before)
+
+  # Its predecessor: the memory's row before it.
+  before = decode_state.rows_before(appended.inputs[0], x, appended.q_start)
+  return decode_state.each_head(query, (x, before), weights, rotations)
+
+
 def indexed_layer_step(self, x, weights, state, rng):
   """One new token through a whole LSH layer (all examples and heads),
   for a memory that never rolls and keeps a bucket index (`route`'s
@@ -229,15 +246,12 @@ def indexed_layer_step(self, x, weights, state, rng):
   s = LSHState.of(appended.heads)
   batch, heads = x.shape[0], self._n_heads
 
-  def query(x_b, w_h, turns_h):  # The row as a memory of one position.
-    w_q = self.weight(w_h, 'q')
-    q, qb = decode_select.query_buckets(self, x_b, 0, w_q, None, turns_h)
-    return q, qb, self._key_parts(x_b, w_h)
-
   def example(a):  # `[batch * heads, ...]` as `[batch, heads, ...]`.
     return decode_state.by_example(a, batch, heads)
 
-  q, qb, parts = decode_state.each_head(query, x, weights, example(s.rotations))
+  q, qb, parts = _token_queries(
+    self, x, weights, appended, example(s.rotations)
+  )
   own = decode_state.flat(decode_index.own_buckets(self, qb))
   ring, counts = decode_index.write_index(s.ring, s.counts, own, q_start)
   keys = decode_keys.write_keys(s.keys, decode_state.flat(parts), q_start)

@@ -143,3 +143,22 @@ def by_example(a, batch: int, heads: int):
 def flat(a):
   """`[batch, heads, ...]` as the state keeps it, `[batch * heads, ...]`."""
   return jnp.reshape(a, (a.shape[0] * a.shape[1],) + a.shape[2:])
+
+
+def shifted(x, first=None):
+  """Each row's predecessor (along the rows, axis -2): `first` (`[..., 1,
+  d]`; zeros when None: nothing came before) then all rows of `x` but the
+  last."""
+  if first is None:
+    first = jnp.zeros_like(x[..., :1, :])
+  return jnp.concatenate([first, x[..., :-1, :]], axis=-2)
+
+
+def rows_before(mem_inputs, x, start):
+  """The predecessors of the rows `x` (`[batch, n, d]`) about to be
+  written into a layer's memory of inputs (`[batch, mem, d]`) at `start`:
+  the memory's row before `start` (zeros at 0), then `x`'s own."""
+  at = jnp.maximum(start - 1, 0)
+  first = jax.lax.dynamic_slice_in_dim(mem_inputs, at, 1, axis=1)
+  first = jnp.where(start > 0, first, jnp.zeros_like(first)).astype(x.dtype)
+  return shifted(x, first)

@@ -49,6 +49,8 @@ for _cls in (
   attention.LocalSelfAttention,
   attention.FastLSHSelfAttention,
   attention.DirectedLSHSelfAttention,
+  attention.SmearedLocalSelfAttention,
+  attention.SmearedDirectedLSHSelfAttention,
 ):
   gin.external_configurable(_cls, module='jade', denylist=['mode'])
 residual = gin.external_configurable(reformer.residual, module='jade')

@@ -118,6 +118,8 @@ _ATTENTION_CLASSES = {
   'LocalSelfAttention',
   'FastLSHSelfAttention',
   'DirectedLSHSelfAttention',
+  'SmearedLocalSelfAttention',
+  'SmearedDirectedLSHSelfAttention',
 }
 
 
