@@ -606,3 +606,24 @@ def test_smeared_attention_reads_while_chatting_what_training_reads():
     np.testing.assert_allclose(got, whole[0, 100], atol=2e-4, rtol=1e-4)
     got = d.feed(ids[100:110], blocks=True)
     np.testing.assert_allclose(got, whole[0, 110], atol=2e-4, rtol=1e-4)
+
+
+def test_blocks_read_a_model_whose_feed_forward_runs_in_chunks():
+  """`ReformerLM.ff_chunk_size` (gin/reformer_32k.gin) puts the
+  feed-forward in a Trax `Scan`, whose state is not its sublayers': a
+  block still reads what tokens read (random weights)."""
+  from .conftest import MICRO
+
+  ginconf.parse(
+    os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
+    MICRO + ('ReformerLM.ff_chunk_size = 16',),
+  )
+  predict = reformer.reformer_lm(300, 'predict')
+  predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
+  d = decoding.Decoder(predict, 128)
+  assert d.block
+  ids = [int(i) for i in np.random.default_rng(4).integers(3, 300, 70)]
+  by_token = d.feed(ids, blocks=False)
+  d.reset()
+  by_block = d.feed(ids, blocks=True)
+  np.testing.assert_allclose(by_block, by_token, atol=2e-4, rtol=1e-4)

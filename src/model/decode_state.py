@@ -112,18 +112,33 @@ def unwrap(state):
 
 
 def wrap_readers(layer, state, readers, n, start: bool):
-  """`layer`'s state tree (Trax keeps a combinator's state as the tuple of
-  its sublayers' states) with the state of each layer whose `id` is in
-  `readers` wrapped in a `BlockRead` of `n` real tokens."""
+  """`layer`'s state tree with the state of each layer whose `id` is in
+  `readers` wrapped in a `BlockRead` of `n` real tokens. Only the paths to
+  the readers are rebuilt: a combinator that holds one keeps its state as
+  the tuple of its sublayers' (Trax's Serial, Branch, the reversible
+  halves); any other (a `Scan` over the feed-forward chunks keeps more)
+  is left as it is."""
   if id(layer) in readers:
     return BlockRead(n, start, state)
   subs = layer.sublayers or ()
-  if not subs:
+  if not any(_holds(sub, readers) for sub in subs):
     return state
+  if not isinstance(state, (tuple, list)) or len(state) != len(subs):
+    raise ValueError(
+      f'{type(layer).__name__} holds a layer that reads blocks but keeps '
+      "its state otherwise than as the tuple of its sublayers' states"
+    )
   return tuple(
     wrap_readers(sub, sub_state, readers, n, start)
     for sub, sub_state in zip(subs, state)
   )
+
+
+def _holds(layer, readers) -> bool:
+  """Whether `layer` is, or holds at any depth, one of `readers`."""
+  if id(layer) in readers:
+    return True
+  return any(_holds(sub, readers) for sub in layer.sublayers or ())
 
 
 def each_head(fn, per_example, per_head, per_both):
