@@ -162,3 +162,25 @@ def test_classes_built_with_few_positional_arguments():
         if len(positional) > MAX_POSITIONAL:
           wide.append(f'{module.__name__}.{name} ({len(positional)})')
   assert wide == []
+
+
+def test_our_attention_classes_are_named_alike_everywhere():
+  """The attention classes of src/model/attention.py are listed in three
+  places that cannot import each other's list (safegin sits below the
+  model): each must name every one of them."""
+  import inspect
+
+  import gin
+  from src.config import safegin
+  from src.model import attention, ginconf, settings
+
+  del ginconf  # Imported for its registrations.
+  ours = {
+    name
+    for name, cls in inspect.getmembers(attention, inspect.isclass)
+    if issubclass(cls, attention._Ours) and not name.startswith('_')
+  }
+  assert ours == safegin._OUR_ATTENTION
+  assert ours <= settings._ATTENTION_CLASSES
+  for name in ours:
+    assert gin.config._REGISTRY.get_match(f'jade.{name}') is not None, name
