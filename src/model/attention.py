@@ -90,7 +90,7 @@ class _Ours:
 
   _zero_output = False
   _never_rolls = False
-  _smeared = False  # Keys that see the position before (`Smeared...`).
+  _smeared = False  # Keys and values see the position before (`Smeared...`).
 
   def start_at_zero(self):
     """The output projections start at zero when the layer is initialized."""
@@ -215,7 +215,7 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
 
   def _key_parts(self, x_k, weights, x_before):
     """What a predict step reads of the positions `x_k` (`[n, d]`; each
-    one's preceding position's input in `x_before`, read by smeared keys),
+    one's preceding position's input in `x_before`, read where smeared),
     their keys and values side by side (`[n, _key_width]`): Trax's shared
     keys (`length_normalized`) and values."""
     k = ea.length_normalized(jnp.matmul(x_k, self.weight(weights, 'q')))
@@ -337,8 +337,8 @@ class SmearedLocalSelfAttention(LocalSelfAttention):
   copying needs), and a position found reads out what came before it
   (a value stated before its key), without a previous-token head in a
   layer below (which absolute positions make slow to learn: the copy
-  task is learned ~3x sooner, BENCHMARKS.md "Smeared keys"). Its own keys
-  (`share_qk` off), no bias.
+  task is learned ~3x sooner, BENCHMARKS.md "Smeared keys and values").
+  Its own keys (`share_qk` off), no bias.
   """
 
   EXTRA_ROLES = ('s', 'u')

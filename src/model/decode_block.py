@@ -207,10 +207,8 @@ def local_window(self, x, q_start, length: int, weights, rng):
     rows, at = jnp.concatenate([rows] * 2, 0), jnp.concatenate([at] * 2)
   q = jnp.matmul(rows, w_q)
   preceding = None
-  if self._smeared:  # The window's predecessors: zeros before position 0.
-    from_ = jnp.maximum(start - 1, 0)
-    earlier = fastmath.dynamic_slice_in_dim(x, from_, size, axis=0)
-    preceding = jnp.where(start > 0, earlier, decode_state.shifted(window))
+  if self._smeared:  # The window's predecessors, from the memory.
+    preceding = decode_state.rows_before(x, window, start)
   k = local_keys(self, window, weights, preceding)
   mask_fn = local_mask(self, causal=True, masked=False)
   o, _ = ea.attend(

@@ -156,11 +156,11 @@ def incremental_forward(
   full = LSHState.of(state)
   if one:  # A memory that may roll: its index is not used.
     out, trax_state = one_token_step(self, x, state=full.trax(), **step)
-    return out, full._replace(**_trax_fields(trax_state)).plain()
+    return out, full.with_trax(trax_state).plain()
   out, trax_state = trax_step(
     x, q_len=q_len, state=full.trax(), update_state=update_state, **step
   )
-  new = full._replace(**_trax_fields(trax_state))
+  new = full.with_trax(trax_state)
   buckets = jnp.reshape(new.buckets, (self._n_hashes, -1))
   ring, counts = decode_index.rebuilt_index(
     buckets, new.buckets_idx, *full.ring.shape[1:]
@@ -171,11 +171,6 @@ def incremental_forward(
     parts = self._key_parts(rows, weights, decode_state.shifted(rows))
     keys = decode_keys.write_keys(keys, parts, 0)
   return out, new._replace(ring=ring, counts=counts, keys=keys).plain()
-
-
-def _trax_fields(trax_state) -> dict:
-  """Trax's per-head LSH state `(buckets, buckets_idx, hash_rng)` by name."""
-  return dict(zip(('buckets', 'buckets_idx', 'hash_rng'), trax_state))
 
 
 def one_token_step(self, x, *, q_start, weights, state, rng):

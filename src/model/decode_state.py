@@ -53,9 +53,12 @@ class LSHState(NamedTuple):
     """The part Trax's own predict step reads and returns."""
     return (self.buckets, self.buckets_idx, self.hash_rng)
 
-  def index(self) -> tuple:
-    """The part Trax knows nothing of: the bucket index and key cache."""
-    return (self.ring, self.counts, self.rotations, self.keys)
+  def with_trax(self, trax_state) -> LSHState:
+    """This state with the part Trax's step returned (`trax`'s order)."""
+    buckets, buckets_idx, hash_rng = trax_state
+    return self._replace(
+      buckets=buckets, buckets_idx=buckets_idx, hash_rng=hash_rng
+    )
 
 
 class Memory(NamedTuple):
@@ -170,10 +173,12 @@ def shifted(x, first=None):
 
 
 def rows_before(mem_inputs, x, start):
-  """The predecessors of the rows `x` (`[batch, n, d]`) about to be
-  written into a layer's memory of inputs (`[batch, mem, d]`) at `start`:
-  the memory's row before `start` (zeros at 0), then `x`'s own."""
+  """The predecessors of the rows `x` (`[..., n, d]`) that stand in a
+  layer's memory of inputs (`[..., mem, d]`) from `start` (or are about
+  to be written there): the memory's row before `start` (zeros at 0),
+  then `x`'s own."""
   at = jnp.maximum(start - 1, 0)
-  first = jax.lax.dynamic_slice_in_dim(mem_inputs, at, 1, axis=1)
+  rows = mem_inputs.ndim - 2
+  first = jax.lax.dynamic_slice_in_dim(mem_inputs, at, 1, axis=rows)
   first = jnp.where(start > 0, first, jnp.zeros_like(first)).astype(x.dtype)
   return shifted(x, first)
