@@ -2,6 +2,7 @@
 
   python bench/train_speed.py                      # 8k-64k, all contenders
   python bench/train_speed.py --lengths 32768 --contenders jade peer
+  python bench/train_speed.py --lengths 32768 --vocabs 500 8000 32000
   python bench/train_speed.py --smoke              # tiny, one step each
 
 One process per (contender, length), run one after another. The model:
@@ -25,6 +26,12 @@ Adam, no dropout. Contenders:
   spares it most of its page faults. Ratios are to the faster of the two;
 - full: Trax's full-attention TransformerLM of the same size, until it runs
   out of memory.
+
+Every contender runs at each vocabulary of `--vocabs` (the peer computes
+its full logits; Jade its chunked output loss). The table's header names
+the CPU, its vector instruction family and the measured matmul peak (a
+4096 x 4096 float32 product under JAX, best of 5), against which the
+achieved FLOP/s are set unless `--peak-gflops` gives another.
 
 Reported: tokens/s (median of the timed steps; the first steps, which
 compile, are reported separately), peak RSS of the process, and achieved
@@ -76,6 +83,33 @@ def peak_rss():
 # ---- contenders (each runs in its own process)
 
 
+def jade_bindings(length):
+  """The gin bindings (over gin/tiny.gin) of the benchmark model at
+  `length` tokens (bench/step_profile.py builds the same)."""
+  rows, cols = axial(length)
+  return [
+    f'ReformerLM.max_len = {length}',
+    f'ReformerLM.d_model = {D}',
+    f'ReformerLM.d_ff = {D_FF}',
+    f'ReformerLM.n_layers = {LAYERS}',
+    # As the peer's: LSH in every block, shared queries/keys only.
+    'ReformerLM.attention_type = @FastLSHSelfAttention',
+    f'ReformerLM.n_heads = {HEADS}',
+    f'ReformerLM.d_attention_key = {D_HEAD}',
+    f'ReformerLM.d_attention_value = {D_HEAD}',
+    'ReformerLM.dropout = 0.0',
+    f'ReformerLM.pos_axial_shape = ({rows}, {cols})',
+    f'ReformerLM.pos_d_axial_embs = ({D // 2}, {D // 2})',
+    f'LSHSelfAttention.chunk_len = {CHUNK}',
+    'LSHSelfAttention.n_hashes = 1',
+    f'LSHSelfAttention.n_buckets = {length // CHUNK}',
+    f'LSHSelfAttention.predict_mem_len = {length}',
+    # Feed-forwards over chunks of positions, as gin/reformer_32k.gin runs
+    # them (the peer chunks its feed-forwards too: `ff_chunks=100`).
+    f'ReformerLM.ff_chunk_size = {FF_CHUNK if length > FF_CHUNK else 0}',
+  ]
+
+
 def run_jade(length, steps, vocab, with_eval=False, binds=()):
   from src import runtime
 
@@ -105,29 +139,7 @@ def run_jade(length, steps, vocab, with_eval=False, binds=()):
         pass  # Training speed only.
 
   trainer.JadeLoop = Timed
-  rows, cols = axial(length)
-  bindings = [
-    f'ReformerLM.max_len = {length}',
-    f'ReformerLM.d_model = {D}',
-    f'ReformerLM.d_ff = {D_FF}',
-    f'ReformerLM.n_layers = {LAYERS}',
-    # As the peer's: LSH in every block, shared queries/keys only.
-    'ReformerLM.attention_type = @FastLSHSelfAttention',
-    f'ReformerLM.n_heads = {HEADS}',
-    f'ReformerLM.d_attention_key = {D_HEAD}',
-    f'ReformerLM.d_attention_value = {D_HEAD}',
-    'ReformerLM.dropout = 0.0',
-    f'ReformerLM.pos_axial_shape = ({rows}, {cols})',
-    f'ReformerLM.pos_d_axial_embs = ({D // 2}, {D // 2})',
-    f'LSHSelfAttention.chunk_len = {CHUNK}',
-    'LSHSelfAttention.n_hashes = 1',
-    f'LSHSelfAttention.n_buckets = {length // CHUNK}',
-    f'LSHSelfAttention.predict_mem_len = {length}',
-    # Feed-forwards over chunks of positions, as gin/reformer_32k.gin runs
-    # them (the peer chunks its feed-forwards too: `ff_chunks=100`).
-    f'ReformerLM.ff_chunk_size = {FF_CHUNK if length > FF_CHUNK else 0}',
-    *binds,
-  ]
+  bindings = [*jade_bindings(length), *binds]
   settings = jsonconfig.from_values(
     'train',
     {
@@ -228,6 +240,64 @@ def run_full(length, steps, vocab):
   return times, vocab
 
 
+def matmul_peak():
+  """GFLOP/s of this machine's best float32 matrix product under JAX (the
+  project's XLA flags): 4096 x 4096 x 4096, best of 5."""
+  from src import runtime
+
+  runtime.bootstrap()
+  import jax
+  import jax.numpy as jnp
+
+  n = 4096
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(jnp.matmul)
+  f(a, a).block_until_ready()
+  best = float('inf')
+  for _ in range(5):
+    t = time.perf_counter()
+    f(a, a).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2 * n**3 / best / 1e9
+
+
+def cpu_name():
+  """The CPU's model name and vector family, from /proc/cpuinfo."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      info = f.read()
+  except OSError:
+    return 'unknown CPU'
+  name = next(
+    (
+      line.split(':', 1)[1].strip()
+      for line in info.splitlines()
+      if line.startswith('model name')
+    ),
+    'unknown CPU',
+  )
+  flags = set(
+    next(
+      (
+        line.split(':', 1)[1].split()
+        for line in info.splitlines()
+        if line.startswith('flags')
+      ),
+      [],
+    )
+  )
+  family = (
+    'AVX-512'
+    if 'avx512f' in flags
+    else 'AVX2'
+    if 'avx2' in flags
+    else 'no AVX2'
+  )
+  if 'amx_bf16' in flags:
+    family += ', AMX'
+  return f'{name} ({family}), {os.cpu_count()} cores'
+
+
 CONTENDERS = {
   'jade': run_jade,
   'peer': run_peer,
@@ -242,6 +312,9 @@ TUNED_ENV = {
 
 
 def child(args):
+  if args.child == 'peak':
+    print(json.dumps({'gflops': matmul_peak()}))
+    return
   kwargs = {'with_eval': True} if args.eval else {}
   if args.child == 'jade':
     kwargs['binds'] = args.bind
@@ -303,7 +376,7 @@ def measure(
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--child', choices=CONTENDERS)
+  parser.add_argument('--child', choices=[*CONTENDERS, 'peak'])
   parser.add_argument('--length', type=int, default=8192)
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--vocab', type=int, default=VOCAB)
@@ -318,7 +391,13 @@ def main():
   parser.add_argument('--peer-python', default=sys.executable)
   parser.add_argument('--peak-gflops', type=float, default=None)
   parser.add_argument('--timeout', type=int, default=1200)
-  parser.add_argument('--vocab-row', type=int, default=32000)
+  parser.add_argument(
+    '--vocabs',
+    type=int,
+    nargs='+',
+    default=[VOCAB],
+    help='vocabulary sizes; every contender runs at each',
+  )
   parser.add_argument('--smoke', action='store_true')
   parser.add_argument(
     '--eval',
@@ -337,58 +416,64 @@ def main():
   if args.child:
     return child(args)
   if args.smoke:
-    args.lengths, args.steps, args.vocab_row = [1024], 2, 0
+    args.lengths, args.steps, args.vocabs = [1024], 2, [VOCAB]
   results = []
   for length in args.lengths:
-    for name in args.contenders:
-      if name == 'full' and any(
-        r['name'] == 'full' and r['length'] < length and 'error' in r
-        for r in results
-      ):
-        continue  # Already out of memory at a shorter length.
-      python = args.peer_python if 'peer' in name else sys.executable
-      r = measure(
-        name,
-        length,
-        args.steps,
-        VOCAB,
-        python,
-        args.timeout,
-        args.eval,
-        args.bind,
-      )
-      r.setdefault('vocab', VOCAB)
-      r.update(name=name, length=length)
-      results.append(r)
-      print(json.dumps(r), flush=True)
-  if args.vocab_row:
-    r = measure(
-      'jade',
-      32768,
-      args.steps,
-      args.vocab_row,
-      sys.executable,
-      3600,
-      args.eval,
-      args.bind,
-    )
-    r.setdefault('vocab', args.vocab_row)
-    r.update(name='jade', length=32768)
-    results.append(r)
-    print(json.dumps(r), flush=True)
+    for vocab in args.vocabs:
+      for name in args.contenders:
+        if name == 'full' and any(
+          r['name'] == 'full' and r['length'] < length and 'error' in r
+          for r in results
+        ):
+          continue  # Already out of memory at a shorter length.
+        python = args.peer_python if 'peer' in name else sys.executable
+        r = measure(
+          name,
+          length,
+          args.steps,
+          vocab,
+          python,
+          args.timeout,
+          args.eval,
+          args.bind,
+        )
+        r.setdefault('vocab', vocab)
+        r.update(name=name, length=length, asked_vocab=vocab)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+  machine = {'cpu': cpu_name(), 'matmul_peak_gflops': measured_peak()}
+  peak = args.peak_gflops or machine['matmul_peak_gflops']
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump(results, f, indent=2)
-  print_table(results, args.peak_gflops)
+      json.dump({'machine': machine, 'results': results}, f, indent=2)
+  print(
+    f'{machine["cpu"]}; matmul peak {machine["matmul_peak_gflops"]:.0f} '
+    'GFLOP/s (JAX, 4096^3 float32)'
+  )
+  print_table(results, peak)
+
+
+def measured_peak():
+  r = subprocess.run(
+    [sys.executable, os.path.abspath(__file__), '--child', 'peak'],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+  )
+  try:
+    return json.loads(r.stdout.strip().splitlines()[-1])['gflops']
+  except (ValueError, IndexError, KeyError):
+    return None
 
 
 def print_table(results, peak):
-  peer = {}  # The faster of peer and peer-tuned, per length.
+  peer = {}  # The faster of peer and peer-tuned, per length and vocab.
   for r in results:
     if r['name'].startswith('peer') and 'error' not in r:
-      best = peer.get(r['length'])
+      at = (r['length'], r.get('asked_vocab', r['vocab']))
+      best = peer.get(at)
       if best is None or r['tokens_per_s'] > best['tokens_per_s']:
-        peer[r['length']] = r
+        peer[at] = r
   print(
     '| contender | length | vocab | tokens/s | vs best peer | peak RSS GB | '
     'RSS vs best peer | GFLOP/s | % of peak | compile+first steps s |'
@@ -401,7 +486,7 @@ def print_table(results, peak):
         '| | | | | | |'
       )
       continue
-    p = peer.get(r['length'])
+    p = peer.get((r['length'], r.get('asked_vocab', r['vocab'])))
     ratio = f'{r["tokens_per_s"] / p["tokens_per_s"]:.2f}x' if p else ''
     rss = f'{r["peak_rss_gb"] / p["peak_rss_gb"]:.2f}x' if p else ''
     share = f'{100 * r["gflops"] / peak:.1f}%' if peak else ''

@@ -298,6 +298,40 @@ def test_chunked_output_loss_equals_full_logits_loss_and_gradients():
     np.testing.assert_allclose(hits / total, acc_want, rtol=1e-6)
 
 
+def test_chunked_loss_gradient_made_in_the_forward_pass_is_exact():
+  """The training loss makes its gradient with the loss (a custom VJP):
+  it equals the full logits' gradient with the targets and weights traced
+  (as in the jitted step), under `jax.checkpoint` (gradient accumulation
+  recomputes it) and scaled by the outer cotangent."""
+  import jax
+  import jax.numpy as jnp
+
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(2, 21, 8)), jnp.float32)
+  kernel = jnp.asarray(rng.normal(size=(8, 30)), jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(30,)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 30, (2, 21)), jnp.int32)
+  weights = jnp.asarray(rng.integers(0, 3, (2, 21)), jnp.float32)
+
+  def reference(x, kernel, bias, targets, weights):
+    logits = x @ kernel + bias
+    lse = jax.nn.logsumexp(logits, -1)
+    true = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    return 3.0 * jnp.sum(weights * (lse - true)) / jnp.sum(weights)
+
+  def chunked(x, kernel, bias, targets, weights):
+    loss, _, _ = losses.chunked_cross_entropy(
+      x, kernel, bias, targets, weights, 8, with_hits=True
+    )
+    return 3.0 * loss
+
+  want = jax.grad(reference, (0, 1, 2))(x, kernel, bias, targets, weights)
+  for fn in (chunked, jax.checkpoint(chunked)):
+    got = jax.jit(jax.grad(fn, (0, 1, 2)))(x, kernel, bias, targets, weights)
+    for g, gw in zip(got, want):
+      np.testing.assert_allclose(g, gw, rtol=1e-5, atol=1e-6)
+
+
 def test_chunked_model_shares_the_models_weights():
   setup = ginconf.parse(TINY_GIN)
   m = reformer.init_model(40, 'train', setup.max_len)

@@ -81,23 +81,70 @@ def _chunked_rows(x, targets, weights, chunk_size: int):
   return x, t, w, c
 
 
-def _chunk_loss(with_accuracy: bool, with_hits: bool):
-  """One chunk's `(loss sum, weighted hits, per-token losses)`, its logits
-  recomputed in the backward pass (`jax.checkpoint`)."""
+def _chunk_metrics(xc, tc, wc, kernel, bias):
+  """Evaluation: one chunk's `(loss sum, weighted hits, per-token
+  losses)`; a hit is the first most likely token being the target, as
+  `WeightedCategoryAccuracy` counts it."""
+  logits = xc @ kernel + bias
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  true = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+  hits = (jnp.argmax(logits, axis=-1) == tc).astype(jnp.float32)
+  return jnp.sum(wc * (lse - true)), jnp.sum(wc * hits), lse - true
 
-  @jax.checkpoint
-  def piece(xc, tc, wc, kernel, bias):
-    logits = xc @ kernel + bias
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    true = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-    loss = jnp.sum(wc * (lse - true))
-    if not (with_accuracy or with_hits):
-      return loss, jnp.zeros([], jnp.float32), jnp.zeros([0], jnp.float32)
-    hits = (jnp.argmax(logits, axis=-1) == tc).astype(jnp.float32)
-    hits = jax.lax.stop_gradient(jnp.sum(wc * hits))
-    return loss, hits, (lse - true) if with_accuracy else jnp.zeros([0])
 
-  return piece
+def _fused_chunk(xc, tc, wc, kernel, bias):
+  """One chunk's loss sum, hits and gradients, the logits laid out
+  `[vocab, rows]` (XLA's CPU code reduces over the leading axis ~4x faster
+  than over the last one).
+
+  Returns `(loss sum, hits, d loss/d xc, d loss/d kernel as [vocab, d],
+  d loss/d bias)`. A hit is a row whose target logit is the largest.
+  """
+  logits = kernel.T @ xc.T + bias[:, None]  # [vocab, rows]
+  top = jnp.max(logits, axis=0)
+  e = jnp.exp(logits - top)
+  total = jnp.sum(e, axis=0)
+  true = jnp.take_along_axis(logits, tc[None, :], axis=0)[0]
+  loss = jnp.sum(wc * (top + jnp.log(total) - true))
+  hits = jnp.sum(wc * (true >= top).astype(jnp.float32))
+  target = jnp.arange(logits.shape[0])[:, None] == tc[None, :]
+  g = (e * (1.0 / total) - target.astype(jnp.float32)) * wc[None, :]
+  return loss, hits, (kernel @ g).T, g @ xc, jnp.sum(g, axis=1)
+
+
+def _fused_loss(x, kernel, bias, t, w, c):
+  """`(loss sum, hits)` over rows `x` (`[n, d]`, n a multiple of `c`),
+  with the gradient made in the forward pass, chunk by chunk: three
+  products per chunk (logits, then both gradients) where recomputing the
+  logits in the backward pass takes four, and the backward pass only
+  scales what the forward pass kept (`dx`, `[n, d]`, the size of `x`)."""
+  d = x.shape[-1]
+
+  def forward(x, kernel, bias, t, w):
+    def body(carry, chunk):
+      loss, hits, dk, db = carry
+      part = _fused_chunk(*chunk, kernel, bias)
+      return (loss + part[0], hits + part[1], dk + part[3], db + part[4]), (
+        part[2]
+      )
+
+    zero = jnp.zeros([], jnp.float32)
+    start = (zero, zero, jnp.zeros(kernel.shape[::-1]), jnp.zeros_like(bias))
+    chunks = (x.reshape(-1, c, d), t.reshape(-1, c), w.reshape(-1, c))
+    (loss, hits, dk, db), dx = jax.lax.scan(body, start, chunks)
+    return (loss, hits), (dx.reshape(x.shape), dk.T, db)
+
+  @jax.custom_vjp
+  def loss_and_hits(x, kernel, bias, t, w):
+    return forward(x, kernel, bias, t, w)[0]
+
+  def backward(grads, cotangents):
+    scale = cotangents[0]  # The hits have no gradient; nor have t and w.
+    return (*(scale * g for g in grads), None, None)
+
+  loss_and_hits.defvjp(forward, backward)
+  loss, hits = loss_and_hits(x, kernel, bias, t, w)
+  return loss, jax.lax.stop_gradient(hits)
 
 
 def chunked_cross_entropy(
@@ -114,8 +161,9 @@ def chunked_cross_entropy(
   """Weighted cross-entropy of `x @ kernel + bias`, `chunk_size` rows at a time.
 
   Equals `WeightedCategoryCrossEntropy` on the full logits, but only one
-  chunk's logits exist at a time, in the forward and (recomputed) in the
-  backward pass: memory is `chunk_size x vocab`, not `length x vocab`.
+  chunk's logits exist at a time: memory is `chunk_size x vocab`, not
+  `length x vocab`. In training the gradient is made with the loss
+  (`_fused_loss`); evaluation computes the loss and its metrics only.
 
   Args:
     x: `[batch, length, d]` float activations.
@@ -136,11 +184,15 @@ def chunked_cross_entropy(
   """
   shape, d, n = targets.shape, x.shape[-1], targets.size
   x, t, w, c = _chunked_rows(x, targets, weights, chunk_size)
-
-  piece = _chunk_loss(with_accuracy, with_hits)
+  total = jnp.sum(w)
+  if not with_accuracy:
+    loss, hits = _fused_loss(x, kernel, bias, t, w, c)
+    if with_hits:
+      return loss / total, hits, jax.lax.stop_gradient(total)
+    return loss / total
 
   def body(totals, inputs):
-    loss, hits, each = piece(*inputs, kernel, bias)
+    loss, hits, each = _chunk_metrics(*inputs, kernel, bias)
     return (totals[0] + loss, totals[1] + hits), each
 
   zero = jnp.zeros([], jnp.float32)
@@ -149,14 +201,9 @@ def chunked_cross_entropy(
     (zero, zero),
     (x.reshape(-1, c, d), t.reshape(-1, c), w.reshape(-1, c)),
   )
-  total = jnp.sum(w)
-  if with_accuracy:
-    per_token = each.reshape(-1)[:n].reshape(shape)
-    sums = range_sums(per_token, weights.astype(jnp.float32), ranges)
-    return (loss / total, hits / total, *sums)
-  if with_hits:
-    return loss / total, hits, jax.lax.stop_gradient(total)
-  return loss / total
+  per_token = each.reshape(-1)[:n].reshape(shape)
+  sums = range_sums(per_token, weights.astype(jnp.float32), ranges)
+  return (loss / total, hits / total, *sums)
 
 
 class _Wraps(tl.Layer):

@@ -13,7 +13,8 @@ the per-device batch (float32 everywhere):
   queries/keys/values, `~8 B H n_hashes L d_head`) and feed-forward
   (`3 B L d_ff`, or one chunk of it);
 - logits: training and evaluation compute them `output_loss.chunk_size`
-  rows at a time (`3 chunk V`; all `4 B L V` when chunking is off);
+  rows at a time (`3 chunk V`, plus the output kernel's gradient summed
+  over the chunks, `2 V d_model`; all `4 B L V` when chunking is off);
 - on CPU, the frameworks themselves (JAX, Trax, compiled programs: `BASELINE`;
   TensorFlow is not loaded, see
   `src.runtime.trax_patches.lazy_tensorflow`).
@@ -144,7 +145,9 @@ def estimate(
   feed_forward = 3 * ff_rows * d_ff
   rows = b * length
   if loss_chunk:  # Training and evaluation both chunk their logits.
-    logits = 3 * min(loss_chunk, rows) * vocab_size
+    # Training makes the output layer's gradient with its loss: a chunk's
+    # logits, exponentials and gradient, and the kernel's gradient summed.
+    logits = 3 * min(loss_chunk, rows) * vocab_size + 2 * vocab_size * d
   else:
     logits = 4 * rows * vocab_size
   return Estimate(

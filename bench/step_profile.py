@@ -1,0 +1,321 @@
+"""Where a training step of bench/train_speed.py's model goes, part by part.
+
+  python bench/step_profile.py                       # 32k, vocabulary 500
+  python bench/step_profile.py --vocab 32000 --step-seconds 15.2
+
+Builds the benchmark model of `bench/train_speed.py` (the same gin
+bindings, `jade_bindings`), takes its own layers and weights out of the
+Trax model and times each part alone under `jax.jit` (best of `--reps`):
+
+- per LSH attention head (Trax runs the heads one after another under
+  `vmap`; x the heads): the query/key and value projections, the hashing,
+  the sort and the gathers into bucket order, the chunked attention
+  (`attend`: scores, softmax, scores x values), the unsort, the output
+  projection;
+- one whole attention branch (layer norm + the LSH layer, all heads) and
+  one feed-forward branch (layer norm + the chunked feed-forward), as the
+  reversible block calls them;
+- the embeddings and axial positions, the output layer and its loss
+  (`losses.chunked_cross_entropy`), Adam's update of every weight.
+
+Each part's forward alone (`fwd`) and its forward + backward (`vjp`). In a
+reversible step a block's branch runs its forward once going forward and
+again, with its backward, going back: its share of a step is `layers x
+(fwd + vjp)`; the embeddings and the output layer run `vjp` once. The
+rate is the part's FLOPs (matrix products only, counted below) over its
+time, against the measured matmul peak (bench/train_speed.py). With
+`--step-seconds` (a step measured by train_speed.py) the rest (Trax's
+loop, the reversible bookkeeping, copies) is the difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import CHUNK, D_FF, D_HEAD, HEADS, LAYERS, D  # noqa: E402
+from bench.train_speed import cpu_name, jade_bindings, matmul_peak  # noqa: E402
+from src import runtime  # noqa: E402
+
+runtime.bootstrap()  # XLA flags, quiet logs, the Trax patches: first.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def best_time(fn, args, reps):
+  jax.block_until_ready(fn(*args))
+  best = float('inf')
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def fwd_and_vjp(fn, args, reps, wrt=None):
+  """(forward seconds, forward + backward seconds) of `fn(*args)`; the
+  backward's cotangent is ones, the gradient taken w.r.t. the float
+  arguments (or the positions in `wrt`)."""
+  wrt = (
+    wrt
+    if wrt is not None
+    else [
+      i
+      for i, a in enumerate(args)
+      if not (hasattr(a, 'dtype') and jnp.issubdtype(a.dtype, jnp.integer))
+    ]
+  )
+
+  def with_grad(*a):
+    def part(*free):
+      full = list(a)
+      for i, f in zip(wrt, free):
+        full[i] = f
+      out = fn(*full)
+      leaves = [
+        x for x in jax.tree.leaves(out) if jnp.issubdtype(x.dtype, jnp.floating)
+      ]
+      return sum(jnp.sum(x) for x in leaves)
+
+    return jax.grad(part, argnums=tuple(range(len(wrt))))(*[a[i] for i in wrt])
+
+  return best_time(jax.jit(fn), args, reps), best_time(
+    jax.jit(with_grad), args, reps
+  )
+
+
+def build(length, vocab):
+  from src.model import ginconf, reformer
+
+  ginconf.parse(
+    os.path.join(ROOT, 'gin', 'tiny.gin'), tuple(jade_bindings(length))
+  )
+  return reformer.init_model(vocab, 'train', length)
+
+
+def head_parts(layer, weights, x, reps):
+  """Rows of one LSH head's parts: (name, fwd s, vjp s, FLOPs fwd)."""
+  from trax.layers.research import efficient_attention as ea
+
+  from src.model import attention, lsh_hash
+
+  n = x.shape[0]
+  wq, wv, wo = (layer.weight(weights, r)[0] for r in ('q', 'v', 'o'))
+  q = x @ wq
+  v = x @ wv
+  turns = lsh_hash.draw_rotations(jax.random.PRNGKey(0), D_HEAD, 1, n // CHUNK)
+  buckets = lsh_hash.hash_rounds(q, turns, n // CHUNK)
+  sticker, undo = attention._sort_order(buckets, n, 1)
+  st = sticker % n
+  sq, sv = jnp.take(q, st, axis=0), jnp.take(v, st, axis=0)
+  mask_fn = lambda *a, **k: ea.mask_self_attention(  # noqa: E731
+    *a, **k, causal=True, exclude_self=True, masked=False
+  )
+
+  def attend(sq, sv):
+    return ea.attend(
+      sq,
+      k=None,
+      v=sv,
+      q_chunk_len=CHUNK,
+      n_chunks_before=1,
+      n_chunks_after=0,
+      mask_fn=mask_fn,
+      q_info=st,
+      kv_info=None,
+      dropout=0.0,
+      rng=None,
+    )
+
+  so, slogits = attend(sq, sv)
+  rows = [
+    (
+      'projections q/k, v (x @ W)',
+      lambda x, wq, wv: (x @ wq, x @ wv),
+      (x, wq, wv),
+      2 * 2 * n * D * D_HEAD,
+    ),
+    (
+      'hashing (rotations, bucket ids)',
+      lambda q: lsh_hash.hash_rounds(q, turns, n // CHUNK),
+      (q,),
+      2 * n * D_HEAD * (n // CHUNK // 2),
+    ),
+    (
+      'sort (keys) + undo (scatter)',
+      lambda b: attention._sort_order(b, n, 1),
+      (buckets,),
+      0,
+    ),
+    (
+      'gathers into bucket order',
+      lambda q, v: (jnp.take(q, st, axis=0), jnp.take(v, st, axis=0)),
+      (q, v),
+      0,
+    ),
+    (
+      'chunked attention (attend)',
+      attend,
+      (sq, sv),
+      2 * 2 * n * D_HEAD * 2 * CHUNK,
+    ),
+    (
+      'unsort (gathers back)',
+      lambda so, sl: attention._unsorted(so, sl, undo, sticker, 1, n),
+      (so, slogits),
+      0,
+    ),
+    ('output projection', lambda o, wo: o @ wo, (so, wo), 2 * n * D_HEAD * D),
+  ]
+  out = []
+  for name, fn, args, flops in rows:
+    wrt = [] if name.startswith(('hashing', 'sort')) else None
+    if wrt == []:
+      f = best_time(jax.jit(fn), args, reps)
+      out.append((name, f, f, flops))  # No gradient flows through it.
+    else:
+      out.append((name, *fwd_and_vjp(fn, args, reps, wrt), flops))
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--length', type=int, default=32768)
+  parser.add_argument('--vocab', type=int, default=500)
+  parser.add_argument('--reps', type=int, default=3)
+  parser.add_argument('--step-seconds', type=float, default=None)
+  args = parser.parse_args()
+  from trax import layers as tl
+
+  from src.model import losses, reformer
+
+  n, vocab = args.length, args.vocab
+  peak = matmul_peak()
+  model = build(n, vocab)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(1, n, D)) / np.sqrt(D), jnp.float32)
+  lsh = reformer.lsh_layers(model)[0]
+  blocks = [
+    node
+    for node in reformer.all_layers(model)
+    if isinstance(node, tl.ReversibleHalfResidual)
+  ]
+  attn_branch, ff_branch = blocks[0], blocks[1]
+  table = []
+
+  head = head_parts(lsh, lsh.weights, x[0], args.reps)
+  for name, f, g, flops in head:
+    table.append((f'LSH head: {name}', f, g, flops, LAYERS * HEADS))
+
+  def branch(layer):
+    def fn(x, w):
+      return layer.pure_fn((x, x), w, layer.state, jax.random.PRNGKey(0))[0]
+
+    return fn
+
+  for name, layer, flops in (
+    (
+      'attention branch (LN + LSH, 4 heads)',
+      attn_branch,
+      HEADS * (2 * 3 * n * D * D_HEAD + 2 * 2 * n * D_HEAD * 2 * CHUNK),
+    ),
+    ('feed-forward branch (LN + chunked FF)', ff_branch, 2 * 2 * n * D * D_FF),
+  ):
+    f, g = fwd_and_vjp(branch(layer), (x, layer.weights), args.reps)
+    table.append((name, f, g, flops, LAYERS))
+
+  emb = model.sublayers[1]
+  ids = jnp.asarray(rng.integers(1, vocab, (1, n)), jnp.int32)
+  f, g = fwd_and_vjp(
+    lambda w: emb.pure_fn(ids, w, emb.state, None)[0], (emb.weights,), args.reps
+  )
+  table.append(('token embedding', f, g, 0, 1))
+  pos = model.sublayers[3]
+  f, g = fwd_and_vjp(
+    lambda x, w: pos.pure_fn(x, w, pos.state, jax.random.PRNGKey(0))[0],
+    (x, pos.weights),
+    args.reps,
+  )
+  table.append(('axial positions', f, g, 0, 1))
+  kernel = jnp.asarray(rng.normal(size=(D, vocab)) / np.sqrt(D), jnp.float32)
+  bias = jnp.zeros([vocab], jnp.float32)
+  targets = jnp.asarray(rng.integers(0, vocab, (1, n)), jnp.int32)
+  weights = jnp.ones((1, n), jnp.float32)
+
+  def loss(x, kernel, bias):
+    return losses.chunked_cross_entropy(
+      x, kernel, bias, targets, weights, 512, with_hits=True
+    )[0]
+
+  f, g = fwd_and_vjp(loss, (x, kernel, bias), args.reps)
+  table.append(
+    (
+      f'output layer + loss (vocab {vocab}, chunks of 512)',
+      f,
+      g,
+      2 * n * D * vocab,
+      1,
+    )
+  )
+  report(table, model, n, vocab, peak, args)
+
+
+def adam_seconds(model, reps):
+  import trax
+
+  opt = trax.optimizers.Adam(1e-4)
+  w = model.weights
+  opt.tree_init(w)
+  slots, params = opt.slots, opt.opt_params
+  step = jax.jit(lambda w, g, s: opt.tree_update(1, g, w, s, params))
+  return best_time(step, (w, w, slots), reps)
+
+
+def report(table, model, n, vocab, peak, args):
+  print(
+    f'{cpu_name()}; matmul peak {peak:.0f} GFLOP/s; '
+    f'length {n}, vocabulary {vocab}'
+  )
+  print(
+    '| part | fwd ms | fwd+bwd ms | x per step | s per step | '
+    'FLOPs per step (G) | GFLOP/s | % of peak |'
+  )
+  print('|---|---:|---:|---:|---:|---:|---:|---:|')
+  total = 0.0
+  for name, f, g, flops, times in table:
+    layer_part = name.startswith(('LSH head', 'attention', 'feed'))
+    # Reversible: forward, then forward again with the backward; the
+    # forward's FLOPs x 4 (forward twice, backward twice as many).
+    seconds = times * (f + g) if layer_part else times * g
+    work = times * flops * (4 if layer_part else 3)
+    rate = work / seconds / 1e9 if work else 0
+    if not name.startswith('LSH head'):
+      total += seconds
+    print(
+      f'| {name} | {1000 * f:.1f} | {1000 * g:.1f} | {times} | {seconds:.2f} | '
+      f'{work / 1e9:.0f} | {rate:.0f} | {100 * rate / peak:.0f}% |'
+    )
+  adam = adam_seconds(model, args.reps)
+  total += adam
+  print(
+    f'| Adam update (all weights) | | {1000 * adam:.1f} | 1 | '
+    f'{adam:.2f} | | | |'
+  )
+  print(f'| **parts together** | | | | **{total:.2f}** | | | |')
+  if args.step_seconds:
+    rest = args.step_seconds - total
+    print(
+      f'| rest of the measured {args.step_seconds:.2f} s step (loop, '
+      f'reversible bookkeeping, copies) | | | | {rest:.2f} | | | |'
+    )
+
+
+if __name__ == '__main__':
+  main()
