@@ -7,8 +7,9 @@ Builds the benchmark model of `bench/train_speed.py` (the same gin
 bindings, `jade_bindings`), takes its own layers and weights out of the
 Trax model and times each part alone under `jax.jit` (best of `--reps`):
 
-- per LSH attention head (Trax runs the heads one after another under
-  `vmap`; x the heads): the query/key and value projections, the hashing,
+- in one LSH attention layer (its heads at once, under `vmap`, as Trax
+  runs them when `n_parallel_heads` is unset): the query/key and value
+  projections, the hashing,
   the sort and the gathers into bucket order, the chunked attention
   (`attend`: scores, softmax, scores x values), the unsort, the output
   projection;
@@ -31,6 +32,7 @@ loop, the reversible bookkeeping, copies) is the difference.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -101,25 +103,36 @@ def build(length, vocab):
 
 
 def head_parts(layer, weights, x, reps):
-  """Rows of one LSH head's parts: (name, fwd s, vjp s, FLOPs fwd)."""
+  """Rows of one LSH layer's parts, all heads at once as Trax runs them
+  (`vmap` over the heads): (name, fwd s, vjp s, FLOPs fwd)."""
   from trax.layers.research import efficient_attention as ea
 
   from src.model import attention, lsh_hash
 
-  n = x.shape[0]
-  wq, wv, wo = (layer.weight(weights, r)[0] for r in ('q', 'v', 'o'))
-  q = x @ wq
-  v = x @ wv
-  turns = lsh_hash.draw_rotations(jax.random.PRNGKey(0), D_HEAD, 1, n // CHUNK)
-  buckets = lsh_hash.hash_rounds(q, turns, n // CHUNK)
-  sticker, undo = attention._sort_order(buckets, n, 1)
-  st = sticker % n
-  sq, sv = jnp.take(q, st, axis=0), jnp.take(v, st, axis=0)
-  mask_fn = lambda *a, **k: ea.mask_self_attention(  # noqa: E731
-    *a, **k, causal=True, exclude_self=True, masked=False
+  n, buckets_n = x.shape[0], x.shape[0] // CHUNK
+  wq, wv, wo = (layer.weight(weights, r) for r in ('q', 'v', 'o'))
+  keys = jax.random.split(jax.random.PRNGKey(0), HEADS)
+  turns = jax.vmap(lambda k: lsh_hash.draw_rotations(k, D_HEAD, 1, buckets_n))(
+    keys
   )
 
-  def attend(sq, sv):
+  def each(fn, *axes):
+    return jax.vmap(fn, in_axes=axes or 0)
+
+  def project(x, wq, wv):
+    return x @ wq, x @ wv
+
+  def hashing(q, turns):
+    return lsh_hash.hash_rounds(q, turns, buckets_n)
+
+  def sort(buckets):
+    sticker, undo = attention._sort_order(buckets, n, 1)
+    return sticker % n, sticker, undo
+
+  def gather(q, v, st):
+    return jnp.take(q, st, axis=0), jnp.take(v, st, axis=0)
+
+  def attend(sq, sv, st):
     return ea.attend(
       sq,
       k=None,
@@ -127,61 +140,67 @@ def head_parts(layer, weights, x, reps):
       q_chunk_len=CHUNK,
       n_chunks_before=1,
       n_chunks_after=0,
-      mask_fn=mask_fn,
+      mask_fn=functools.partial(
+        ea.mask_self_attention, causal=True, exclude_self=True, masked=False
+      ),
       q_info=st,
       kv_info=None,
       dropout=0.0,
       rng=None,
     )
 
-  so, slogits = attend(sq, sv)
+  def unsort(so, slogits, undo, sticker):
+    return attention._unsorted(so, slogits, undo, sticker, 1, n)
+
+  def output(o, wo):
+    return o @ wo
+
+  q, v = each(project, None, 0, 0)(x, wq, wv)
+  buckets = each(hashing)(q, turns)
+  st, sticker, undo = each(sort)(buckets)
+  sq, sv = each(gather)(q, v, st)
+  so, slogits = each(attend)(sq, sv, st)
+  o = each(unsort)(so, slogits, undo, sticker)
   rows = [
     (
-      'projections q/k, v (x @ W)',
-      lambda x, wq, wv: (x @ wq, x @ wv),
+      'projections q/k, v',
+      each(project, None, 0, 0),
       (x, wq, wv),
+      [0, 1, 2],
       2 * 2 * n * D * D_HEAD,
     ),
     (
       'hashing (rotations, bucket ids)',
-      lambda q: lsh_hash.hash_rounds(q, turns, n // CHUNK),
-      (q,),
-      2 * n * D_HEAD * (n // CHUNK // 2),
+      each(hashing),
+      (q, turns),
+      [],
+      2 * n * D_HEAD * (buckets_n // 2),
     ),
-    (
-      'sort (keys) + undo (scatter)',
-      lambda b: attention._sort_order(b, n, 1),
-      (buckets,),
-      0,
-    ),
-    (
-      'gathers into bucket order',
-      lambda q, v: (jnp.take(q, st, axis=0), jnp.take(v, st, axis=0)),
-      (q, v),
-      0,
-    ),
+    ('sort (keys) + undo (scatter)', each(sort), (buckets,), [], 0),
+    ('gathers into bucket order', each(gather), (q, v, st), [0, 1], 0),
     (
       'chunked attention (attend)',
-      attend,
-      (sq, sv),
+      each(attend),
+      (sq, sv, st),
+      [0, 1],
       2 * 2 * n * D_HEAD * 2 * CHUNK,
     ),
     (
       'unsort (gathers back)',
-      lambda so, sl: attention._unsorted(so, sl, undo, sticker, 1, n),
-      (so, slogits),
+      each(unsort),
+      (so, slogits, undo, sticker),
+      [0, 1],
       0,
     ),
-    ('output projection', lambda o, wo: o @ wo, (so, wo), 2 * n * D_HEAD * D),
+    ('output projection', each(output), (o, wo), [0, 1], 2 * n * D_HEAD * D),
   ]
   out = []
-  for name, fn, args, flops in rows:
-    wrt = [] if name.startswith(('hashing', 'sort')) else None
-    if wrt == []:
+  for name, fn, args, wrt, flops in rows:
+    if not wrt:  # No gradient flows through it: the same in both passes.
       f = best_time(jax.jit(fn), args, reps)
-      out.append((name, f, f, flops))  # No gradient flows through it.
+      out.append((name, f, f, HEADS * flops))
     else:
-      out.append((name, *fwd_and_vjp(fn, args, reps, wrt), flops))
+      out.append((name, *fwd_and_vjp(fn, args, reps, wrt), HEADS * flops))
   return out
 
 
@@ -210,9 +229,8 @@ def main():
   attn_branch, ff_branch = blocks[0], blocks[1]
   table = []
 
-  head = head_parts(lsh, lsh.weights, x[0], args.reps)
-  for name, f, g, flops in head:
-    table.append((f'LSH head: {name}', f, g, flops, LAYERS * HEADS))
+  for name, f, g, flops in head_parts(lsh, lsh.weights, x[0], args.reps):
+    table.append((f'LSH layer: {name}', f, g, flops, LAYERS))
 
   def branch(layer):
     def fn(x, w):
@@ -290,13 +308,13 @@ def report(table, model, n, vocab, peak, args):
   print('|---|---:|---:|---:|---:|---:|---:|---:|')
   total = 0.0
   for name, f, g, flops, times in table:
-    layer_part = name.startswith(('LSH head', 'attention', 'feed'))
+    layer_part = name.startswith(('LSH layer', 'attention', 'feed'))
     # Reversible: forward, then forward again with the backward; the
     # forward's FLOPs x 4 (forward twice, backward twice as many).
     seconds = times * (f + g) if layer_part else times * g
     work = times * flops * (4 if layer_part else 3)
     rate = work / seconds / 1e9 if work else 0
-    if not name.startswith('LSH head'):
+    if not name.startswith('LSH layer'):
       total += seconds
     print(
       f'| {name} | {1000 * f:.1f} | {1000 * g:.1f} | {times} | {seconds:.2f} | '

@@ -43,27 +43,36 @@ def bucket_ids(vecs, rotations):
   32k positions and 512 buckets, XLA's CPU argmax over the last axis took
   ~65 ms per head of an ~80 ms hash, longer than the head's attention. So
   for long inputs the rotated vectors are made as `[n_buckets // 2,
-  length]` rows and scanned a few rows at a time, keeping each position's
-  running maximum and minimum (a minimum of `r` is a maximum of `-r`): the
-  same buckets (pinned by tests/test_attention.py) in ~10 ms.
+  length]` rows, a few rows at a time inside a scan that keeps each
+  position's running maximum and minimum (a minimum of `r` is a maximum
+  of `-r`): the same buckets (pinned by tests/test_attention.py).
   """
   if vecs.shape[0] < SCAN_FROM:
     rotated = jnp.einsum('tf,hbf->htb', vecs, rotations)
     rotated = jnp.concatenate([rotated, -rotated], axis=-1)
     return jnp.argmax(rotated, axis=-1).astype(jnp.int32)
-  rows = jnp.einsum('tf,hbf->hbt', vecs, rotations)
-  return jnp.stack([_first_extremes(r) for r in rows])
+  columns = jnp.transpose(vecs)  # [d, length]: each product's right side.
+  return jnp.stack([_first_extremes(r, columns) for r in rotations])
 
 
-def _first_extremes(rows):
-  """`[n, length]` rows -> `[length] int32`: for each column, the index in
-  `concatenate([rows, -rows])` of its first maximum."""
-  n, length = rows.shape
-  group = next(g for g in (8, 4, 2, 1) if n % g == 0)  # Rows per step.
+def _first_extremes(rotations, columns):
+  """`[n, d]` rotations and `[d, length]` vectors -> `[length] int32`: for
+  each vector, the index in `concatenate([rows, -rows])` of its first
+  maximum, where `rows = rotations @ columns`.
 
-  def step(carry, group_rows):
+  The rows are made in the scan, a group at a time (`[group, length]`,
+  which stays in the CPU's cache), not as one `[n, length]` product
+  beforehand: at 32k positions and 512 buckets the whole product took
+  ~23 ms per head and its scan ~9 more; made in the scan, the hash takes
+  ~12 ms (~50 ms for 4 heads under `vmap`, was ~170).
+  """
+  n, length = rotations.shape[0], columns.shape[1]
+  group = next(g for g in (16, 8, 4, 2, 1) if n % g == 0)  # Rows per step.
+
+  def step(carry, group_rotations):
     hi, at_hi, lo, at_lo = carry
-    first, block = group_rows
+    first, turns = group_rotations
+    block = turns @ columns
     for j in range(group):
       row = block[j]
       up = row > hi  # Strict: an equal later row keeps the first.
@@ -74,14 +83,14 @@ def _first_extremes(rows):
 
   zeros = jnp.zeros(length, jnp.int32)
   start = (
-    jnp.full(length, -jnp.inf, rows.dtype),
+    jnp.full(length, -jnp.inf, columns.dtype),
     zeros,
-    jnp.full(length, jnp.inf, rows.dtype),
+    jnp.full(length, jnp.inf, columns.dtype),
     zeros,
   )
   firsts = jnp.arange(0, n, group, dtype=jnp.int32)
-  blocks = jnp.reshape(rows, (n // group, group, length))
-  (hi, at_hi, lo, at_lo), _ = jax.lax.scan(step, start, (firsts, blocks))
+  groups = jnp.reshape(rotations, (n // group, group, rotations.shape[1]))
+  (hi, at_hi, lo, at_lo), _ = jax.lax.scan(step, start, (firsts, groups))
   # `-rows` come second in the concatenation: a tie goes to `rows`.
   return jnp.where(hi >= -lo, at_hi, at_lo + n)
 
