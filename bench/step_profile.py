@@ -262,7 +262,12 @@ def main():
     args.reps,
   )
   table.append(('axial positions', f, g, 0, 1))
-  kernel = jnp.asarray(rng.normal(size=(D, vocab)) / np.sqrt(D), jnp.float32)
+  # Trax's ReformerLM concatenates the two residual halves before its
+  # output layer: it reads 2 x d_model features.
+  halves = jnp.concatenate([x, x], -1)
+  kernel = jnp.asarray(
+    rng.normal(size=(2 * D, vocab)) / np.sqrt(2 * D), jnp.float32
+  )
   bias = jnp.zeros([vocab], jnp.float32)
   targets = jnp.asarray(rng.integers(0, vocab, (1, n)), jnp.int32)
   weights = jnp.ones((1, n), jnp.float32)
@@ -272,13 +277,13 @@ def main():
       x, kernel, bias, targets, weights, 512, with_hits=True
     )[0]
 
-  f, g = fwd_and_vjp(loss, (x, kernel, bias), args.reps)
+  f, g = fwd_and_vjp(loss, (halves, kernel, bias), args.reps)
   table.append(
     (
       f'output layer + loss (vocab {vocab}, chunks of 512)',
       f,
       g,
-      2 * n * D * vocab,
+      2 * n * 2 * D * vocab,
       1,
     )
   )

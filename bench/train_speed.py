@@ -37,7 +37,11 @@ Reported: tokens/s (median of the timed steps; the first steps, which
 compile, are reported separately), peak RSS of the process, and achieved
 FLOP/s = tokens/s x (6 x matmul weights + 3 x attention FLOPs per token),
 attention FLOPs per token = 4 x layers x heads x d_head x keys attended
-(LSH: 2 chunks of 64 = 128 keys; full attention: L/2 on average).
+(LSH: 2 chunks of 64 = 128 keys; full attention: L/2 on average). The
+output layer is counted over the features each contender's reads: Trax's
+ReformerLM concatenates its two residual halves (2 x d_model), the peer
+averages them (d_model), so at a large vocabulary Jade's output layer does
+twice the peer's work.
 """
 
 from __future__ import annotations
@@ -65,15 +69,22 @@ def axial(length):
   return (rows, length // rows)
 
 
-def matmul_weights(vocab=VOCAB):
+def matmul_weights(vocab=VOCAB, output_in=D):
   per_layer = 4 * D * HEADS * D_HEAD + 2 * D * D_FF
-  return LAYERS * per_layer + D * vocab
+  return LAYERS * per_layer + output_in * vocab
 
 
-def flops_per_token(length, lsh=True, vocab=VOCAB):
+def output_features(name):
+  """Features the contender's output layer reads: Trax's ReformerLM
+  concatenates its two residual halves (2 x d_model); reformer-pytorch
+  averages them, and the full-attention TransformerLM has one stream."""
+  return 2 * D if name == 'jade' else D
+
+
+def flops_per_token(length, lsh=True, vocab=VOCAB, output_in=D):
   keys = 2 * CHUNK if lsh else length / 2
   attention = 4 * LAYERS * HEADS * D_HEAD * keys
-  return 6 * matmul_weights(vocab) + 3 * attention
+  return 6 * matmul_weights(vocab, output_in) + 3 * attention
 
 
 def peak_rss():
@@ -369,7 +380,9 @@ def measure(
     'first_steps_s': [round(x, 2) for x in times[:warm]],
     'timed_steps': len(timed),
     'peak_rss_gb': out['peak_rss'] / 1e9,
-    'gflops': tokens_per_s * flops_per_token(length, lsh, vocab) / 1e9,
+    'gflops': tokens_per_s
+    * flops_per_token(length, lsh, vocab, output_features(name))
+    / 1e9,
     'wall': wall,
   }
 

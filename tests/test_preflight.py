@@ -47,8 +47,8 @@ def test_chunked_logits_are_cheaper_than_full_ones():
   # The logits of one chunk instead of the whole context, and the output
   # kernel's gradient summed over the chunks.
   d = setup.model['d_model']
-  want = (3 * 2048 * 32000 + 2 * 32000 * d) * 4
-  assert chunked.logits == want < full.logits / 20
+  want = (3 * 2048 * 32000 + 2 * 32000 * 2 * d) * 4
+  assert chunked.logits == want < full.logits / 15
 
 
 MEASURE = """

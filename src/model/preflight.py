@@ -14,7 +14,7 @@ the per-device batch (float32 everywhere):
   (`3 B L d_ff`, or one chunk of it);
 - logits: training and evaluation compute them `output_loss.chunk_size`
   rows at a time (`3 chunk V`, plus the output kernel's gradient summed
-  over the chunks, `2 V d_model`; all `4 B L V` when chunking is off);
+  over the chunks, `2 V 2 d_model`; all `4 B L V` when chunking is off);
 - on CPU, the frameworks themselves (JAX, Trax, compiled programs: `BASELINE`;
   TensorFlow is not loaded, see
   `src.runtime.trax_patches.lazy_tensorflow`).
@@ -78,8 +78,9 @@ def count_weights(setup, vocab_size: int) -> int:
 
   Embedding, axial positions, per layer the LSH attention (shared
   query/key, value and output projections), feed-forward and layer norms,
-  and the output layer. Within 20% of Trax's count (tested); building the
-  model to count exactly would cost seconds at every start.
+  and the output layer (over the concatenated halves, `2 d_model`).
+  Within 20% of Trax's count (tested); building the model to count
+  exactly would cost seconds at every start.
   """
   m = setup.model
   d, d_ff, heads = m['d_model'], m['d_ff'], m['n_heads']
@@ -98,9 +99,10 @@ def count_weights(setup, vocab_size: int) -> int:
     layers += sum('LSH' in k for k in kinds) * 2 * d * heads * dk
   if getattr(setup, 'local', None) is not None:  # Local blocks' own keys.
     layers += sum(k == 'SelfAttention' for k in kinds) * d * heads * dk
-  return (
-    vocab_size * d + positions + layers + 2 * d + d * vocab_size + vocab_size
-  )
+  # Trax's ReformerLM concatenates the two residual halves before its last
+  # layer norm and output layer: both read 2 x d_model features.
+  output = 2 * 2 * d + 2 * d * vocab_size + vocab_size
+  return vocab_size * d + positions + layers + output
 
 
 def optimizer_name() -> str:
@@ -147,7 +149,7 @@ def estimate(
   if loss_chunk:  # Training and evaluation both chunk their logits.
     # Training makes the output layer's gradient with its loss: a chunk's
     # logits, exponentials and gradient, and the kernel's gradient summed.
-    logits = 3 * min(loss_chunk, rows) * vocab_size + 2 * vocab_size * d
+    logits = 3 * min(loss_chunk, rows) * vocab_size + 2 * vocab_size * 2 * d
   else:
     logits = 4 * rows * vocab_size
   return Estimate(
