@@ -288,18 +288,22 @@ def step_flops(
   return 3.0 * tokens * (2.0 * dense + attention)
 
 
-def device_flops_per_second() -> float:
-  """Measured rate of a float32 matrix product on the first device."""
-  x = jax.numpy.ones((1024, 512), jax.numpy.float32)
-  y = jax.numpy.ones((512, 2048), jax.numpy.float32)
+def device_flops_per_second(
+  m: int = 1024, k: int = 512, n: int = 2048, repeats: int = 3
+) -> float:
+  """Measured rate of a float32 `[m, k] x [k, n]` matrix product on the
+  first device (best of `repeats`); bench/train_speed.py's matmul peak is
+  this at 4096^3."""
+  x = jax.numpy.ones((m, k), jax.numpy.float32)
+  y = jax.numpy.ones((k, n), jax.numpy.float32)
   f = jax.jit(lambda x, y: x @ y)
   f(x, y).block_until_ready()
   best = float('inf')
-  for _ in range(3):
+  for _ in range(repeats):
     t0 = time.perf_counter()
     f(x, y).block_until_ready()
     best = min(best, time.perf_counter() - t0)
-  return 2 * 1024 * 512 * 2048 / best
+  return 2 * m * k * n / best
 
 
 def step_seconds(
