@@ -138,9 +138,12 @@ def _fused_loss(x, kernel, bias, t, w, c):
   def loss_and_hits(x, kernel, bias, t, w):
     return forward(x, kernel, bias, t, w)[0]
 
+  dtypes = (x.dtype, kernel.dtype, bias.dtype)
+
   def backward(grads, cotangents):
     scale = cotangents[0]  # The hits have no gradient; nor have t and w.
-    return (*(scale * g for g in grads), None, None)
+    scaled = ((scale * g).astype(kind) for g, kind in zip(grads, dtypes))
+    return (*scaled, None, None)
 
   loss_and_hits.defvjp(forward, backward)
   loss, hits = loss_and_hits(x, kernel, bias, t, w)
