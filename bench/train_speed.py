@@ -121,7 +121,7 @@ def jade_bindings(length):
   ]
 
 
-def run_jade(length, steps, vocab, with_eval=False, binds=()):
+def run_jade(length, steps, vocab, with_eval=False, binds=(), window=0):
   from src import runtime
 
   runtime.bootstrap()  # XLA flags, quiet logs, the Trax patches: first.
@@ -163,6 +163,7 @@ def run_jade(length, steps, vocab, with_eval=False, binds=()):
       'vocab-size': vocab,
       'eval-fraction': 0.0,
       'eval-batches': 1,
+      'window': window,  # 0: windows of the whole context.
     },
   )
   try:
@@ -318,7 +319,7 @@ def child(args):
     return
   kwargs = {'with_eval': True} if args.eval else {}
   if args.child == 'jade':
-    kwargs['binds'] = args.bind
+    kwargs['binds'], kwargs['window'] = args.bind, args.window
   times, vocab = CONTENDERS[args.child](
     args.length, args.steps, args.vocab, **kwargs
   )
@@ -326,11 +327,27 @@ def child(args):
 
 
 def measure(
-  name, length, steps, vocab, python, timeout, with_eval=False, binds=()
+  name,
+  length,
+  steps,
+  vocab,
+  python,
+  timeout,
+  with_eval=False,
+  binds=(),
+  window=0,
 ):
+  """One contender's row. With `window`, Jade trains its `length`-token
+  model on windows of `window` tokens (`train.window`) and the others
+  train at `window` tokens: tokens/s counts the tokens of a step."""
+  tokens = window or length
+  if window and name != 'jade':
+    length = window
   cmd = [python, os.path.abspath(__file__), '--child', name]
   for b in binds if name == 'jade' else ():
     cmd += ['--bind', b]
+  if window and name == 'jade':
+    cmd += ['--window', str(window)]
   if with_eval:
     cmd.append('--eval')
   cmd += ['--length', str(length), '--steps', str(steps)]
@@ -360,7 +377,7 @@ def measure(
   warm = 2 if len(times) > 3 else 1
   timed = times[warm:] or times[-1:]
   step = statistics.median(timed)
-  tokens_per_s = length / step
+  tokens_per_s = tokens / step
   lsh = name != 'full'
   vocab = out['vocab']  # The tokenizer's, which may be a little smaller.
   return {
@@ -371,7 +388,7 @@ def measure(
     'timed_steps': len(timed),
     'peak_rss_gb': out['peak_rss'] / 1e9,
     'gflops': tokens_per_s
-    * flops_per_token(length, lsh, vocab, output_features(name))
+    * flops_per_token(tokens, lsh, vocab, output_features(name))
     / 1e9,
     'wall': wall,
   }
@@ -400,6 +417,13 @@ def main():
     nargs='+',
     default=[VOCAB],
     help='vocabulary sizes; every contender runs at each',
+  )
+  parser.add_argument(
+    '--window',
+    type=int,
+    default=0,
+    help='jade trains each length on windows of this many tokens '
+    '(train.window); the peers train at this length',
   )
   parser.add_argument('--smoke', action='store_true')
   parser.add_argument(
@@ -439,9 +463,12 @@ def main():
           args.timeout,
           args.eval,
           args.bind,
+          args.window,
         )
         r.setdefault('vocab', vocab)
         r.update(name=name, length=length, asked_vocab=vocab)
+        if args.window:
+          r.update(length=args.window, grid=length if name == 'jade' else None)
         results.append(r)
         print(json.dumps(r), flush=True)
   machine = {'cpu': cpu_name(), 'matmul_peak_gflops': measured_peak()}
