@@ -97,8 +97,9 @@ def _fused_chunk(xc, tc, wc, kernel, bias):
   `[vocab, rows]` (XLA's CPU code reduces over the leading axis ~4x faster
   than over the last one).
 
-  Returns `(loss sum, hits, d loss/d xc, d loss/d kernel as [vocab, d],
-  d loss/d bias)`. A hit is a row whose target logit is the largest.
+  Returns `((loss sum, hits, d loss/d kernel as [vocab, d], d loss/d
+  bias), d loss/d xc)`: the sums over chunks, and the chunk's own. A hit
+  is a row whose target logit is the largest.
   """
   logits = kernel.T @ xc.T + bias[:, None]  # [vocab, rows]
   top = jnp.max(logits, axis=0)
@@ -109,7 +110,7 @@ def _fused_chunk(xc, tc, wc, kernel, bias):
   hits = jnp.sum(wc * (true >= top).astype(jnp.float32))
   target = jnp.arange(logits.shape[0])[:, None] == tc[None, :]
   g = (e * (1.0 / total) - target.astype(jnp.float32)) * wc[None, :]
-  return loss, hits, (kernel @ g).T, g @ xc, jnp.sum(g, axis=1)
+  return (loss, hits, g @ xc, jnp.sum(g, axis=1)), (kernel @ g).T
 
 
 def _fused_loss(x, kernel, bias, t, w, c):
@@ -122,11 +123,8 @@ def _fused_loss(x, kernel, bias, t, w, c):
 
   def forward(x, kernel, bias, t, w):
     def body(carry, chunk):
-      loss, hits, dk, db = carry
-      part = _fused_chunk(*chunk, kernel, bias)
-      return (loss + part[0], hits + part[1], dk + part[3], db + part[4]), (
-        part[2]
-      )
+      sums, dx = _fused_chunk(*chunk, kernel, bias)
+      return tuple(a + b for a, b in zip(carry, sums)), dx
 
     zero = jnp.zeros([], jnp.float32)
     start = (zero, zero, jnp.zeros(kernel.shape[::-1]), jnp.zeros_like(bias))
