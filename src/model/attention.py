@@ -328,7 +328,21 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
     )
 
 
-class SmearedLocalSelfAttention(LocalSelfAttention):
+class _Smeared:
+  """What the `Smeared...` classes add to their base: `_smeared` (read
+  by `_values`, `decode_block.local_keys` and the decoders) and the two
+  projections of the position before, `w_s` and `w_u`, after the base's
+  weights (their `EXTRA_ROLES` end with 's', 'u')."""
+
+  _smeared = True
+
+  def create_weights_unbatched(self, input_signature, rng):
+    """The base's weights of one head, plus `w_s` and `w_u`."""
+    weights = super().create_weights_unbatched(input_signature, rng)
+    return (*weights, *smear_weights(self, input_signature, rng))
+
+
+class SmearedLocalSelfAttention(_Smeared, LocalSelfAttention):
   """A local attention whose keys and values see the position before too
   (smeared): `k_t = x_t w_k + x_(t-1) w_s`, `v_t = x_t w_v + x_(t-1) w_u`.
 
@@ -342,19 +356,14 @@ class SmearedLocalSelfAttention(LocalSelfAttention):
   """
 
   EXTRA_ROLES = ('s', 'u')
-  _smeared = True
-
-  def create_weights_unbatched(self, input_signature, rng):
-    """Trax's weights of one head, plus `w_s`."""
-    weights = super().create_weights_unbatched(input_signature, rng)
-    return (*weights, *smear_weights(self, input_signature, rng))
 
   def forward_unbatched(self, x, mask=None, *, weights, state, rng, **_):
     """Trax 1.4.1's `SelfAttention.forward_unbatched` with smeared keys."""
     attend_rng, output_rng = fastmath.random.split(rng)
     q = jnp.matmul(x, self.weight(weights, 'q'))
-    k = decode_block.local_keys(self, x, weights, shifted(x))
-    v = self._values(x, weights, shifted(x))
+    before = shifted(x)
+    k = decode_block.local_keys(self, x, weights, before)
+    v = self._values(x, weights, before)
     info = jnp.arange(q.shape[-2], dtype=jnp.int32)
     kv_info = info
     if self._masked:  # `mask` is True on valid tokens.
@@ -376,7 +385,7 @@ class SmearedLocalSelfAttention(LocalSelfAttention):
     return out, state
 
 
-class SmearedDirectedLSHSelfAttention(DirectedLSHSelfAttention):
+class SmearedDirectedLSHSelfAttention(_Smeared, DirectedLSHSelfAttention):
   """Directed LSH whose directed keys and values see the position before
   too: `b_t = x_t w_b + x_(t-1) w_s`, `v_t = x_t w_v + x_(t-1) w_u` (see
   `SmearedLocalSelfAttention`): a query's `a` finds, in its buckets, the
@@ -384,12 +393,6 @@ class SmearedDirectedLSHSelfAttention(DirectedLSHSelfAttention):
   what it found."""
 
   EXTRA_ROLES = ('a', 'b', 's', 'u')
-  _smeared = True
-
-  def create_weights_unbatched(self, input_signature, rng):
-    """The directed weights of one head, plus `w_s`."""
-    weights = super().create_weights_unbatched(input_signature, rng)
-    return (*weights, *smear_weights(self, input_signature, rng))
 
   def _directed_keys(self, x, weights, x_before):
     b = jnp.matmul(x, self.weight(weights, 'b'))

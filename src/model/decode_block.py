@@ -256,7 +256,8 @@ def windowed_step(
     q = jnp.matmul(jnp.concatenate([x[q_range]] * 2, 0), w_q)
   else:
     q = jnp.matmul(x[q_range], w_q)
-  k = local_keys(self, x, weights, decode_state.shifted(x))
+  before = decode_state.shifted(x)
+  k = local_keys(self, x, weights, before)
   mask_fn = local_mask(self, causal=self._causal, masked=self._masked)
   chunks = {}
   if q_len > self._chunk_len:  # Trax's: only at the start of a context.
@@ -267,7 +268,7 @@ def windowed_step(
       n_chunks_after=self._n_chunks_after,
     )
   o, _ = ea.attend(
-    q, k, self._values(x, weights, decode_state.shifted(x)),
+    q, k, self._values(x, weights, before),
     mask_fn=mask_fn, q_info=q_range,
     kv_info=jnp.arange(k.shape[-2], dtype=jnp.int32),
     dropout=self._attention_dropout, rng=attend_rng, **chunks,
