@@ -264,30 +264,13 @@ def matmul_peak():
 
 
 def cpu_name():
-  """The CPU's model name and vector family, from /proc/cpuinfo."""
-  try:
-    with open('/proc/cpuinfo') as f:
-      info = f.read()
-  except OSError:
-    return 'unknown CPU'
-  name = next(
-    (
-      line.split(':', 1)[1].strip()
-      for line in info.splitlines()
-      if line.startswith('model name')
-    ),
-    'unknown CPU',
-  )
-  flags = set(
-    next(
-      (
-        line.split(':', 1)[1].split()
-        for line in info.splitlines()
-        if line.startswith('flags')
-      ),
-      [],
-    )
-  )
+  """The CPU's model name and vector family (the lines of /proc/cpuinfo
+  the compilation cache's key is made of)."""
+  from src.runtime import compile_cache
+
+  pairs = (line.split(':', 1) for line in compile_cache.cpu_lines())
+  fields = {p[0].strip(): p[1].strip() for p in pairs if len(p) == 2}
+  flags = set(fields.get('flags', '').split())
   family = (
     'AVX-512'
     if 'avx512f' in flags
@@ -297,6 +280,7 @@ def cpu_name():
   )
   if 'amx_bf16' in flags:
     family += ', AMX'
+  name = fields.get('model name', 'unknown CPU')
   return f'{name} ({family}), {os.cpu_count()} cores'
 
 
@@ -476,9 +460,11 @@ def main():
   if args.json:
     with open(args.json, 'w') as f:
       json.dump({'machine': machine, 'results': results}, f, indent=2)
+  measured = machine['matmul_peak_gflops']
   print(
-    f'{machine["cpu"]}; matmul peak {machine["matmul_peak_gflops"]:.0f} '
-    'GFLOP/s (JAX, 4096^3 float32)'
+    f'{machine["cpu"]}; matmul peak '
+    + (f'{measured:.0f} GFLOP/s' if measured else 'not measured')
+    + ' (JAX, 4096^3 float32)'
   )
   print_table(results, peak)
 

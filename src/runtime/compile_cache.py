@@ -122,17 +122,24 @@ def machine_key() -> str:
     jaxlib = importlib.metadata.version('jaxlib')
   except importlib.metadata.PackageNotFoundError:
     jaxlib = 'unknown'
-  cpu = platform.machine() + platform.processor()
+  cpu = platform.machine() + platform.processor() + ''.join(cpu_lines())
+  return f'jaxlib-{jaxlib}-{hashlib.sha256(cpu.encode()).hexdigest()[:12]}'
+
+
+def cpu_lines() -> list[str]:
+  """The first processor's `model name`, `flags` and `Features` lines of
+  /proc/cpuinfo, as read (none where there is no such file)."""
+  found = []
   try:
     with open('/proc/cpuinfo', encoding='utf-8', errors='replace') as f:
       for line in f:
         if line.startswith(('model name', 'flags', 'Features')):
-          cpu += line
+          found.append(line)
         if line.strip() == '':
           break  # The first processor says it all.
   except OSError:
     pass
-  return f'jaxlib-{jaxlib}-{hashlib.sha256(cpu.encode()).hexdigest()[:12]}'
+  return found
 
 
 def where() -> tuple[str, list[str]] | None:
