@@ -1343,6 +1343,13 @@ def test_new_chat_mid_reply_sends_a_clean_history(decoder):
     _type(driver, 'second chat')
     wait.until(lambda d: len(jobs) == 2)
     assert jobs[1] == [('user', 'second chat')]
+    # Stopped once a word has arrived: a reply stopped before its first word
+    # leaves no bubble (and no assistant turn) behind.
+    wait.until(
+      lambda d: (
+        'word' in d.find_elements(By.CSS_SELECTOR, '.assistant')[-1].text
+      )
+    )
     driver.find_element(By.ID, 'stop').click()
     wait.until(
       lambda d: d.find_elements(By.CSS_SELECTOR, '.assistant[data-done]')
