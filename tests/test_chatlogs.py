@@ -694,6 +694,9 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
       f'{LRM}[3/14/21, 2:05:09{NNBSP}PM] ',
       '2021-03-14, 18:05 - ',
       '31/02/2021, 25:61 - ',
+      'May 17, 2022  5:29:42 PM\n',  # iMessage: time, sender, text.
+      'Feb 31, 2022 13:29:42 PM (Read by you after 1 hour)\n',
+      '[2024-03-01 18:02:11] ',  # Signal's chat.md.
       '',
     ]
   )
@@ -721,6 +724,16 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
       'user': st.sampled_from(['U1', 'U2']) | value,
       'ts': st.just('1709316131.000200') | value,
       'subtype': st.none() | value,
+      'sender': name | value,
+      'body': text | value,
+      'deleted': st.booleans() | value,
+      'call': st.booleans() | value,
+      'creator': st.fixed_dictionaries(
+        {'name': name}, optional={'user_type': st.just('Human') | value}
+      )
+      | value,
+      'created_date': st.just('Thursday, November 3, 2016 at 11:59:50 AM UTC')
+      | value,
     },
   )
   export = (
@@ -730,14 +743,23 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
   runs = iter(range(10**6))
 
   @settings(
-    max_examples=150,
+    max_examples=300,
     deadline=None,
     derandomize=True,
     suppress_health_check=list(HealthCheck),
   )
   @given(
     fmt=st.sampled_from(
-      ['whatsapp', 'telegram', 'discord', 'messenger', 'slack']
+      [
+        'whatsapp',
+        'telegram',
+        'discord',
+        'messenger',
+        'slack',
+        'imessage',
+        'signal',
+        'googlechat',
+      ]
     ),
     chat=whatsapp,
     data=export,
@@ -755,8 +777,27 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
         args = [str(folder / 'in'), str(folder / 'out'), '--ai', 'alexd']
         convert.main(['slack', *args, '--trim'])
         return
-      name = 'chat.txt' if fmt == 'whatsapp' else 'message_1.json'
-      content = chat if fmt == 'whatsapp' else json.dumps(data)
+      messages = data.get('messages') if isinstance(data, dict) else data
+      name, content = {
+        'whatsapp': ('chat.txt', chat),
+        'imessage': ('Sam.txt', chat.replace('\r\n', '\n\n')),
+        'signal': (  # A chat folder's data.json (a line a message), chat.md.
+          'Sam/data.json',
+          '\n'.join(map(json.dumps, messages))
+          if isinstance(messages, list)
+          else json.dumps(messages),
+        ),
+        'googlechat': ('Groups/DM x/messages.json', json.dumps(data)),
+      }.get(fmt, ('message_1.json', json.dumps(data)))
+      if fmt == 'signal':
+        (folder / 'in' / 'Kim').mkdir(parents=True)
+        (folder / 'in' / 'Kim' / 'chat.md').write_text(chat)
+      if fmt in ('signal', 'googlechat'):  # The export's folder is given.
+        (folder / 'in' / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / 'in' / name).write_text(content)
+        args = [str(folder / 'in'), str(folder / 'out'), '--ai', 'Luis']
+        convert.main([fmt, *args, '--trim'])
+        return
       run(folder, fmt, {name: content}, '--ai', 'Luis', '--trim')
     except UserError as e:
       assert '\n' not in str(e)

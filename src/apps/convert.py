@@ -22,6 +22,10 @@ the model learns to write; everyone else is the user):
   python convert.py messenger inbox/sam_1/message_*.json data/me \
       --ai "Alex Doe" --gap 3h --names --redact
   python convert.py slack     "Acme Slack export.zip" data/me --ai alexd
+  python convert.py imessage  imessage_export/  data/me --ai Me
+  python convert.py signal    signal-chats/     data/me --ai Me
+  python convert.py googlechat takeout-20240301.zip data/me \
+      --ai alex@example.com
 
 Each importer (`src/data/importers/`, one module per format) writes
 `OUT/<input name>.txt` (one conversation per blank-line separated block)

@@ -21,16 +21,13 @@ bounded (`MAX_FILE`), and no link is followed.
 
 from __future__ import annotations
 
-import os
 import re
-import zipfile
 
 from src.core import files
 from src.core.errors import UserError
-from src.data.importers import chatlog
+from src.data.importers import chatlog, exportfiles
 
 MAX_FILE = 64 * files.MB  # One day of one channel, or users.json.
-MAX_ENTRIES = 200_000  # Files in an export.
 _DAY = re.compile(r'(?:^|/)([^/]+)/(\d{4}-\d{2}-\d{2})\.json$')
 _MENTION = re.compile(r'<@([A-Z0-9]{1,32})(?:\|([^>]{0,80}))?>')
 _CHANNEL = re.compile(r'<#[A-Z0-9]{1,32}\|([^>]{0,80})>')
@@ -43,66 +40,16 @@ _NOT_EXPORT = (
 )
 
 
-class _Export:
-  """The files of an export, a folder or a zip: `names` (relative paths,
-  `/`-separated) and `read(name)`, each bounded."""
-
-  def __init__(self, path: str):
-    self.path = path
-    self.zip = self.raw = None
-    if os.path.isdir(path) and not os.path.islink(path):
-      self.names = chatlog.files_in(path, MAX_ENTRIES)
-      return
-    self.raw = chatlog.open_input(path)
-    try:
-      if not zipfile.is_zipfile(self.raw):
-        raise UserError(f'{path}: {_NOT_EXPORT}')
-      entries = chatlog.zip_entries(self.raw)
-      if entries is None or entries > MAX_ENTRIES:
-        raise UserError(f'{path}: over {MAX_ENTRIES} files: not an export')
-      self.raw.seek(0)
-      self.zip = zipfile.ZipFile(self.raw)
-      self.names = [i.filename for i in self.zip.infolist() if not i.is_dir()]
-    except (zipfile.BadZipFile, OSError) as e:
-      self.close()
-      raise UserError(f'{path}: a damaged zip ({e}); export again') from None
-    except UserError:
-      self.close()
-      raise
-
-  def close(self):
-    if self.zip is not None:
-      self.zip.close()
-    if self.raw is not None:
-      self.raw.close()
-
-  def read(self, name: str):
-    """The JSON value of the file `name`, or None when it is not valid."""
-    where = f'{self.path}:{name}'
-    if self.zip is not None:
-      info = self.zip.getinfo(name)
-      if info.file_size > MAX_FILE:
-        raise UserError(f'{where}: over {MAX_FILE >> 20} MB; export again')
-      with self.zip.open(info) as f:
-        data = f.read(MAX_FILE + 1)
-    else:
-      data = files.read_regular(os.path.join(self.path, name), MAX_FILE)
-    try:
-      return files.parse_json(data.decode('utf-8-sig'), where)
-    except (UserError, UnicodeDecodeError):
-      return None
-
-
 def sources(inputs: list[str]) -> list[chatlog.Source]:
   """One chat per channel (or DM folder) of each export."""
   out = []
   for path in inputs:
-    export = _Export(path)
-    export.close()
+    with exportfiles.ExportFiles(path, _NOT_EXPORT) as export:
+      names = export.names
     days: dict[str, list[str]] = {}
-    for name in export.names:
+    for name in names:
       m = _DAY.search(name)
-      if m and not name.startswith('__MACOSX/'):
+      if m:
         days.setdefault(name[: m.start(2)], []).append(name)
     if not days:
       raise UserError(f'{path}: {_NOT_EXPORT}')
@@ -114,11 +61,11 @@ def sources(inputs: list[str]) -> list[chatlog.Source]:
   return out
 
 
-def _users(export: _Export) -> dict[str, tuple[str, str]]:
+def _users(export: exportfiles.ExportFiles) -> dict[str, tuple[str, str]]:
   """id -> (shown name, other name `--ai` may use) from `users.json`."""
   found = {}
   names = [n for n in export.names if n.split('/')[-1] == 'users.json']
-  users = export.read(min(names, key=len)) if names else None
+  users = export.read_json(min(names, key=len), MAX_FILE) if names else None
   for user in users if isinstance(users, list) else []:
     if not isinstance(user, dict) or not isinstance(user.get('id'), str):
       continue
@@ -183,12 +130,11 @@ def items(source: chatlog.Source, warn):
   """Yields `Chat`, then the channel's messages, day by day in time order."""
   del warn
   path, *days = source.paths
-  export = _Export(path)
-  try:
+  with exportfiles.ExportFiles(path, _NOT_EXPORT) as export:
     users = _users(export)
     yield chatlog.Chat(source.name)
     for day in days:
-      messages = export.read(day)
+      messages = export.read_json(day, MAX_FILE)
       if not isinstance(messages, list):
         yield chatlog.Drop('unreadable')
         continue
@@ -198,5 +144,3 @@ def items(source: chatlog.Source, warn):
       found.sort(key=lambda pair: pair[0])
       for _, it in found:
         yield it
-  finally:
-    export.close()
