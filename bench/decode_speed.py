@@ -56,7 +56,7 @@ import trax  # noqa: E402
 
 from src.inference import decoding, scoring  # noqa: E402
 from src.inference.decoding import Decoder  # noqa: E402
-from src.model import ginconf, reformer  # noqa: E402
+from src.model import ginconf  # noqa: E402
 
 CONTEXT = common.DECODE_CONTEXT
 VOCAB = 500
@@ -78,7 +78,7 @@ GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
 def build(mode: str, length: int):
   extra = decoding.predict_bindings(4) if mode == 'predict' else []
   ginconf.parse(GIN, BINDINGS + ATTENTION[CHOSEN[0]] + tuple(extra))
-  layer = reformer.reformer_lm(VOCAB, mode)
+  layer = ginconf.model(VOCAB, mode)
   layer.rng = jax.random.PRNGKey(0)  # Same weights for both contenders.
   layer.init(trax.shapes.ShapeDtype((1, length), np.int32))
   return layer
@@ -168,7 +168,7 @@ def by_context(contexts, n_tokens, shape: str, vocab: int):
       ginconf.parse(
         gin_file, bindings + tuple(decoding.predict_bindings(heads))
       )
-      layer = reformer.reformer_lm(vocab, 'predict')
+      layer = ginconf.model(vocab, 'predict')
       layer.rng = jax.random.PRNGKey(0)
       layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
       decoder = Decoder(layer, max_len or setup.model['max_len'])

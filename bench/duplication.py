@@ -143,14 +143,14 @@ def build(mode: str, bindings: list[str]):
   start, none of our model code)."""
   import trax
 
-  from src.model import ginconf, reformer
+  from src.model import ginconf
 
   ginconf.parse(os.path.join(ROOT, 'gin', 'tiny.gin'), tuple(bindings))
   if TRAX_ALONE:
     return trax.models.ReformerLM(VOCAB, mode=mode)
   if mode == 'train':
     return ginconf.fresh_model(VOCAB)
-  return reformer.reformer_lm(VOCAB, mode)
+  return ginconf.model(VOCAB, mode)
 
 
 def accuracy(layer, weights, data, n_batches: int) -> float:

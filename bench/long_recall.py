@@ -177,12 +177,12 @@ def probe(run: str, source: str, chars, samples: int, seen: bool = False):
 
   from src.data import tokenizer
   from src.inference import decoding, scoring
-  from src.model import reformer
+  from src.model import ginconf
   from src.storage import checkpoints
 
   model, _ = decoding.load_model(run, 'eval')
   tok, length = model.tok, 1024
-  layer = reformer.reformer_lm(tok.vocab_size, 'eval')
+  layer = ginconf.model(tok.vocab_size, 'eval')
   signature = trax.shapes.ShapeDtype((1, length), np.int32)
   checkpoints.set_weights(run, layer, signature, model.flat)
   forward = scoring.forward_fn(layer)

@@ -35,7 +35,7 @@ import trax  # noqa: E402
 
 from src.inference import decoding  # noqa: E402
 from src.inference.decoding import Decoder  # noqa: E402
-from src.model import ginconf, reformer  # noqa: E402
+from src.model import ginconf  # noqa: E402
 
 VOCAB = 500
 GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
@@ -54,7 +54,7 @@ def build(context: int) -> Decoder:
     *decoding.predict_bindings(4),
   )
   ginconf.parse(GIN, bindings)
-  layer = reformer.reformer_lm(VOCAB, 'predict')
+  layer = ginconf.model(VOCAB, 'predict')
   layer.rng = jax.random.PRNGKey(0)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   return Decoder(layer, context)

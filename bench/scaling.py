@@ -169,10 +169,10 @@ def all_reduce_volume(vocab: int = 500) -> dict:
   import numpy as np
   import trax
 
-  from src.model import ginconf, reformer
+  from src.model import ginconf
 
   setup = ginconf.parse(os.path.join(ROOT, 'gin', 'reformer_32k.gin'))
-  layer = reformer.reformer_lm(vocab, 'train')
+  layer = ginconf.model(vocab, 'train')
   signature = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
   shapes = jax.tree_util.tree_leaves(
     layer.weights_and_state_signature(signature, unsafe=True)[0]

@@ -51,7 +51,7 @@ import trax  # noqa: E402
 from src.apps import asgi, openai_api, serve  # noqa: E402
 from src.data import chatformat, tokenizer  # noqa: E402
 from src.inference import decoding, engine, sampling  # noqa: E402
-from src.model import ginconf, reformer  # noqa: E402
+from src.model import ginconf  # noqa: E402
 
 GIN = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
 
@@ -61,7 +61,7 @@ def follow_up(run_dir: str, repeats: int = 5) -> dict:
   tok = tokenizer.load(run_dir)
   binds = common.DECODE_BINDINGS + tuple(decoding.predict_bindings(4))
   ginconf.parse(GIN, binds)
-  layer = reformer.reformer_lm(tok.vocab_size, 'predict')
+  layer = ginconf.model(tok.vocab_size, 'predict')
   layer.rng = jax.random.PRNGKey(0)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   decoder = decoding.Decoder(layer, common.DECODE_CONTEXT, tok)

@@ -104,12 +104,12 @@ def fwd_and_vjp(fn, args, reps, wrt=None):
 
 
 def build(length, vocab):
-  from src.model import ginconf, reformer
+  from src.model import ginconf
 
   ginconf.parse(
     os.path.join(ROOT, 'gin', 'tiny.gin'), tuple(jade_bindings(length))
   )
-  return reformer.init_model(vocab, 'train', length)
+  return ginconf.init_model(vocab, 'train', length)
 
 
 def head_parts(layer, weights, x, reps):

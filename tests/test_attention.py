@@ -19,7 +19,6 @@ from src.model import (
   decode_select,
   ginconf,
   lsh_hash,
-  reformer,
 )
 
 from .conftest import MICRO, TINY_GIN
@@ -38,7 +37,7 @@ def decode(parallel_heads, n_tokens=40, extra=(), cls='FastLSHSelfAttention'):
       f'LSHSelfAttention.n_parallel_heads = {parallel_heads}',
     ),
   )
-  layer = reformer.reformer_lm(60, 'predict')
+  layer = ginconf.model(60, 'predict')
   layer.rng = jax.random.PRNGKey(1)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   decoder = Decoder(layer, 128)
@@ -85,7 +84,7 @@ def test_compiled_step_reads_no_memory_sized_sort():
       f'SelfAttention.predict_mem_len = {mem}',
     ),
   )
-  layer = reformer.reformer_lm(60, 'predict')
+  layer = ginconf.model(60, 'predict')
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   d = Decoder(layer, 128)
   hlo = (

@@ -48,7 +48,7 @@ def exact_decoder(out, bindings=()):
     (*EXACT_LSH, *bindings),
   )
   tok = tokenizer.load(out)
-  predict = reformer.reformer_lm(tok.vocab_size, 'predict')
+  predict = ginconf.model(tok.vocab_size, 'predict')
   one = trax.shapes.ShapeDtype((1, 1), np.int32)
   checkpoints.set_weights(out, predict, one, modelfolder.read_weights(out)[0])
   return decoding.Decoder(predict, 128, tok)
@@ -67,7 +67,7 @@ def test_greedy_incremental_equals_full_forward(tiny_run):
   out = tiny_run['out']
   inc_decoder = exact_decoder(out)
   tok = inc_decoder.tokenizer
-  full_model = reformer.reformer_lm(tok.vocab_size, 'eval')
+  full_model = ginconf.model(tok.vocab_size, 'eval')
   flat, _ = modelfolder.read_weights(out)
   checkpoints.set_weights(
     out, full_model, trax.shapes.ShapeDtype((1, 128), np.int32), flat
@@ -284,7 +284,7 @@ def test_perplexity_is_exp_of_mean_token_loss(tiny_run):
   tok = tokenizer.load(out)
   stream = tok.encode_conversations(chatformat.read_file(path))
   ginconf.parse(os.path.join(out, 'model.gin'))
-  layer = reformer.reformer_lm(tok.vocab_size, 'eval')
+  layer = ginconf.model(tok.vocab_size, 'eval')
   flat, _ = modelfolder.read_weights(out)
   checkpoints.set_weights(
     out, layer, trax.shapes.ShapeDtype((1, 128), np.int32), flat
@@ -453,9 +453,9 @@ def test_local_blocks_read_their_training_window_while_chatting():
       *EXACT_LSH,
     ),
   )
-  full_model = reformer.reformer_lm(300, 'eval')
+  full_model = ginconf.model(300, 'eval')
   full_model.init(trax.shapes.ShapeDtype((1, 128), np.int32))
-  predict = reformer.reformer_lm(300, 'predict')
+  predict = ginconf.model(300, 'predict')
   predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   predict.weights = full_model.weights
   d = decoding.Decoder(predict, 128)
@@ -470,6 +470,53 @@ def test_local_blocks_read_their_training_window_while_chatting():
   by_token = [d.feed(ids[:1])] + [d.feed([t]) for t in ids[1:]]
   np.testing.assert_allclose(
     np.stack(by_token), whole[0, 1:], atol=2e-4, rtol=1e-4
+  )
+
+
+def test_a_model_reading_the_mean_of_its_halves_chats_what_it_trains(tmp_path):
+  """`output_layer.halves = 'mean'` (the output layer reads d_model
+  features, not 2 d_model): a run trains with it, saves it with the model
+  and the chat reads the model it trained (token by token = the eval
+  forward pass; the output kernel is [d_model, vocab])."""
+  from src.model import preflight
+  from src.training import trainer
+
+  from .conftest import MICRO, train_settings
+
+  mean = ("output_layer.halves = 'mean'",)
+  out = tmp_path / 'mean'
+  trainer.train(
+    train_settings(out, steps=2, **{'eval-every': 2}),
+    gin_bindings=MICRO + mean,
+    log=lambda line: None,
+  )
+  assert "output_layer.halves = 'mean'" in (out / 'model.gin').read_text()
+  d = decoding.Decoder.load(str(out))
+  kernels = [
+    w.shape for w in jax.tree_util.tree_leaves(d.model.weights) if w.ndim == 2
+  ]
+  assert kernels[-1] == (32, 300)  # d_model x vocab.
+  setup = ginconf.parse(
+    os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
+    MICRO + mean + EXACT_LSH,
+  )
+  full_model = ginconf.model(300, 'eval')
+  full_model.init(trax.shapes.ShapeDtype((1, 128), np.int32))
+  exact = reformer.count_params(full_model)
+  assert abs(preflight.count_weights(setup, 300) - exact) < 0.01 * exact
+  predict = ginconf.model(300, 'predict')
+  predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
+  predict.weights = full_model.weights
+  d = decoding.Decoder(predict, 128)
+  ids = [int(i) for i in np.random.default_rng(3).integers(3, 300, 60)]
+  x = np.zeros((1, 128), np.int32)
+  x[0, :60] = ids
+  w, st = full_model.weights, full_model.state
+  whole = np.asarray(full_model.pure_fn(x, w, st, jax.random.PRNGKey(0))[0])
+  d.block = 10**9  # Token by token.
+  by_token = [d.feed(ids[:1])] + [d.feed([t]) for t in ids[1:]]
+  np.testing.assert_allclose(
+    np.stack(by_token), whole[0, 1:61], atol=2e-4, rtol=1e-4
   )
 
 
@@ -577,12 +624,12 @@ def test_smeared_attention_reads_while_chatting_what_training_reads():
     os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
     MICRO + ('SelfAttention.chunk_len = 16', *EXACT_LSH, smeared),
   )
-  full_model = reformer.reformer_lm(300, 'eval')
+  full_model = ginconf.model(300, 'eval')
   full_model.init(trax.shapes.ShapeDtype((1, 128), np.int32))
   roles = [attention.weight_roles(a) for a in reformer.branch_outputs(
     full_model)[0]]  # fmt: skip
   assert all(r[-2:] == ('s', 'u') for r in roles), roles
-  predict = reformer.reformer_lm(300, 'predict')
+  predict = ginconf.model(300, 'predict')
   predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   predict.weights = full_model.weights
   d = decoding.Decoder(predict, 128)
@@ -618,7 +665,7 @@ def test_blocks_read_a_model_whose_feed_forward_runs_in_chunks():
     os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
     MICRO + ('ReformerLM.ff_chunk_size = 16',),
   )
-  predict = reformer.reformer_lm(300, 'predict')
+  predict = ginconf.model(300, 'predict')
   predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   d = decoding.Decoder(predict, 128)
   assert d.block

@@ -158,13 +158,13 @@ def test_loading_draws_no_weights_and_gives_trax_init_state(tiny_run):
   import trax
   from trax import layers as tl
 
-  from src.model import reformer
+  from src.model import ginconf
   from src.storage import checkpoints, modelfolder
 
   folder = tiny_run['out']
   _, tok, loaded, _ = decoding.load_run(folder, 'predict')
   flat, _ = modelfolder.read_weights(folder)
-  trax_way = reformer.reformer_lm(tok.vocab_size, 'predict')
+  trax_way = ginconf.model(tok.vocab_size, 'predict')
   one = trax.shapes.ShapeDtype((1, 1), np.int32)
   trax_way.rng = jax.random.PRNGKey(0)
   trax_way.init(one)

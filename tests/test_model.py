@@ -84,7 +84,7 @@ def test_a_mixed_model_must_have_local_blocks_and_whole_cycles():
 def test_axial_positions_are_really_axial():
   """Without pos_type='axial' Trax builds a full max_len x d_model table."""
   ginconf.parse(TINY_GIN)
-  axial = reformer.count_params(reformer.init_model(500, 'train', 512))
+  axial = reformer.count_params(ginconf.init_model(500, 'train', 512))
   # Three blocks as Trax counts them (469,108 weights), then what is our
   # own: the two local blocks' keys (128 x 32 per head, 2 heads, each) and
   # the LSH block's directed projections (twice that).
@@ -92,7 +92,7 @@ def test_axial_positions_are_really_axial():
   ginconf.parse(
     TINY_GIN, ('ReformerLM.pos_type = None', 'ReformerLM.pos_axial_shape = ()')
   )
-  full = reformer.count_params(reformer.init_model(500, 'train', 512))
+  full = reformer.count_params(ginconf.init_model(500, 'train', 512))
   # The full table replaces the two axial tables (16x64 and 32x64).
   assert full - axial == 512 * 128 - (16 * 64 + 32 * 64)
   with pytest.raises(UserError, match='add "ReformerLM.pos_type = \'axial\'"'):
@@ -126,7 +126,7 @@ def test_axial_positions_start_at_the_token_scale():
   lm.init(tl.ShapeDtype((1, 512), np.int32))
   axial, token = _axial_and_token_std(lm)
   assert abs(axial / token - 4.0) < 0.4
-  lm = reformer.reformer_lm(500, 'train')  # Trax's own start.
+  lm = ginconf.model(500, 'train')  # Trax's own start.
   lm.init(tl.ShapeDtype((1, 512), np.int32))
   assert abs(_axial_and_token_std(lm)[0] - 1.0) < 0.1
   with pytest.raises(UserError, match='must be above 0'):
@@ -182,7 +182,7 @@ def test_bucket_count_is_fixed_and_equal_in_train_and_predict():
     ginconf.parse(TINY_GIN, ('LSHSelfAttention.n_buckets = None',))
   ginconf.parse(TINY_GIN)
   for mode in ('train', 'eval', 'predict'):
-    layers = reformer.lsh_layers(reformer.reformer_lm(300, mode))
+    layers = reformer.lsh_layers(ginconf.model(300, mode))
     assert len(layers) == 1  # The second block (the first is local).
     assert [layer._n_buckets for layer in layers] == [16], mode
 
@@ -242,7 +242,7 @@ def test_one_training_step_per_gin_file(gin_file, bindings):
       return loss, stats
 
   loop = RecordingLoop(
-    reformer.reformer_lm(vocab, 'train'),
+    ginconf.model(vocab, 'train'),
     [task],
     output_dir=None,
     random_seed=0,
@@ -334,7 +334,7 @@ def test_chunked_loss_gradient_made_in_the_forward_pass_is_exact():
 
 def test_chunked_model_shares_the_models_weights():
   setup = ginconf.parse(TINY_GIN)
-  m = reformer.init_model(40, 'train', setup.max_len)
+  m = ginconf.init_model(40, 'train', setup.max_len)
   fused = losses.chunked_model(m, 16)
   assert fused is not None
   # weights[0] has the model's structure (what Trax's Loop hands to eval).
@@ -425,7 +425,7 @@ def test_training_hit_counts_cover_every_micro_batch():
     ),
   )
   vocab, length = 40, 512
-  m = reformer.init_model(vocab, 'train', length, batch=2)
+  m = ginconf.init_model(vocab, 'train', length, batch=2)
   rng = np.random.default_rng(0)
   inputs = jnp.asarray(rng.integers(1, vocab, (2, length)), jnp.int32)
   guess = np.asarray(m(inputs)).argmax(-1)
@@ -494,7 +494,7 @@ def _copy_accuracy(bindings, steps, task, length=64, vocab=32, seed=0):
   loop = training.Loop(lm, [train], output_dir=None, random_seed=seed)
   loop.run(steps)
   ginconf.parse(TINY_GIN, tuple(bindings))
-  ev = reformer.reformer_lm(vocab, 'eval')
+  ev = ginconf.model(vocab, 'eval')
   ev.init(trax.shapes.ShapeDtype((8, length), np.int32))
   x, y, w = next(task(np.random.default_rng(seed + 1), length, vocab))
   logits, _ = ev.pure_fn(x, lm.weights, ev.state, ev.rng)

@@ -95,10 +95,8 @@ def test_weight_count_is_close_to_the_models():
   import numpy as np
   import trax
 
-  from src.model import reformer
-
   setup = ginconf.parse(TINY_GIN)
-  m = reformer.reformer_lm(300, 'train')
+  m = ginconf.model(300, 'train')
   sig = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
   weights, _ = m.weights_and_state_signature(sig, unsafe=True)
   exact = sum(

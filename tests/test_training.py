@@ -514,13 +514,13 @@ def test_the_training_step_is_compiled_once(caplog):
 
   import trax
 
-  from src.model import losses, reformer
+  from src.model import losses
   from src.training.loop import CompileFirstTrainer
 
   from .conftest import TINY_GIN
 
   length = ginconf.parse(TINY_GIN, MICRO).max_len
-  m = reformer.init_model(40, 'train', length)
+  m = ginconf.init_model(40, 'train', length)
   fused = losses.chunked_model(m, 32)
   optimizer = trax.optimizers.Adam(0.001)
   optimizer.tree_init(fused.weights)

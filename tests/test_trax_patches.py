@@ -23,7 +23,7 @@ from trax import layers as tl
 from trax.layers import acceleration
 from trax.supervised import training as trax_training
 
-from src.model import ginconf, reformer
+from src.model import ginconf
 from src.runtime import trax_patches
 from src.runtime.trax_patches import all_reduce, lazy_tensorflow
 
@@ -105,7 +105,7 @@ def test_stop_gradient_keeps_python_numbers_static():
 def test_lsh_predict_mode_decodes():
   """One-token LSH steps use both fixes above (cond and stop_gradient)."""
   ginconf.parse(TINY_GIN, MICRO)
-  predict = reformer.init_model(50, 'predict', 128)
+  predict = ginconf.init_model(50, 'predict', 128)
   predict.weights = jax.tree_util.tree_map(jnp.asarray, predict.weights)
   token = np.zeros((1, 1), np.int32)
   for _ in range(3):

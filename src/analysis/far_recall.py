@@ -163,18 +163,12 @@ def bindings(length: int, hashes: int, extra=(), buckets=None) -> list[str]:
 def build(mode: str, binds, offset: str = 'zero'):
   """The model under gin/tiny.gin and `binds`; in training its windows
   start at `offset` ('zero' or 'random') of the grid."""
-  from src.model import ginconf, reformer
+  from src.model import ginconf
 
   ginconf.parse(TINY_GIN, tuple(binds))
   if mode == 'train':
-    return reformer.reformer_lm(
-      VOCAB,
-      'train',
-      ginconf.positions(),
-      zero_outputs=ginconf.residual(),
-      offset=offset,
-    )
-  return reformer.reformer_lm(VOCAB, mode)
+    return ginconf.fresh_model(VOCAB, offset)
+  return ginconf.model(VOCAB, mode)
 
 
 def batches(seed, batch, length, facts, words=True, filler_weight=0.0):

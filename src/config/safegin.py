@@ -58,6 +58,7 @@ CONFIGURABLES = frozenset(
     'lr_schedule',
     'optimizer',
     'output_loss',
+    'output_layer',
     'positions',
     'lsh',  # lsh.directed: model.gin files saved before the classes.
     'residual',

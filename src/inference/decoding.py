@@ -96,7 +96,7 @@ def load_model(model_dir: str, mode: str, bindings=()):
     ginconf.add_bindings(
       predict_bindings(setup.model['n_heads']) + attention_bindings(setup)
     )
-  layer = reformer.reformer_lm(model.tok.vocab_size, mode)
+  layer = ginconf.model(model.tok.vocab_size, mode)
   length = 1 if mode == 'predict' else setup.max_len
   signature = trax.shapes.ShapeDtype((1, length), np.int32)
   checkpoints.set_weights(model_dir, layer, signature, model.flat)

@@ -12,6 +12,9 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
   (`src.model.optim.lr_schedule`; `total_steps` comes from the run settings).
 - `optimizer.kind`: which Trax optimizer class to use.
 - `output_loss.chunk_size`: positions whose logits exist at once.
+- `output_layer.halves`: what the output layer reads of the two
+  reversible halves, 'concat' (Trax) or 'mean' (`src.model.reformer`):
+  part of the model, saved with it.
 - `positions.axial_init_scale`: how large the axial position embeddings
   start, relative to the token embeddings.
 - `lsh.directed` is gone: a model.gin saved before the classes is read
@@ -31,6 +34,7 @@ import os
 import re
 import tokenize
 
+import numpy as np
 import trax
 
 import gin
@@ -54,6 +58,7 @@ for _cls in (
 ):
   gin.external_configurable(_cls, module='jade', denylist=['mode'])
 residual = gin.external_configurable(reformer.residual, module='jade')
+output_layer = gin.external_configurable(reformer.output_layer, module='jade')
 
 MODEL_GIN = rundir.MODEL_GIN  # The run's bindings, saved in out-dir.
 OPERATIVE_GIN = rundir.OPERATIVE_GIN  # What the run actually used.
@@ -77,6 +82,8 @@ class GinSetup:
       of local and LSH attention), else None.
     directed: the LSH layers have a directed score term (and its weights:
       `DirectedLSHSelfAttention`).
+    halves: what the output layer reads of the reversible halves
+      (`output_layer.halves`: 'concat' or 'mean').
   """
 
   path: str
@@ -87,6 +94,7 @@ class GinSetup:
   layer_attention: tuple = ()
   local: dict | None = None
   directed: bool = False
+  halves: str = 'concat'
 
   @property
   def max_len(self) -> int:
@@ -145,7 +153,9 @@ def _parse(text: str, where: str, line_numbers: bool = True):
 # Configurables that define the model's weights and computation (a
 # pretrained model's settings); the rest (optimizer, schedule, chunked
 # loss) belong to a training run.
-MODEL_CONFIGURABLES = frozenset({'ReformerLM'} | safegin._ATTENTION)
+MODEL_CONFIGURABLES = frozenset(
+  {'ReformerLM', 'output_layer'} | safegin._ATTENTION
+)
 
 _LEGACY_DIRECTED = re.compile(
   r'^[ \t]*(?:jade\.)?lsh\.directed[ \t]*=[ \t]*(\w+)[^\n]*(?:\n|$)', re.M
@@ -313,7 +323,18 @@ def parse_text(
     per_layer,
     local,
     any(issubclass(c, attention.DirectedLSHSelfAttention) for c in kinds),
+    _checked(output_layer, path),
   )
+
+
+def _checked(configurable, path: str):
+  """A configurable's value under the parsed bindings; a wrong one is one
+  line that names the gin file."""
+  try:
+    return configurable()
+  except UserError as e:
+    gin.clear_config()
+    raise UserError(f'{path}: {str(e).splitlines()[0]}') from None
 
 
 def add_bindings(bindings) -> None:
@@ -353,14 +374,34 @@ def check_same_as_saved(setup: GinSetup, out_dir: str):
   )
 
 
+def model(vocab_size: int, mode: str):
+  """The parsed config's model (Trax's `ReformerLM` with this project's
+  layers and `output_layer`), not initialized: the one builder every
+  mode and tool uses."""
+  return reformer.reformer_lm(vocab_size, mode, halves=output_layer())
+
+
 def fresh_model(vocab_size: int, offset: str = 'zero'):
   """The model a run trains (`mode` 'train'), with every gin-bound
   setting of how it starts: `positions.axial_init_scale`, `residual`.
   Initialized by its trainer. `offset`: where its training windows start
   on the position grid ('random' for windows shorter than the context)."""
   return reformer.reformer_lm(
-    vocab_size, 'train', positions(), zero_outputs=residual(), offset=offset
+    vocab_size,
+    'train',
+    positions(),
+    zero_outputs=residual(),
+    offset=offset,
+    halves=output_layer(),
   )
+
+
+def init_model(vocab_size: int, mode: str, max_len: int, batch: int = 1):
+  """`model`, initialized for a `[batch, max_len]` int32 input."""
+  built = model(vocab_size, mode)
+  length = 1 if mode == 'predict' else max_len
+  built.init(trax.shapes.ShapeDtype((batch, length), np.int32))
+  return built
 
 
 def operative_text() -> str:

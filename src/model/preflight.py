@@ -78,7 +78,8 @@ def count_weights(setup, vocab_size: int) -> int:
 
   Embedding, axial positions, per layer the LSH attention (shared
   query/key, value and output projections), feed-forward and layer norms,
-  and the output layer (over the concatenated halves, `2 d_model`).
+  and the output layer (over the concatenated halves, `2 d_model`, or
+  their mean, `d_model`: `output_layer.halves`).
   Within 20% of Trax's count (tested); building the model to count
   exactly would cost seconds at every start.
   """
@@ -100,9 +101,18 @@ def count_weights(setup, vocab_size: int) -> int:
   if getattr(setup, 'local', None) is not None:  # Local blocks' own keys.
     layers += sum(k == 'SelfAttention' for k in kinds) * d * heads * dk
   # Trax's ReformerLM concatenates the two residual halves before its last
-  # layer norm and output layer: both read 2 x d_model features.
-  output = 2 * 2 * d + 2 * d * vocab_size + vocab_size
+  # layer norm and output layer: both read 2 x d_model features (d_model
+  # with output_layer.halves = 'mean').
+  features = output_features(setup)
+  output = 2 * features + features * vocab_size + vocab_size
   return vocab_size * d + positions + layers + output
+
+
+def output_features(setup) -> int:
+  """What the output layer reads: `2 d_model` (the halves concatenated)
+  or `d_model` (their mean)."""
+  d = setup.model['d_model']
+  return d if getattr(setup, 'halves', 'concat') == 'mean' else 2 * d
 
 
 def optimizer_name() -> str:
@@ -149,7 +159,8 @@ def estimate(
   if loss_chunk:  # Training and evaluation both chunk their logits.
     # Training makes the output layer's gradient with its loss: a chunk's
     # logits, exponentials and gradient, and the kernel's gradient summed.
-    logits = 3 * min(loss_chunk, rows) * vocab_size + 2 * vocab_size * 2 * d
+    logits = 3 * min(loss_chunk, rows) * vocab_size
+    logits += 2 * vocab_size * output_features(setup)
   else:
     logits = 4 * rows * vocab_size
   return Estimate(

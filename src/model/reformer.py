@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-import numpy as np
 import trax
 from trax import layers as tl
 from trax.layers.research import efficient_attention as ea
@@ -97,12 +96,42 @@ def branch_outputs(lm) -> tuple[list, list]:
   return attention, dense
 
 
+HALVES = ('concat', 'mean')
+
+
+def output_layer(halves: str = 'concat') -> str:
+  """What the output layer reads of the two reversible halves (gin:
+  output_layer).
+
+  Args:
+    halves: 'concat' (Trax's ReformerLM: both, `2 d_model` features, so
+      the output layer has `2 d_model x vocab` weights) or 'mean' (their
+      mean, `d_model` features, as reformer-pytorch does: half the output
+      layer's weights and work, which dominate a step at a vocabulary of
+      thousands of pieces).
+
+  Returns:
+    The choice.
+  """
+  if halves not in HALVES:
+    raise UserError(
+      f"output_layer.halves = {halves!r}: write 'concat' or 'mean' in the "
+      'gin file'
+    )
+  return halves
+
+
+def _mean_of_halves(a, b):
+  return (a + b) * 0.5
+
+
 def reformer_lm(
   vocab_size: int,
   mode: str,
   axial_init_scale: float | None = None,
   zero_outputs: tuple[bool, bool] = (False, False),
   offset: str = 'zero',
+  halves: str = 'concat',
 ):
   """`trax.models.ReformerLM` with the gin-bound settings.
 
@@ -116,8 +145,13 @@ def reformer_lm(
   layers, start at zero when the model is initialized. Its axial
   positions are `positions.AxialPositions` (any window of the grid);
   `offset` is where a training window starts on it ('zero' or 'random').
+  `halves` (see `output_layer`): 'mean' puts the mean of the reversible
+  halves where Trax concatenates them.
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
+  if output_layer(halves) == 'mean':
+    (join,) = [s for s in lm.sublayers if isinstance(s, tl.Concatenate)]
+    _replace(lm, join, tl.Fn('MeanOfHalves', _mean_of_halves))
   if any(zero_outputs):
     attention, dense = branch_outputs(lm)
     if not attention or len(attention) != len(dense):
@@ -185,19 +219,6 @@ def count_params(layer) -> int:
     w for w in trax.fastmath.tree_flatten(layer.weights) if hasattr(w, 'size')
   ]
   return int(sum(w.size for w in leaves))
-
-
-def init_model(
-  vocab_size: int,
-  mode: str,
-  max_len: int,
-  batch: int = 1,
-):
-  """Builds and initializes a model for a `[batch, max_len]` int32 input."""
-  model = reformer_lm(vocab_size, mode)
-  length = 1 if mode == 'predict' else max_len
-  model.init(trax.shapes.ShapeDtype((batch, length), np.int32))
-  return model
 
 
 def lsh_layers(layer) -> list:

@@ -21,7 +21,7 @@ import numpy as np
 from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import ginconf, reformer
+from src.model import ginconf
 from src.storage import checkpoints, modelfolder, snapshots
 
 INIT_FILE = rundir.INIT
@@ -79,7 +79,7 @@ def check_shapes(path: str, setup, vocab_size: int, flat):
   import jax
   import trax
 
-  layer = reformer.reformer_lm(vocab_size, 'eval')
+  layer = ginconf.model(vocab_size, 'eval')
   signature = trax.shapes.ShapeDtype((1, setup.max_len), np.int32)
   wanted = jax.tree_util.tree_leaves(
     layer.weights_and_state_signature(signature, unsafe=True)[0]

@@ -12,7 +12,7 @@ import trax
 
 from src.inference import generate, sampling
 from src.inference.decoding import Decoder, attention_bindings
-from src.model import ginconf, reformer
+from src.model import ginconf
 
 MAX_NEW_TOKENS = 32
 
@@ -26,7 +26,7 @@ class SampleReplies:
     self.prompts = list(prompts)
     max_len = setup.max_len
     ginconf.add_bindings(attention_bindings(setup))
-    layer = reformer.reformer_lm(tok.vocab_size, 'predict')
+    layer = ginconf.model(tok.vocab_size, 'predict')
     layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
     self.decoder = Decoder(layer, max_len, tok)
     self.settings = sampling.SamplingSettings(

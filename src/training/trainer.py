@@ -251,7 +251,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
     loop = JadeLoop(
       _train_model(plan, vocab),
       [train_task],
-      eval_model=reformer.reformer_lm(vocab, 'eval'),
+      eval_model=ginconf.model(vocab, 'eval'),
       eval_tasks=[eval_task],
       output_dir=out_dir if cluster.chief else None,
       checkpoint_at=lambda step: (
@@ -310,7 +310,7 @@ def _add_full_context(loop, plan, progress):
     plan.window,
     plan.gin.max_len,
     s['ai-only-loss'],
-    model=lambda: reformer.reformer_lm(vocab, 'eval'),
+    model=lambda: ginconf.model(vocab, 'eval'),
     chunk=ginconf.output_loss(),
     progress=progress,
     last=s['steps'],
