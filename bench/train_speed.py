@@ -17,6 +17,8 @@ Adam, no dropout. Contenders:
 - jade: the project's real path: `training.train` with gin/tiny.gin plus
   bindings for the architecture, a synthetic corpus through the data
   pipeline, Trax's Loop (evaluation switched off);
+- jade-mean: the same with `output_layer.halves = 'mean'`: the output
+  layer reads the mean of the residual halves, as the peer's does;
 - peer: lucidrains' reformer-pytorch 1.4.4 (`pip install -r
   bench/requirements.txt`, e.g. in its own venv: --peer-python), torch
   threads = cores;
@@ -40,8 +42,8 @@ attention FLOPs per token = 4 x layers x heads x d_head x keys attended
 (LSH: 2 chunks of 64 = 128 keys; full attention: L/2 on average). The
 output layer is counted over the features each contender's reads: Trax's
 ReformerLM concatenates its two residual halves (2 x d_model), the peer
-averages them (d_model), so at a large vocabulary Jade's output layer does
-twice the peer's work.
+and jade-mean average them (d_model), so at a large vocabulary jade's
+output layer does twice the peer's work.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def matmul_weights(vocab=VOCAB, output_in=D):
 def output_features(name):
   """Features the contender's output layer reads: Trax's ReformerLM
   concatenates its two residual halves (2 x d_model); reformer-pytorch
-  averages them, and the full-attention TransformerLM has one stream."""
+  averages them (as jade-mean does), and the full-attention
+  TransformerLM has one stream."""
   return 2 * D if name == 'jade' else D
 
 
@@ -284,8 +287,10 @@ def cpu_name():
   return f'{name} ({family}), {os.cpu_count()} cores'
 
 
+MEAN = "output_layer.halves = 'mean'"
 CONTENDERS = {
   'jade': run_jade,
+  'jade-mean': run_jade,
   'peer': run_peer,
   'peer-tuned': run_peer,
   'full': run_full,
@@ -302,8 +307,9 @@ def child(args):
     print(json.dumps({'gflops': matmul_peak()}))
     return
   kwargs = {'with_eval': True} if args.eval else {}
-  if args.child == 'jade':
-    kwargs['binds'], kwargs['window'] = args.bind, args.window
+  if args.child.startswith('jade'):
+    mean = [MEAN] if args.child == 'jade-mean' else []
+    kwargs['binds'], kwargs['window'] = args.bind + mean, args.window
   times, vocab = CONTENDERS[args.child](
     args.length, args.steps, args.vocab, **kwargs
   )
@@ -325,12 +331,13 @@ def measure(
   model on windows of `window` tokens (`train.window`) and the others
   train at `window` tokens: tokens/s counts the tokens of a step."""
   tokens = window or length
-  if window and name != 'jade':
+  jade = name.startswith('jade')
+  if window and not jade:
     length = window
   cmd = [python, os.path.abspath(__file__), '--child', name]
-  for b in binds if name == 'jade' else ():
+  for b in binds if jade else ():
     cmd += ['--bind', b]
-  if window and name == 'jade':
+  if window and jade:
     cmd += ['--window', str(window)]
   if with_eval:
     cmd.append('--eval')
@@ -452,7 +459,8 @@ def main():
         r.setdefault('vocab', vocab)
         r.update(name=name, length=length, asked_vocab=vocab)
         if args.window:
-          r.update(length=args.window, grid=length if name == 'jade' else None)
+          grid = length if name.startswith('jade') else None
+          r.update(length=args.window, grid=grid)
         results.append(r)
         print(json.dumps(r), flush=True)
   machine = {'cpu': cpu_name(), 'matmul_peak_gflops': measured_peak()}
