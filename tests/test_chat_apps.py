@@ -293,3 +293,18 @@ def test_google_chat_names_dates_and_bad_inputs(tmp_path):
   assert 'is not a Google Chat export' in refused(
     tmp_path, 'googlechat', {'Takeout/Mail/x.mbox': 'From x'}, '--ai', 'x'
   )
+
+
+def test_imessage_takes_out_only_what_the_exporter_wrote():
+  text, took = imessage._text(
+    [
+      'Sent with Love',  # A person's words: no such effect.
+      'Sent with Invisible Ink',
+      'Sticker from the shop on the corner',
+      'Sticker from Sam: /Users/a/Library/Messages/Stickers/x.heic',
+    ]
+  )
+  assert (text, took) == (
+    'Sent with Love\nSticker from the shop on the corner',
+    True,
+  )

@@ -58,11 +58,13 @@ _PATH = re.compile(
 _NOTES = re.compile(
   r'This message responded to an earlier message\.|'
   r'This message was deleted from the conversation!|'
-  r'Attachment missing!|Sent with [A-Z][\w ]{1,30}|'
+  r'Attachment missing!|'
+  r'Sent with (?:Confetti|Echo|Fireworks|Balloons|Heart|Lasers|Shooting '
+  r'Start?|Sparkles|Spotlight|Slam|Loud|Gentle|Invisible Ink)|'
   r'(?:Started|Stopped) sharing location!|'
   r'Unable to format app message: .*|'
   r'Handwritten messages are not yet supported!|'
-  r'(?:\S+ )?Sticker from .{1,200}'
+  r'(?:\S+ )?Sticker from .{1,200}?(?:: .+| not found!)'
 )
 _TAPBACKS = ('Reactions:', 'Tapbacks:')
 _TAPBACK = re.compile(r'.{1,80} by .{1,200}|(?:\S+ )?Sticker from .{1,300}')
@@ -98,11 +100,16 @@ def seconds(m) -> float | None:
   return when.timestamp()
 
 
-def _looks_like_chat(export, name: str) -> bool:
-  with export.open(name, MAX_FILE) as f:
-    head = f.read(4096).decode('utf-8-sig', errors='replace')
+def _starts_with_time(f) -> bool:
+  """Whether the open binary file's first non-blank line is a time line."""
+  head = f.read(4096).decode('utf-8-sig', errors='replace')
   first = next((line for line in head.splitlines() if line.strip()), '')
   return _time_line(first) is not None
+
+
+def _looks_like_chat(export, name: str) -> bool:
+  with export.open(name, MAX_FILE) as f:
+    return _starts_with_time(f)
 
 
 def sources(inputs: list[str]) -> list[chatlog.Source]:
@@ -119,9 +126,7 @@ def sources(inputs: list[str]) -> list[chatlog.Source]:
         ]
     else:
       with chatlog.open_input(path) as f:
-        head = f.read(4096).decode('utf-8-sig', errors='replace')
-      first = next((line for line in head.splitlines() if line.strip()), '')
-      chats = [''] if _time_line(first) else []
+        chats = [''] if _starts_with_time(f) else []
     if not chats:
       raise UserError(f'{path}: {_NOT_EXPORT}')
     name = stem(path.rstrip('/' + os.sep)) or 'imessage'
