@@ -65,11 +65,15 @@ def sources(inputs: list[str]) -> list[chatlog.Source]:
     chats: dict[str, str] = {}  # Folder -> the file read.
     for name in names:
       m = _CHAT.search(name)
-      parts = name.split('/')
-      if m and 'exported_stickers' not in parts and parts[-2:-1] != ['media']:
+      if m and 'exported_stickers' not in name.split('/'):
         folder = name[: m.start(1)]
         if not chats.get(folder, '').endswith('data.json'):
           chats[folder] = name
+    # A chat's own files (its media/ may hold a "data.json" someone sent)
+    # are not chats: a folder inside a chat's folder is left out.
+    chats = {
+      f: n for f, n in chats.items() if _parent(f) not in chats or f == ''
+    }
     if not chats:
       raise UserError(f'{path}: {_NOT_EXPORT}')
     name = stem(path.rstrip('/' + os.sep)) or 'signal'
@@ -79,6 +83,14 @@ def sources(inputs: list[str]) -> list[chatlog.Source]:
       )
     )
   return out
+
+
+def _parent(folder: str) -> str | None:
+  """'a/b/' -> 'a/', 'a/' -> '', '' -> None."""
+  if not folder:
+    return None
+  head = folder.rstrip('/').rpartition('/')[0]
+  return head + '/' if head else ''
 
 
 def _clean(body: str) -> str:
@@ -114,7 +126,9 @@ def record(value, where: str):
   )
 
 
-def _markdown_item(date: str, clock: str, sender: str, text: str, where):
+def _markdown_item(head, text: str, where: str):
+  """The item of one chat.md message: its header's match and its text."""
+  date, clock, sender = head.groups()
   if text.startswith('\n\n> '):  # A reply: the quoted message first.
     parts = text.split('\n\n', 2)
     text = parts[2] if len(parts) == 3 else ''
@@ -132,7 +146,7 @@ def _markdown_item(date: str, clock: str, sender: str, text: str, where):
 def _markdown(lines, where: str):
   """The items of a chat.md: a message is its header line and the lines
   up to the next header."""
-  pending = None  # (date, clock, sender, where) and its text lines.
+  head, at = None, ''  # The pending message's header match and place.
   text: list[str] = []
   size = 0
   for n, line in lines:
@@ -140,16 +154,16 @@ def _markdown(lines, where: str):
       continue
     m = _HEADER.match(line)
     if m:
-      if pending is not None:
-        yield _markdown_item(*pending[:3], '\n'.join(text).rstrip(), pending[3])
-      pending, text = (*m.groups(), f'{where}:{n}'), [line[m.end() :]]
+      if head is not None:
+        yield _markdown_item(head, '\n'.join(text).rstrip(), at)
+      head, at, text = m, f'{where}:{n}', [line[m.end() :]]
       size = len(text[0])
       continue
-    if pending is not None and size <= chatlog.MAX_MESSAGE:
+    if head is not None and size <= chatlog.MAX_MESSAGE:
       text.append(line.rstrip('\n'))
       size += len(line)
-  if pending is not None:
-    yield _markdown_item(*pending[:3], '\n'.join(text).rstrip(), pending[3])
+  if head is not None:
+    yield _markdown_item(head, '\n'.join(text).rstrip(), at)
 
 
 def _chat_items(f, where: str, is_json: bool, warn):
