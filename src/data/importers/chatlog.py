@@ -179,6 +179,26 @@ def iso_seconds(value) -> float | None:
     return None
 
 
+def wall_seconds(date: tuple, hms: tuple, pm: bool | None = None):
+  """Seconds of a wall-clock time taken as UTC (an export's local time:
+  only the gaps between messages count), or None when it is not a real
+  date and time. `date`: (year, month, day); `hms`: (hour, minute,
+  second); `pm`: None for a 24-hour clock, else whether the 12-hour time
+  is after noon."""
+  hour = int(hms[0])
+  if pm is not None:
+    if hour > 12:
+      return None
+    hour = hour % 12 + (12 if pm else 0)
+  try:
+    when = datetime.datetime(
+      *map(int, date), hour, int(hms[1]), int(hms[2]), tzinfo=datetime.UTC
+    )
+  except ValueError:
+    return None
+  return when.timestamp()
+
+
 def _key(name: str) -> str:
   return unicodedata.normalize('NFC', wording.clean_name(name)).casefold()
 

@@ -26,7 +26,6 @@ users document it; not checked against a real Takeout.
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
 
@@ -79,24 +78,10 @@ def seconds(text) -> float | None:
   m = _DATE.fullmatch(text.strip())
   if not m or m.group(1).lower() not in _MONTHS:
     return None
-  hour = int(m.group(4))
-  if m.group(7):
-    if not 1 <= hour <= 12:
-      return None
-    hour = hour % 12 + (12 if m.group(7).upper() == 'PM' else 0)
-  try:
-    when = datetime.datetime(
-      int(m.group(3)),
-      _MONTHS[m.group(1).lower()],
-      int(m.group(2)),
-      hour,
-      int(m.group(5)),
-      int(m.group(6)),
-      tzinfo=datetime.UTC,
-    )
-  except ValueError:
-    return None
-  return when.timestamp()
+  date = (m.group(3), _MONTHS[m.group(1).lower()], m.group(2))
+  hms = (m.group(4), m.group(5), m.group(6))
+  pm = m.group(7).upper() == 'PM' if m.group(7) else None
+  return chatlog.wall_seconds(date, hms, pm)
 
 
 def _person(value) -> tuple[str, str, bool]:

@@ -30,7 +30,6 @@ TXT exporter and its tests); not checked against a real export.
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
 
@@ -79,25 +78,10 @@ def _time_line(line: str):
 
 
 def seconds(m) -> float | None:
-  """Seconds of a time line's match (its local time taken as UTC: only
-  the gaps between messages count)."""
-  hour = int(m.group(4))
-  if not 1 <= hour <= 12:
-    return None
-  hour = hour % 12 + (12 if m.group(7) == 'PM' else 0)
-  try:
-    when = datetime.datetime(
-      int(m.group(3)),
-      _MONTHS.index(m.group(1)) + 1,
-      int(m.group(2)),
-      hour,
-      int(m.group(5)),
-      int(m.group(6)),
-      tzinfo=datetime.UTC,
-    )
-  except ValueError:
-    return None
-  return when.timestamp()
+  """Seconds of a time line's match (see `chatlog.wall_seconds`)."""
+  date = (m.group(3), _MONTHS.index(m.group(1)) + 1, m.group(2))
+  hms = (m.group(4), m.group(5), m.group(6))
+  return chatlog.wall_seconds(date, hms, m.group(7) == 'PM')
 
 
 def _starts_with_time(f) -> bool:

@@ -24,7 +24,6 @@ not grow with the export.
 
 from __future__ import annotations
 
-import datetime
 import io
 import os
 import re
@@ -264,25 +263,8 @@ def _time(m, order: str) -> float | None:
     year += 2000
   elif year > 2400:
     year -= _BUDDHIST_ERA
-  hour = int(hh)
-  if ampm:
-    if hour > 12:
-      return None
-    pm = ampm[0] in 'Pp' or ampm in _PM
-    hour = hour % 12 + (12 if pm else 0)
-  try:
-    when = datetime.datetime(
-      year,
-      month,
-      day,
-      hour,
-      int(mm),
-      int(ss or 0),
-      tzinfo=datetime.UTC,
-    )
-  except ValueError:
-    return None
-  return when.timestamp()
+  pm = (ampm[0] in 'Pp' or ampm in _PM) if ampm else None
+  return chatlog.wall_seconds((year, month, day), (hh, mm, ss or 0), pm)
 
 
 def _finish(current):
