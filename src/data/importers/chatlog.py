@@ -18,21 +18,17 @@ from the file by truncating back to where it began.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import datetime
-import io
 import math
 import os
 import re
-import stat
 import tempfile
 import unicodedata
 
-from src.core import bars, files
 from src.core.errors import UserError
 from src.data import chatformat
-from src.data.importers import jsonstream, wording
+from src.data.importers import wording
 from src.data.importers.base import (
   AI,
   USER,
@@ -206,111 +202,6 @@ def _key(name: str) -> str:
 def _matches(sender: str, alias: str, ai: tuple[str, ...]) -> bool:
   keys = {_key(a) for a in ai}
   return _key(sender) in keys or (bool(alias) and _key(alias) in keys)
-
-
-def files_in(root: str, limit: int) -> list[str]:
-  """The regular files under the folder `root`, as `/`-separated paths
-  relative to it, in sorted order; no link is followed or listed; more
-  than `limit` is one line (an export given as its unzipped folder)."""
-  names = []
-  for folder, dirs, found in os.walk(root):
-    dirs[:] = sorted(
-      d for d in dirs if not os.path.islink(os.path.join(folder, d))
-    )
-    for name in sorted(found):
-      path = os.path.join(folder, name)
-      if stat.S_ISREG(os.lstat(path).st_mode):
-        names.append(os.path.relpath(path, root).replace(os.sep, '/'))
-      if len(names) > limit:
-        raise UserError(
-          f'{root}: more than {limit} files, more than an export holds; give '
-          'the export itself'
-        )
-  return names
-
-
-def zip_entries(raw) -> int | None:
-  """How many entries a zip's central directory says it has, read from its
-  end record before the directory itself is (which takes memory by the
-  entry); None if the record cannot be read."""
-  size = raw.seek(0, os.SEEK_END)
-  tail = min(size, (1 << 16) + 22)
-  raw.seek(size - tail)
-  data = raw.read(tail)
-  at = data.rfind(b'PK\x05\x06')
-  if at < 0 or at + 22 > len(data):
-    return None
-  count = int.from_bytes(data[at + 10 : at + 12], 'little')
-  if count == 0xFFFF:  # Zip64: the count is in the zip64 end record.
-    at64 = data.rfind(b'PK\x06\x06', 0, at)
-    if at64 < 0 or at64 + 40 > len(data):
-      return None
-    count = int.from_bytes(data[at64 + 32 : at64 + 40], 'little')
-  return count
-
-
-def open_input(path: str):
-  """An export file opened for reading (binary): a regular file, never
-  through a link; else a `UserError` that says what to give instead."""
-  try:
-    return files.open_regular(
-      path,
-      1 << 50,
-      fix='give the exported chat file itself (cp -L copies what a link '
-      'points to)',
-    )
-  except FileNotFoundError:
-    raise UserError(f'{path}: no such file') from None
-
-
-# Exports at least this big show a progress bar (on a terminal).
-PROGRESS_MIN_BYTES = 16 * files.MB
-
-
-class _Counted(io.RawIOBase):
-  """A binary file whose reads advance a progress bar."""
-
-  def __init__(self, f, bar):
-    self.f, self.bar = f, bar
-
-  def readable(self):
-    return True
-
-  def readinto(self, buffer):
-    n = self.f.readinto(buffer)
-    self.bar.update(n or 0)
-    return n
-
-
-@contextlib.contextmanager
-def progress(binary, total: int, desc: str):
-  """`binary` (an open binary file of `total` bytes) read through a
-  progress bar on stderr, shown for big exports on a terminal."""
-  bar = bars.byte_bar(total, desc, PROGRESS_MIN_BYTES)
-  with bar:
-    if bar.disable:
-      yield binary
-    else:
-      yield io.BufferedReader(_Counted(binary, bar), 1 << 20)
-
-
-def json_items(path: str, wanted: set[str], marks: set[str]):
-  """A JSON export read as a stream, with progress (the steps every JSON
-  importer shares): yields `(prefix, value, where)` for each object at a
-  prefix in `wanted` (a message; `where` is `file[n]`, n counting them)
-  and `(prefix, value, None)` for each mark (`jsonstream.objects`: a
-  chat's name, or None where a list of messages starts)."""
-  n = 0
-  with (
-    open_input(path) as raw,
-    progress(raw, os.fstat(raw.fileno()).st_size, 'converting') as f,
-  ):
-    for prefix, value in jsonstream.objects(f, path, wanted, marks):
-      if prefix in wanted:
-        yield prefix, value, f'{path}[{n}]'
-        n += 1
-      else:
-        yield prefix, value, None
 
 
 class _Writer:

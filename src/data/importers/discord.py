@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from src.data.importers import chatlog
+from src.data.importers import chatlog, exportfiles
 from src.data.importers.base import stem
 
 _EMOJI = re.compile(r'<a?:(\w{1,64}):\d{1,24}>')
@@ -77,7 +77,7 @@ def items(source: chatlog.Source, warn):
   del warn
   (path,) = source.paths
   seen: dict = {}  # Insertion-ordered: the oldest key is dropped first.
-  messages = chatlog.json_items(path, {'messages.item'}, {'messages'})
+  messages = exportfiles.json_items(path, {'messages.item'}, {'messages'})
   for _, value, where in messages:
     if where is None:
       if value is None:  # The channel's messages start.

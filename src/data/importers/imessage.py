@@ -109,7 +109,7 @@ def sources(inputs: list[str]) -> list[chatlog.Source]:
           if n.lower().endswith('.txt') and _looks_like_chat(export, n)
         ]
     else:
-      with chatlog.open_input(path) as f:
+      with exportfiles.open_input(path) as f:
         chats = [''] if _starts_with_time(f) else []
     if not chats:
       raise UserError(f'{path}: {_NOT_EXPORT}')
@@ -190,7 +190,7 @@ def items(source: chatlog.Source, warn):
   path, *chats = source.paths
   if chats == ['']:  # One chat's .txt.
     yield chatlog.Chat(stem(path))
-    with chatlog.open_input(path) as f:
+    with exportfiles.open_input(path) as f:
       yield from _chat(exportfiles.lines(f, path, warn, MAX_LINE), path)
     return
   with exportfiles.ExportFiles(path, _NOT_EXPORT) as export:

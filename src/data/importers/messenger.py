@@ -28,14 +28,8 @@ import re
 from src.core import files
 from src.core.errors import UserError
 from src.data.importers.base import stem
-from src.data.importers.chatlog import (
-  Chat,
-  Drop,
-  Message,
-  Source,
-  files_in,
-  open_input,
-)
+from src.data.importers.chatlog import Chat, Drop, Message, Source
+from src.data.importers.exportfiles import files_in, open_input
 
 # Meta's files are split at about 10,000 messages (a few MB); a bigger
 # one is not an export.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from src.data.importers import chatlog
+from src.data.importers import chatlog, exportfiles
 from src.data.importers.base import stem
 
 _CHATS = ('chats.list.item', 'left_chats.list.item')
@@ -107,7 +107,7 @@ def items(source: chatlog.Source, warn):
   del warn
   (path,) = source.paths
   name = source.name
-  for prefix, value, where in chatlog.json_items(path, _WANTED, _MARKS):
+  for prefix, value, where in exportfiles.json_items(path, _WANTED, _MARKS):
     if where is not None:
       yield item(value, where)
     elif prefix.endswith('.name'):

@@ -30,7 +30,7 @@ import re
 import zipfile
 
 from src.core.errors import UserError
-from src.data.importers import chatlog, wording
+from src.data.importers import chatlog, exportfiles, wording
 from src.data.importers.base import stem
 
 # A line longer than this (characters) is left out: no chat line is.
@@ -144,10 +144,10 @@ class _Lines:
     self.path, self.desc = path, desc
 
   def __iter__(self):
-    with chatlog.open_input(self.path) as raw:
+    with exportfiles.open_input(self.path) as raw:
       if zipfile.is_zipfile(raw):
         raw.seek(0)
-        entries = chatlog.zip_entries(raw)
+        entries = exportfiles.zip_entries(raw)
         if entries is None or entries > MAX_ENTRIES:
           raise UserError(
             f'{self.path}: a zip of {entries or "too many"} entries, more than '
@@ -160,7 +160,7 @@ class _Lines:
             info = _member(zf, self.path)
             with (
               zf.open(info) as member,
-              chatlog.progress(member, info.file_size, self.desc) as f,
+              exportfiles.progress(member, info.file_size, self.desc) as f,
             ):
               yield from self._read(f, f'{self.path}:{info.filename}')
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as e:
@@ -170,7 +170,7 @@ class _Lines:
         return
       raw.seek(0)
       size = os.fstat(raw.fileno()).st_size
-      with chatlog.progress(raw, size, self.desc) as f:
+      with exportfiles.progress(raw, size, self.desc) as f:
         yield from self._read(f, self.path)
 
   @staticmethod
