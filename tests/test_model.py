@@ -543,3 +543,19 @@ def test_the_lsh_block_learns_to_find_a_far_copy():
     'LSHSelfAttention.n_buckets = 8',
   ]
   assert _copy_accuracy(far, 600, _duplication) > 0.7
+
+
+def test_the_output_layers_reading_is_a_model_setting():
+  """`output_layer.halves` belongs to the model: kept with its settings
+  (model.gin, exports, a fine-tune's base), checked when parsed."""
+  text = (
+    "output_layer.halves = 'mean'\n"
+    'ReformerLM.d_model = 32\n'
+    'lr_schedule.peak = 0.01\n'
+  )
+  kept = ginconf.model_bindings(text, 'model.gin')
+  assert "output_layer.halves = 'mean'" in kept
+  assert 'lr_schedule' not in kept
+  assert ginconf.parse(TINY_GIN).halves == 'concat'  # Trax's, by default.
+  with pytest.raises(UserError, match="tiny.gin: output_layer.halves = 'sum'"):
+    ginconf.parse(TINY_GIN, ("output_layer.halves = 'sum'",))
