@@ -92,19 +92,6 @@ def _chunk_metrics(xc, tc, wc, kernel, bias):
   return jnp.sum(wc * (lse - true)), jnp.sum(wc * hits), lse - true
 
 
-_BF16 = False
-
-
-def _products(bf16: bool):
-  if not bf16:
-    return jnp.matmul
-  return lambda a, b: jnp.matmul(
-    a.astype(jnp.bfloat16),
-    b.astype(jnp.bfloat16),
-    preferred_element_type=jnp.float32,
-  )
-
-
 def _fused_chunk(xc, tc, wc, kernel, bias):
   """One chunk's loss sum, hits and gradients, the logits laid out
   `[vocab, rows]` (XLA's CPU code reduces over the leading axis ~4x faster
@@ -114,8 +101,7 @@ def _fused_chunk(xc, tc, wc, kernel, bias):
   bias), d loss/d xc)`: the sums over chunks, and the chunk's own. A hit
   is a row whose target logit is the largest.
   """
-  mm = _products(_BF16)
-  logits = mm(kernel.T, xc.T) + bias[:, None]  # [vocab, rows]
+  logits = kernel.T @ xc.T + bias[:, None]  # [vocab, rows]
   top = jnp.max(logits, axis=0)
   e = jnp.exp(logits - top)
   total = jnp.sum(e, axis=0)
@@ -124,7 +110,7 @@ def _fused_chunk(xc, tc, wc, kernel, bias):
   hits = jnp.sum(wc * (true >= top).astype(jnp.float32))
   target = jnp.arange(logits.shape[0])[:, None] == tc[None, :]
   g = (e * (1.0 / total) - target.astype(jnp.float32)) * wc[None, :]
-  return (loss, hits, mm(g, xc), jnp.sum(g, axis=1)), mm(kernel, g).T
+  return (loss, hits, g @ xc, jnp.sum(g, axis=1)), (kernel @ g).T
 
 
 def _fused_loss(x, kernel, bias, t, w, c):
