@@ -127,8 +127,10 @@ def json_items(path: str, wanted: set[str], marks: set[str]):
 
 
 def is_mac_copy(name: str) -> bool:
-  """`__MACOSX/...` and `._name`: what a Mac adds when it re-zips."""
-  return name.startswith('__MACOSX/') or name.split('/')[-1].startswith('._')
+  """What a Mac adds when it zips a folder again: `__MACOSX/` and `._`
+  files (resource forks), never a chat."""
+  parts = name.replace('\\', '/').split('/')
+  return '__MACOSX' in parts or parts[-1].startswith('._')
 
 
 def lines(f, where: str, warn, limit: int):

@@ -92,13 +92,6 @@ def sources(inputs: list[str]) -> list[chatlog.Source]:
 MAX_ENTRIES = 100_000  # Entries of an export zip ("Include media": files).
 
 
-def _mac_extra(name: str) -> bool:
-  """What a Mac adds when it zips a folder again: `__MACOSX/` and `._`
-  files (resource forks), never a chat."""
-  parts = name.replace('\\', '/').split('/')
-  return '__MACOSX' in parts or parts[-1].startswith('._')
-
-
 def _member(zf: zipfile.ZipFile, path: str) -> zipfile.ZipInfo:
   """The chat text inside an export zip: `_chat.txt` (iOS), else the one
   `.txt` (Android's "WhatsApp Chat with X.txt", in any language)."""
@@ -107,7 +100,7 @@ def _member(zf: zipfile.ZipFile, path: str) -> zipfile.ZipInfo:
     for i in zf.infolist()
     if not i.is_dir()
     and i.filename.lower().endswith('.txt')
-    and not _mac_extra(i.filename)
+    and not exportfiles.is_mac_copy(i.filename)
   ]
   chosen = [i for i in texts if os.path.basename(i.filename) == '_chat.txt']
   if not chosen:
