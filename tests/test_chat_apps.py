@@ -8,10 +8,35 @@ import zipfile
 
 import pytest
 
+from src.apps import convert
 from src.core.errors import UserError
+from src.data import chatformat
 from src.data.importers import googlechat, imessage
 
 from .test_chatlogs import refused, run
+
+
+def _converted(fmt, path, out, *flags):
+  """Converts the export `path` into the folder `out`; the conversations
+  of the one file written, as [(role, text)] lists."""
+  convert.main([fmt, str(path), str(out), *flags])
+  (written,) = out.iterdir()
+  return [
+    [(t.role, t.text) for t in c.turns]
+    for c in chatformat.read_file(str(written))
+  ]
+
+
+def _zipped(root, path, prefix, junk):
+  """`root`'s files zipped into `path` under `prefix`, as a Mac re-zips
+  them: with the `__MACOSX/` entry `junk`."""
+  with zipfile.ZipFile(path, 'w') as zf:
+    for f in sorted(root.rglob('*')):
+      if f.is_file():
+        zf.write(f, prefix + str(f.relative_to(root)))
+    zf.writestr(junk, b'\x00\x05junk')
+  return path
+
 
 IMESSAGE = (
   'May 17, 2022  5:29:42 PM (Read by you after 1 hour, 49 seconds)\n'
@@ -63,19 +88,12 @@ IMESSAGE = (
 
 
 def test_imessage_exporter_txt_folder(tmp_path):
-  from src.apps import convert
-  from src.data import chatformat
-
   (tmp_path / 'export').mkdir()
   (tmp_path / 'export' / 'Sam.txt').write_text(IMESSAGE)
   (tmp_path / 'export' / 'notes.txt').write_text('not a chat\n')
-  out = tmp_path / 'out'
-  convert.main(['imessage', str(tmp_path / 'export'), str(out), '--ai', 'Me'])
-  (written,) = out.iterdir()
-  convs = [
-    [(t.role, t.text) for t in c.turns]
-    for c in chatformat.read_file(str(written))
-  ]
+  convs = _converted(
+    'imessage', tmp_path / 'export', tmp_path / 'out', '--ai', 'Me'
+  )
   # The folder is the input (notes.txt does not start with a time line).
   assert convs == [
     [
@@ -183,20 +201,14 @@ def test_signal_export_folder_and_zip(tmp_path, as_zip):
   _signal(root)
   path = root
   if as_zip:
-    path = tmp_path / 'signal.zip'
-    with zipfile.ZipFile(path, 'w') as zf:
-      for f in sorted(root.rglob('*')):
-        if f.is_file():
-          zf.write(f, 'signal-chats/' + str(f.relative_to(root)))
-      zf.writestr('__MACOSX/signal-chats/Sam/._data.json', b'\x00\x05junk')
-  from src.apps import convert
-  from src.data import chatformat
-
-  out = tmp_path / 'out'
-  convert.main(['signal', str(path), str(out), '--ai', 'Me'])
-  (written,) = out.iterdir()
-  convs = chatformat.read_file(str(written))
-  assert [[(t.role, t.text) for t in c.turns] for c in convs] == SIGNAL
+    path = _zipped(
+      root,
+      tmp_path / 'signal.zip',
+      'signal-chats/',
+      '__MACOSX/signal-chats/Sam/._data.json',
+    )
+  convs = _converted('signal', path, tmp_path / 'out', '--ai', 'Me')
+  assert convs == SIGNAL
 
 
 def test_signal_bad_inputs_are_one_line(tmp_path):
@@ -204,8 +216,6 @@ def test_signal_bad_inputs_are_one_line(tmp_path):
     tmp_path, 'signal', {'notes.txt': 'hello'}, '--ai', 'Me'
   )
   (tmp_path / 'empty').mkdir()
-  from src.apps import convert
-
   with pytest.raises(UserError, match='is not a Signal export'):
     convert.main(['signal', str(tmp_path / 'empty'), str(tmp_path / 'o')])
 
@@ -258,23 +268,16 @@ def test_google_chat_takeout_folder_and_zip(tmp_path, as_zip):
   _takeout(root)
   path = root
   if as_zip:
-    path = tmp_path / 'takeout-20240301.zip'
-    with zipfile.ZipFile(path, 'w') as zf:
-      for f in sorted(root.rglob('*')):
-        if f.is_file():
-          zf.write(f, str(f.relative_to(root)))
-      zf.writestr(
-        '__MACOSX/Takeout/Google Chat/Groups/DM k6oxHQAAAAE/._messages.json',
-        b'\x00\x05junk',
-      )
-  from src.apps import convert
-  from src.data import chatformat
-
-  out = tmp_path / 'out'
-  convert.main(['googlechat', str(path), str(out), '--ai', 'alex@example.com'])
-  (written,) = out.iterdir()
-  convs = chatformat.read_file(str(written))
-  assert [[(t.role, t.text) for t in c.turns] for c in convs] == [
+    path = _zipped(
+      root,
+      tmp_path / 'takeout-20240301.zip',
+      '',
+      '__MACOSX/Takeout/Google Chat/Groups/DM k6oxHQAAAAE/._messages.json',
+    )
+  convs = _converted(
+    'googlechat', path, tmp_path / 'out', '--ai', 'alex@example.com'
+  )
+  assert convs == [
     [('user', 'a?'), ('ai', 'b')],
     [('user', 'c?'), ('ai', 'd')],  # 9 hours later: a new conversation.
     [('user', 'e?'), ('ai', 'f')],
