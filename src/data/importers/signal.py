@@ -152,6 +152,7 @@ def _markdown(lines, where: str):
   for n, line in lines:
     if line is None:
       continue
+    line = line.rstrip('\n')
     m = _HEADER.match(line)
     if m:
       if head is not None:
@@ -160,7 +161,7 @@ def _markdown(lines, where: str):
       size = len(text[0])
       continue
     if head is not None and size <= chatlog.MAX_MESSAGE:
-      text.append(line.rstrip('\n'))
+      text.append(line)
       size += len(line)
   if head is not None:
     yield _markdown_item(head, '\n'.join(text).rstrip(), at)
@@ -169,7 +170,7 @@ def _markdown(lines, where: str):
 def _chat_items(f, where: str, is_json: bool, warn):
   lines = exportfiles.lines(f, where, warn, MAX_LINE)
   if not is_json:
-    yield from _markdown(((n, t and t.rstrip('\n')) for n, t in lines), where)
+    yield from _markdown(lines, where)
     return
   for n, line in lines:
     if line is None or not line.strip():
