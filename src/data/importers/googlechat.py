@@ -102,11 +102,9 @@ def chat_name(info, folder: str) -> str:
     if isinstance(info.get('name'), str) and info['name'].strip():
       return info['name'].strip()
     members = info.get('members')
-    names = (
-      [_person(m)[0] for m in members if _person(m)[0]][:8]
-      if (isinstance(members, list))
-      else []
-    )
+    if not isinstance(members, list):
+      members = []
+    names = [name for name in (_person(m)[0] for m in members) if name][:8]
     if names:
       return ', '.join(names)
   return folder
