@@ -1,10 +1,14 @@
 """What messenger apps write into a chat export that no person wrote.
 
-Each entry is the app's wording in English, German, Spanish, French,
-Portuguese, Italian and Dutch, and for the placeholders, deleted messages,
-missed calls, locations and the edit mark also Russian, Czech, Arabic,
-Japanese, Finnish, Polish and Turkish (and a few more where known),
-matched against a whole message after its ends are stripped. `kind(text)`
+Two sources, matched against a whole message after its ends are
+stripped: `whatsapp_wording.json`, WhatsApp's own strings in every
+language its apps ship (40+: deleted messages, missed calls, media,
+stickers, GIFs, documents and contact cards left out, attachments, live
+and pinned locations, the end-to-end notice, security codes; the file
+names its source and each string's key), and the patterns below, for
+what the table lacks (view-once media, "waiting for this message", the
+edit mark, older and Android-only wordings in the languages seen in real
+exports). `kind(text)`
 names what a message is when the app wrote it ('media', 'deleted',
 'call', 'system notice') and `None` when a person did;
 `strip_edited(text)` removes the "edited" mark that WhatsApp appends and
@@ -13,7 +17,11 @@ keeps the text.
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import re
+import unicodedata
 
 # Whole-message placeholders for a photo, video, voice note, sticker, GIF,
 # document or contact that the export left out, and attachment names.
@@ -27,7 +35,10 @@ _MEDIA = [
   r'تم استبعاد الوسائط|メディアは含まれていません|'
   r'ไม่รวมสื่อ|media dihilangkan|media dihapus|medya dahil edilmedi|'
   r'pominięto multimedia|media jätetty pois|media utelatt|'
-  r'media udeladt|media utelämnad|πολυμέσα παραλείφθηκαν)[>›]',
+  r'media udeladt|media utelämnad|πολυμέσα παραλείφθηκαν|multimedia omitted)'
+  r'[>›]',
+  # Android: a view-once photo or video once it was opened.
+  r'null',
   r'<(?:view once|einmalige ansicht|ver una vez|vue unique|visualização '
   r'única|visualizza una volta)[^<>]{0,40}(?:omitted|weggelassen|omitid[oa]|'
   r'omis|omise|ocultad[oa]|omess[oa])>',
@@ -57,6 +68,9 @@ _MEDIA = [
   r'(?:location|standort|ubicación|position|localização|posizione|'
   r'местоположение|геопозиция|poloha|umístění|الموقع|位置情報|sijainti|'
   r'lokalizacja|konum|locatie): https?://\S+',
+  # Any language: a place's name or "Location", then its map link.
+  r'[^\n:]{1,40}: https://maps\.google\.com/\?q=\S+',
+  r'[^\n]{1,200}: https://foursquare\.com/\S+',
   r'(?:live location shared|live-standort wird geteilt|ubicación en tiempo '
   r'real compartida|position en direct partagée|localização em tempo real '
   r'compartilhada|posizione in tempo reale condivisa)',
@@ -185,6 +199,81 @@ MARKS += '\ufeff'
 _STRIP = MARKS + ' \t\u00a0\u202f'
 
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TABLE = os.path.join(_HERE, 'whatsapp_wording.json')
+_NO_MARKS = str.maketrans({m: ' ' for m in MARKS + '\u00a0\u202f'})
+_ENDS = '.。। '
+
+
+def _key(text: str) -> str:
+  """`text` as the table holds it: marks and odd spaces made spaces,
+  spaces collapsed, casefolded, composed alike (NFC), without a final
+  period."""
+  text = unicodedata.normalize('NFC', text.translate(_NO_MARKS))
+  return ' '.join(text.split()).casefold().rstrip(_ENDS)
+
+
+class _Table:
+  """`whatsapp_wording.json`, read once, as sets and tuples: a lookup per
+  message whatever the number of languages (a regex of a thousand
+  alternatives would be tried branch by branch on every message)."""
+
+  def __init__(self, path: str = _TABLE):
+    with open(path, encoding='utf-8') as f:
+      table = json.load(f)
+    self.whole = {}  # key -> kind, for whole messages.
+    self.wrapped = set()  # Android's "<Media omitted>": only in <...>.
+    for name in ('deleted', 'call', 'media'):
+      for what, texts in table[name].items():
+        if what.startswith('<'):
+          self.wrapped.update(_key(t) for t in texts)
+        else:
+          self.whole.update((_key(t), name) for t in texts)
+    self.document = tuple(' ' + _key(t) for t in table['document omitted'])
+    self.attached = {_key(t) for t in table['attached']}
+    self.file_attached = {_key(t) for t in table['file attached']}
+    self.location = {_key(t) for t in table['location']}
+    notices = list(table['system notice'].values())
+    self.notice = tuple(_key(t) for t in notices[0])
+    self.code = [
+      re.compile('.{1,80}?'.join(map(re.escape, _key(t).split('{}'))))
+      for t in notices[1]
+    ]
+    self.code_start = tuple(_key(t).split('{}')[0] for t in notices[1])
+
+  def kind(self, body: str) -> str | None:
+    """The kind of `body` (a message without its ends) by the table."""
+    key = _key(body)
+    bare = key.strip('<>‹› ').rstrip(_ENDS)
+    if bare in self.whole:
+      return self.whole[bare]
+    if key[:1] in '<‹' and bare in self.wrapped:
+      return 'media'
+    if (' ' + bare).endswith(self.document):  # "<name> document omitted".
+      return 'media'
+    if key.endswith('>') and '<' in key:  # iOS: "<attached: NAME>".
+      word = key[key.rindex('<') + 1 :].split(':', 1)[0].strip()
+      if word in self.attached:
+        return 'media'
+    if key.endswith(')') and ' (' in key:  # Android: "NAME (file attached)".
+      if key[key.rindex(' (') + 2 : -1].strip() in self.file_attached:
+        return 'media'
+    head, sep, _ = key.partition(' http')
+    if sep and head.rstrip(':').strip() in self.location:
+      return 'media'
+    if key.startswith(self.notice):
+      return 'system notice'
+    if key.startswith(self.code_start) and any(p.match(key) for p in self.code):
+      return 'system notice'
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def table() -> _Table:
+  """The WhatsApp wording table (read at first use)."""
+  return _Table()
+
+
 def kind(text: str, notices: tuple[str, ...] = ()) -> str | None:
   """What the app wrote as `text` ('deleted', 'call', 'media', 'system
   notice'), or None when a person wrote it. `notices` are extra
@@ -195,6 +284,9 @@ def kind(text: str, notices: tuple[str, ...] = ()) -> str | None:
   for name, pattern in _COMPILED:
     if pattern.match(body):
       return name
+  found = table().kind(body)
+  if found is not None:
+    return found
   for pattern in notices:
     if re.match(pattern + r'\Z', body, re.IGNORECASE):
       return 'system notice'
