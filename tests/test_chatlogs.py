@@ -1054,8 +1054,37 @@ def test_a_lone_surrogate_in_a_message_is_converted(tmp_path):
     'Look at this!\n'
     '12/03/2022, 14:22 - Ana: IMG-20220312-WA0002.jpg (file attached)\n'
     '12/03/2022, 14:23 - Lev: Nice\n',
+    # As iPhones really write them (the layouts of real exports in public
+    # parsers' test data): Thai with "BE" after the year, a Japanese era
+    # year ("R4" is 2022), Arabic with a right-to-left mark in the date,
+    # Vietnamese with the time first, iOS before 2017 without brackets,
+    # and day periods spelled out.
+    '[3/18/2565 BE, 14:56:01] Ana: สวัสดี\n'
+    '\u200e[3/18/2565 BE, 14:57:00] Ana: \u200eไม่มีรูปภาพ\n'
+    '[3/18/2565 BE, 14:58:35] Lev: hi\n',
+    '[3/18/R4, 14:56:01] Ana: こんにちは\n'
+    '[3/18/R4, 14:56:30] Ana: \u200e不在着信\n'
+    '[3/18/R4, 14:57:35] Lev: hi\n',
+    '[١٨\u200f/٣\u200f/٢٠٢٢، ٢:٥٦:٠٠\u00a0م] آنا: مرحبا ١٢٣\n'
+    '\u200f[١٨\u200f/٣\u200f/٢٠٢٢، ٢:٥٧:٥٥\u00a0م] آنا: '
+    '\u200fلم يتم إدراج الصورة\n'
+    '[١٨\u200f/٣\u200f/٢٠٢٢، ٢:٥٨:٠٠\u00a0م] ليف: أهلا\n',
+    '[14:56:01, 3/18/22] Ana: Xin chào\n'
+    '\u200e[14:57:55, 3/18/22] Ana: \u200eđã bỏ qua hình ảnh\n'
+    '[14:58:00, 3/18/22] Lev: Chào\n',
+    '7/1/16, 4:56:55 PM: \u200eAna created this group\n'
+    '7/1/16, 5:13:36 PM: Ana: Hallo\n'
+    '7/1/16, 5:14:00 PM: Ana: <\u200eimage omitted>\n'
+    '7/1/16, 5:14:12 PM: Lev: Hi\n',
+    '03/01/2021, 9:15 in the morning - Ana: Hi\n'
+    '03/01/2021, 9:16 in the morning - Ana: null\n'
+    '03/01/2021, 9:25 in the morning - Lev: Hello\n',
   ],
-  ids=['russian', 'czech', 'arabic', 'thai-era', 'finnish', 'ios-de', 'media'],
+  ids=[
+    *('russian', 'czech', 'arabic', 'thai-era', 'finnish', 'ios-de', 'media'),
+    *('thai-ios', 'japanese-era', 'arabic-ios', 'time-first', 'ios-2016'),
+    'day-periods',
+  ],
 )
 def test_whatsapp_languages_calendars_and_layouts(tmp_path, text):
   (conv,) = run(
@@ -1077,6 +1106,11 @@ def test_whatsapp_languages_calendars_and_layouts(tmp_path, text):
     'bearbeitet',
     'attached',
     'maps.google',
+    'รูปภาพ',
+    '不在',
+    'الصورة',
+    'hình ảnh',
+    'null',
   ):
     assert app_wrote not in said, said
   assert conv[-1][0] == 'ai'

@@ -14,9 +14,12 @@ chat runs forward in time is taken (day first when both do, as most
 locales write it). Lines without a timestamp continue the message above
 (its own line breaks). What the app wrote is dropped and counted: lines
 without a sender (group events, the encryption notice), iOS's text marked
-with U+200E, media placeholders, deleted messages and missed calls in
-English, German, Spanish, French, Portuguese, Italian and Dutch; the
-"<This message was edited>" mark is removed and the text kept.
+with U+200E, and what `wording` knows the app writes (media, deleted
+messages, missed calls... in every language WhatsApp ships); the
+"<This message was edited>" mark is removed and the text kept. Also read:
+Arabic-Indic digits and the Arabic comma, Buddhist and Japanese era
+years, the time first (`[14:56:01, 3/18/22]`), iOS before 2017 without
+brackets (`7/1/16, 4:56:55 PM: Alice: ...`).
 
 The file is read twice (once for the date order), line by line: memory does
 not grow with the export.
@@ -40,29 +43,60 @@ MAX_LINE = 1 << 20
 MAX_RATIO = 200
 
 _SP = r'[ \u00a0\u202f]'
-_DATE = r'(\d{1,4})([./-])(\d{1,2})\2(\d{1,4})\.?'
-# Before noon and after it, as the locales write them after the time.
-_AM = ('ص', '午前', '上午', 'ก่อนเที่ยง', 'π.μ.', 'vorm.', 'de la mañana')
-_PM = ('م', '午後', '下午', 'หลังเที่ยง', 'μ.μ.', 'nachm.', 'de la tarde')
-_HALF = '|'.join(re.escape(w) for w in sorted(_AM + _PM, key=len)[::-1])
-_TIME = (
-  r'(\d{1,2})[:.](\d{2})(?:[:.](\d{2}))?'
-  rf'(?:{_SP}?([AaPp]\.?{_SP}?[Mm]\.?|{_HALF}))?'
-)
 _MARK = '[\u200e\u200f\u061c\ufeff]*'
+# A year: digits, or a Japanese era's letter and its year ("R4" is 2022),
+# then the Buddhist era's name where Thai phones write it ("2565 BE").
+_YEAR = r'[MTSHR]?\d{1,4}'
+_DATE = (
+  rf'(?P<a>{_YEAR}){_MARK}(?P<sep>[./-]){_MARK}(?P<b>\d{{1,2}}){_MARK}'
+  rf'(?P=sep){_MARK}(?P<c>{_YEAR})\.?(?:{_SP}(?:BE|พ\.ศ\.))?'
+)
+# Before noon and after it, as the locales write them after the time.
+_AM = (
+  'ص', '午前', '上午', 'ก่อนเที่ยง', 'π.μ.', 'vorm.', 'de la mañana',
+  'in the morning', 'SA',
+)  # fmt: skip
+_PM = (
+  'م', '午後', '下午', 'หลังเที่ยง', 'μ.μ.', 'nachm.', 'de la tarde',
+  'in the afternoon', 'in the evening', 'CH',
+)  # fmt: skip
+_NIGHT = ('at night', 'de la noche', 'de la madrugada')  # Before 6: AM.
+_HALF = '|'.join(
+  re.escape(w) for w in sorted(_AM + _PM + _NIGHT, key=len)[::-1]
+)
+_TIME = (
+  r'(?P<hh>\d{1,2})[:.](?P<mm>\d{2})(?:[:.](?P<ss>\d{2}))?'
+  rf'(?:{_SP}?(?P<ampm>[AaPp]\.?{_SP}?[Mm]\.?|{_HALF}))?'
+)
 # Words some locales put between the date and the time.
 _AT = rf'(?:(?:um|à|a las|klo|kl\.|alle|om|в){_SP}+)?'
 ANDROID = re.compile(
-  rf'^{_MARK}{_DATE},?{_SP}+{_AT}{_TIME}{_SP}*[-–]{_SP}(.*)$'
+  rf'^{_MARK}{_DATE}[,،]?{_SP}+{_AT}{_TIME}{_SP}*[-–]{_SP}(?P<rest>.*)$'
 )
-IOS = re.compile(rf'^{_MARK}\[{_DATE},?{_SP}+{_AT}{_TIME}\]{_SP}*(.*)$')
+IOS = re.compile(
+  rf'^{_MARK}\[{_MARK}{_DATE}[,،]?{_SP}+{_AT}{_TIME}\]{_SP}*(?P<rest>.*)$'
+)
+# iOS with the time first (Vietnamese: "[14:56:01, 3/18/22] Name: text"),
+# and before WhatsApp 2.17 without brackets ("7/1/16, 4:56:55 PM: Name:").
+IOS_TIME_FIRST = re.compile(
+  rf'^{_MARK}\[{_MARK}{_TIME}[,،]{_SP}+{_DATE}\]{_SP}*(?P<rest>.*)$'
+)
+IOS_OLD = re.compile(rf'^{_MARK}{_DATE}[,،]?{_SP}+{_TIME}:{_SP}(?P<rest>.*)$')
+_LAYOUTS = (
+  ('ios', IOS),
+  ('android', ANDROID),
+  ('ios-time-first', IOS_TIME_FIRST),
+  ('ios-old', IOS_OLD),
+)
 # Arabic-Indic and Persian digits, and the Arabic comma, as a header is
 # matched (each one character for one: the text keeps its own).
 _HEAD_CHARS = str.maketrans('٠١٢٣٤٥٦٧٨٩۰۱۲۳۴۵۶۷۸۹،', '01234567890123456789,')
 _ARABIC_HEAD = re.compile('[٠-٩۰-۹،]')
-_ASCII_HEAD = frozenset('0123456789[')  # A line that starts so needs none.
+_ASCII_HEAD = frozenset('0123456789')  # A head that starts so needs none.
 # Thai phones write the Buddhist era: 2565 is 2022.
 _BUDDHIST_ERA = 543
+# Japanese eras: the year before each one's first ("R1" is 2019).
+_ERAS = {'M': 1867, 'T': 1911, 'S': 1925, 'H': 1988, 'R': 2018}
 # Group events Android writes with a colon in them ("Alice changed the
 # subject from "Trip" to "Trip: day 2""): their "sender" is no name.
 _EVENT_SENDER = re.compile(
@@ -192,7 +226,7 @@ class _Lines:
 def _header(line: str):
   """(layout, match) for a line that starts a message, else None (see
   `_match`)."""
-  for layout, pattern in (('ios', IOS), ('android', ANDROID)):
+  for layout, pattern in _LAYOUTS:
     m = _match(pattern, line)
     if m:
       return layout, m
@@ -203,7 +237,8 @@ def _match(pattern, line: str):
   """`pattern`'s header match of `line`, or None: made on the line with
   the digits and commas of its head made ASCII (one character for one, so
   the match's positions are the line's: take the text from the line)."""
-  if line[:1] not in _ASCII_HEAD and _ARABIC_HEAD.search(line, 0, 48):
+  first = line.lstrip('[\u200e\u200f\u061c\ufeff')[:1]
+  if first not in _ASCII_HEAD and _ARABIC_HEAD.search(line, 0, 48):
     line = line[:48].translate(_HEAD_CHARS) + line[48:]
   return pattern.match(line)
 
@@ -211,7 +246,7 @@ def _match(pattern, line: str):
 def _order(path: str) -> tuple[str, str]:
   """The file's layout ('ios' or 'android') and date order ('dmy', 'mdy',
   'ymd'), read from the whole file (see the module docstring)."""
-  layouts = {'ios': 0, 'android': 0}
+  layouts = dict.fromkeys(dict(_LAYOUTS), 0)
   possible = {'dmy': True, 'mdy': True}
   backwards = {'dmy': 0, 'mdy': 0}
   last = {'dmy': None, 'mdy': None}
@@ -222,11 +257,11 @@ def _order(path: str) -> tuple[str, str]:
       continue
     layout, m = found
     layouts[layout] += 1
-    a, _, b, c = m.group(1, 2, 3, 4)
-    if len(a) == 4:
+    a, b, c = m.group('a', 'b', 'c')
+    if len(a) == 4 or a[0] in _ERAS:
       ymd += 1
       continue
-    a, b, c = int(a), int(b), int(c)
+    a, b, c = _number(a), int(b), _number(c)
     for order, (day, month) in (('dmy', (a, b)), ('mdy', (b, a))):
       if month > 12 or day > 31 or not month or not day:
         possible[order] = False
@@ -244,11 +279,18 @@ def _order(path: str) -> tuple[str, str]:
   return layout, min(candidates, key=lambda o: (backwards[o], o != 'dmy'))
 
 
+def _number(field: str) -> int:
+  """A date field's number: digits, or a Japanese era's year."""
+  if field[0] in _ERAS:
+    return _ERAS[field[0]] + int(field[1:])
+  return int(field)
+
+
 def _time(m, order: str) -> float | None:
   """Seconds since the epoch (as if UTC) of a header, or None if it is
   not a real date and time."""
-  a, _, b, c, hh, mm, ss, ampm = m.groups()[:8]
-  a, b, c = int(a), int(b), int(c)
+  a, b, c, hh, mm, ss, ampm = m.group('a', 'b', 'c', 'hh', 'mm', 'ss', 'ampm')
+  a, b, c = _number(a), int(b), _number(c)
   year, month, day = {'dmy': (c, b, a), 'mdy': (c, a, b), 'ymd': (a, b, c)}[
     order
   ]
@@ -257,6 +299,8 @@ def _time(m, order: str) -> float | None:
   elif year > 2400:
     year -= _BUDDHIST_ERA
   pm = (ampm[0] in 'Pp' or ampm in _PM) if ampm else None
+  if ampm in _NIGHT:
+    pm = int(hh) >= 6  # "9 at night" is 21:00, "1 at night" 01:00.
   return chatlog.wall_seconds((year, month, day), (hh, mm, ss or 0), pm)
 
 
@@ -288,7 +332,7 @@ def items(source: chatlog.Source, warn):
   order."""
   (path,) = source.paths
   layout, order = _order(path)
-  pattern = IOS if layout == 'ios' else ANDROID
+  pattern = dict(_LAYOUTS)[layout]
   yield chatlog.Chat(source.name)
   current = None  # [where, time, sender, lines, app]
   too_long = 0
@@ -312,7 +356,7 @@ def items(source: chatlog.Source, warn):
       continue
     if current is not None:
       yield _finish(current)
-    rest = line[m.start(9) :]  # The line's own text, digits as written.
+    rest = line[m.start('rest') :]  # The line's own text, digits as written.
     sender, sep, body = rest.partition(':')
     body = body[1:] if body.startswith(' ') else body
     if not sep or _EVENT_SENDER.search(sender) or len(sender) > 100:
