@@ -27,6 +27,7 @@ import re
 
 from src.core import files
 from src.core.errors import UserError
+from src.data.importers import wording
 from src.data.importers.base import stem
 from src.data.importers.chatlog import Chat, Drop, Message, Source
 from src.data.importers.exportfiles import files_in, open_input
@@ -35,68 +36,6 @@ from src.data.importers.exportfiles import files_in, open_input
 # one is not an export.
 MAX_FILE = 256 * files.MB
 
-# What Meta writes, as (kind, pattern). A pattern that starts with a name
-# counts only when the name is the message's sender or "You": a person's
-# "my mum sent a photo" is kept.
-_NAMED = [
-  (
-    'media',
-    r'(?:sent an attachment|sent a photo|sent \d+ photos|'
-    r'sent a video|sent a voice message|sent an audio clip|sent a gif|'
-    r'sent a sticker|sent a link|sent a location|shared a location|'
-    r'shared a story|shared a post|shared a reel|sent a post|'
-    r'hat einen anhang gesendet|hat ein foto gesendet|envió un archivo '
-    r'adjunto|envió una foto|a envoyé une pièce jointe|a envoyé une photo|'
-    r'enviou um anexo|enviou uma foto|ha inviato un allegato|'
-    r'ha inviato una foto)\.?',
-  ),
-  ('deleted', r'unsent a message\.?'),
-  (
-    'call',
-    r'(?:started a (?:video |audio )?call|joined the (?:video |audio )?'
-    r'call|missed (?:a|your) (?:video |audio )?call|called you|started '
-    r'sharing video|started a video chat|joined the video chat)\.?',
-  ),
-  (
-    'reaction',
-    r'(?:reacted [^\n]{1,40} to (?:your|a) message|liked a '
-    r'message|waved at [^\n]{1,100})[.!]?',
-  ),
-  (
-    'system notice',
-    r'(?:named the group|changed the group photo|set the '
-    r'nickname|set (?:his|her|their|your) own nickname|set your nickname|'
-    r'cleared (?:the|his|her|their|your)(?: own)? nickname|set the emoji|'
-    r'changed the (?:chat )?theme|set the quick reaction|added [^\n]{1,200} '
-    r'to the group|removed [^\n]{1,200} from the group|left the group|'
-    r'created the group|pinned a message|changed the group name|turned (?:on|'
-    r'off) [^\n]{1,80}|made [^\n]{1,100} an admin|joined the group)'
-    r'[^\n]{0,200}',
-  ),
-]
-_BARE = [
-  (
-    'media',
-    r'(?:mentioned you in (?:their|his|her) story|replied to your '
-    r'story|sent an attachment)\.?',
-  ),
-  ('deleted', r'this message was unsent\.?|message unavailable'),
-  (
-    'call',
-    r'the (?:video chat|call) ended\.?|(?:video|audio) call ended\.?|'
-    r'missed (?:video |audio )?call',
-  ),
-  ('reaction', r'reacted [^\n]{1,40} to (?:your|a) message|liked a message'),
-  (
-    'system notice',
-    r'you are now connected on messenger\.?|say hi to your '
-    r'new facebook friend[^\n]{0,100}|you can now message and call each '
-    r'other[^\n]{0,200}|messages and calls are secured with end-to-end '
-    r'encryption[^\n]{0,200}',
-  ),
-]
-_NAMED_RE = [(k, re.compile(p, re.IGNORECASE)) for k, p in _NAMED]
-_BARE_RE = [(k, re.compile(p, re.IGNORECASE)) for k, p in _BARE]
 _MEDIA_KEYS = (
   'photos',
   'videos',
@@ -164,14 +103,14 @@ def _kind(text: str, sender: str) -> str | None:
   body = text.strip()
   if len(body) > 500:
     return None
-  for kind, pattern in _BARE_RE:
+  for kind, pattern in wording.MESSENGER_BARE:
     if pattern.fullmatch(body):
       return kind
   lower = body.lower()
   for name in (sender.lower(), 'you'):
     if lower.startswith(name + ' '):
       rest = body[len(name) + 1 :]
-      for kind, pattern in _NAMED_RE:
+      for kind, pattern in wording.MESSENGER_NAMED:
         if pattern.fullmatch(rest):
           return kind
   return None

@@ -1,4 +1,6 @@
-"""What messenger apps write into a chat export that no person wrote.
+"""What messenger apps write into a chat export that no person wrote:
+WhatsApp (below) and Messenger/Instagram (`MESSENGER_NAMED`, `MESSENGER_BARE`,
+at the end; Telegram and Discord mark theirs with a type in the JSON).
 
 Two sources, matched against a whole message after its ends are
 stripped: `whatsapp_wording.json`, WhatsApp's own strings in every
@@ -306,3 +308,70 @@ def clean_name(name: str) -> str:
   if name.startswith('~'):
     name = name[1:].strip()
   return name
+
+
+# ---- Messenger and Instagram (Meta's export) ----------------------------
+# What Meta writes, as (kind, pattern). A pattern that starts with a name
+# counts only when the name is the message's sender or "You": a person's
+# "my mum sent a photo" is kept.
+_MESSENGER_NAMED = [
+  (
+    'media',
+    r'(?:sent an attachment|sent a photo|sent \d+ photos|'
+    r'sent a video|sent a voice message|sent an audio clip|sent a gif|'
+    r'sent a sticker|sent a link|sent a location|shared a location|'
+    r'shared a story|shared a post|shared a reel|sent a post|'
+    r'hat einen anhang gesendet|hat ein foto gesendet|envió un archivo '
+    r'adjunto|envió una foto|a envoyé une pièce jointe|a envoyé une photo|'
+    r'enviou um anexo|enviou uma foto|ha inviato un allegato|'
+    r'ha inviato una foto)\.?',
+  ),
+  ('deleted', r'unsent a message\.?'),
+  (
+    'call',
+    r'(?:started a (?:video |audio )?call|joined the (?:video |audio )?'
+    r'call|missed (?:a|your) (?:video |audio )?call|called you|started '
+    r'sharing video|started a video chat|joined the video chat)\.?',
+  ),
+  (
+    'reaction',
+    r'(?:reacted [^\n]{1,40} to (?:your|a) message|liked a '
+    r'message|waved at [^\n]{1,100})[.!]?',
+  ),
+  (
+    'system notice',
+    r'(?:named the group|changed the group photo|set the '
+    r'nickname|set (?:his|her|their|your) own nickname|set your nickname|'
+    r'cleared (?:the|his|her|their|your)(?: own)? nickname|set the emoji|'
+    r'changed the (?:chat )?theme|set the quick reaction|added [^\n]{1,200} '
+    r'to the group|removed [^\n]{1,200} from the group|left the group|'
+    r'created the group|pinned a message|changed the group name|turned (?:on|'
+    r'off) [^\n]{1,80}|made [^\n]{1,100} an admin|joined the group)'
+    r'[^\n]{0,200}',
+  ),
+]
+_MESSENGER_BARE = [
+  (
+    'media',
+    r'(?:mentioned you in (?:their|his|her) story|replied to your '
+    r'story|sent an attachment)\.?',
+  ),
+  ('deleted', r'this message was unsent\.?|message unavailable'),
+  (
+    'call',
+    r'the (?:video chat|call) ended\.?|(?:video|audio) call ended\.?|'
+    r'missed (?:video |audio )?call',
+  ),
+  ('reaction', r'reacted [^\n]{1,40} to (?:your|a) message|liked a message'),
+  (
+    'system notice',
+    r'you are now connected on messenger\.?|say hi to your '
+    r'new facebook friend[^\n]{0,100}|you can now message and call each '
+    r'other[^\n]{0,200}|messages and calls are secured with end-to-end '
+    r'encryption[^\n]{0,200}',
+  ),
+]
+MESSENGER_NAMED = [
+  (k, re.compile(p, re.IGNORECASE)) for k, p in _MESSENGER_NAMED
+]
+MESSENGER_BARE = [(k, re.compile(p, re.IGNORECASE)) for k, p in _MESSENGER_BARE]
