@@ -1,21 +1,20 @@
 """What messenger apps write into a chat export that no person wrote:
-WhatsApp (below) and Messenger/Instagram (`MESSENGER_NAMED`, `MESSENGER_BARE`,
-at the end; Telegram and Discord mark theirs with a type in the JSON).
+WhatsApp's first, then Messenger's and Instagram's (`MESSENGER_NAMED`,
+`MESSENGER_BARE`); Telegram and Discord mark theirs with a type in the
+JSON.
 
-Two sources, matched against a whole message after its ends are
-stripped: `whatsapp_wording.json`, WhatsApp's own strings in every
-language its apps ship (40+: deleted messages, missed calls, media,
-stickers, GIFs, documents and contact cards left out, attachments, live
-and pinned locations, the end-to-end notice, security codes; the file
-names its source and each string's key), and the patterns below, for
-what the table lacks (view-once media, "waiting for this message", the
-edit mark, older and Android-only wordings in the languages seen in real
-exports). `kind(text)`
-names what a message is when the app wrote it ('media', 'deleted',
-'call', 'system notice') and `None` when a person did;
-`strip_edited(text)` removes the "edited" mark that WhatsApp appends and
-keeps the text.
-"""
+WhatsApp's come from two sources, matched against a whole message after
+its ends are stripped: `whatsapp_wording.json`, WhatsApp's own strings in
+every language its apps ship (40+: deleted messages, missed calls,
+left-out images, videos, audio, stickers, GIFs, documents and contact
+cards, attachments, locations, the end-to-end notice, security codes; the
+file names its source and each string's key), and the patterns below,
+for what the table lacks (view-once media, "waiting for this message",
+the edit mark, older and Android-only wordings in the languages seen in
+real exports). `kind(text)` names what a message is when the app wrote
+it ('media', 'deleted', 'call', 'system notice') and `None` when a person
+did; `strip_edited(text)` removes the "edited" mark that WhatsApp appends
+and keeps the text."""
 
 from __future__ import annotations
 
