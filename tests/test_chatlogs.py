@@ -1079,11 +1079,17 @@ def test_a_lone_surrogate_in_a_message_is_converted(tmp_path):
     '03/01/2021, 9:15 in the morning - Ana: Hi\n'
     '03/01/2021, 9:16 in the morning - Ana: null\n'
     '03/01/2021, 9:25 in the morning - Lev: Hello\n',
+    # Android: a document's name under "<Media omitted>", a shared place.
+    '12/03/2022, 14:22 - Ana: <Media omitted>\nReport 2022.pdf\n'
+    '12/03/2022, 14:22 - Ana: Pimlico Gardens\nLondon, United Kingdom\n'
+    'https://foursquare.com/v/4e89af\n'
+    '12/03/2022, 14:22 - Ana: Hi\n'
+    '12/03/2022, 14:23 - Lev: Hey\n',
   ],
   ids=[
     *('russian', 'czech', 'arabic', 'thai-era', 'finnish', 'ios-de', 'media'),
     *('thai-ios', 'japanese-era', 'arabic-ios', 'time-first', 'ios-2016'),
-    'day-periods',
+    *('day-periods', 'android-documents'),
   ],
 )
 def test_whatsapp_languages_calendars_and_layouts(tmp_path, text):
@@ -1111,6 +1117,8 @@ def test_whatsapp_languages_calendars_and_layouts(tmp_path, text):
     'الصورة',
     'hình ảnh',
     'null',
+    'foursquare',
+    '.pdf',
   ):
     assert app_wrote not in said, said
   assert conv[-1][0] == 'ai'

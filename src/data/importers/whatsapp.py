@@ -105,6 +105,8 @@ _EVENT_SENDER = re.compile(
   r'ha cambiato l\'oggetto|["“”]',
   re.IGNORECASE,
 )
+# A document's name as Android writes it under "<Media omitted>".
+_FILE_NAME = re.compile(r'[^\n<>:"/\\|?*]{1,200}\.[A-Za-z0-9]{2,5}')
 _NOT_EXPORT = (
   'is not a WhatsApp chat export (no line starts like "12/03/2021, 14:22 - '
   'Name: text" or "[12/03/21, 14:22:01] Name: text"); in WhatsApp open the '
@@ -321,6 +323,8 @@ def _finish(current):
     return chatlog.Drop(kind)
   first, _, caption = text.partition('\n')
   if caption.strip() and wording.kind(first) == 'media':
+    if _FILE_NAME.fullmatch(caption.strip()):
+      return chatlog.Drop('media')  # Android: a document, then its name.
     text = caption  # An attachment's line, then the caption written.
   if not text.strip(wording.MARKS + ' '):
     return chatlog.Drop('empty')

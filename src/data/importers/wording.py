@@ -72,6 +72,7 @@ _MEDIA = [
   # Any language: a place's name or "Location", then its map link.
   r'[^\n:]{1,40}: https://maps\.google\.com/\?q=\S+',
   r'[^\n]{1,200}: https://foursquare\.com/\S+',
+  r'[^\n]{1,200}(?:\n[^\n]{1,200}){0,2}\nhttps://foursquare\.com/\S+',
   r'(?:live location shared|live-standort wird geteilt|ubicación en tiempo '
   r'real compartida|position en direct partagée|localização em tempo real '
   r'compartilhada|posizione in tempo reale condivisa)',
