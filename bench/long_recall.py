@@ -9,12 +9,20 @@ once (a word, a number, a name), small talk, then the question.
       [--config configs/long-conversations.json] [--data DIR]
   python bench/long_recall.py probe RUN --from data/smalltalk
       [--chars 100,600] [--samples 40] [--seen]
+  python bench/long_recall.py practice OUT --from data/smalltalk
+      [--conversations 12000] [--seed 0]
 
 `data` writes training conversations in the line format
 (`src/analysis/long_recall.py`: each states one value at its start and
 asks for it at its end, small talk between drawn log-uniform up to
 `--most-chars` characters; words from the small talk's own vocabulary,
 with a fifth of them held out for `score`).
+
+`practice` writes memory practice (`long_recall.practice`: facts stated,
+small talk, then asked for, in phrasings of its own; invented and
+dictionary words, numbers, names as values; none of the measurement's
+held-out words) to mix into training with `train.py --replay OUT
+--replay-share X`.
 
 `score` asks a trained run over the OpenAI API (an in-process server on
 a local port, `/v1/chat/completions`, temperature 0, as a client would):
@@ -79,6 +87,28 @@ def write_data(out: str, source: str, n: int, most_chars: int, seed: int):
     f'{path}: {n} conversations, {chars / 1e6:.1f}M characters of small '
     f'talk ({len(train_words)} words to remember)'
   )
+
+
+def write_practice(out: str, source: str, n: int, seed: int):
+  import glob
+  import re
+
+  import chatterbot_corpus
+
+  talk, (_, held) = _talk(source)
+  root = os.path.join(os.path.dirname(chatterbot_corpus.__file__), 'data')
+  found = set()
+  for path in glob.glob(os.path.join(root, 'english', '*.yml')):
+    with open(path, encoding='utf-8') as f:
+      found.update(re.findall(r'\b[a-z]{3,12}\b', f.read().lower()))
+  words = sorted(found - set(held))  # Never a word the measurement asks.
+  rng = np.random.default_rng([seed, 2])
+  convs = [task.practice(rng, talk, words) for _ in range(n)]
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, 'practice.txt')
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(recall.to_text(convs, chatformat.Markers()))
+  print(f'{path}: {n} practice conversations ({len(words)} words)')
 
 
 def _sample(rng, talk, words, tok, tokens: int, stated: bool):
@@ -244,10 +274,14 @@ def table(results) -> str:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('what', choices=('data', 'score', 'run', 'probe'))
+  parser.add_argument(
+    'what', choices=('data', 'score', 'run', 'probe', 'practice')
+  )
   parser.add_argument('path')
   parser.add_argument('--from', dest='source', default='data/smalltalk')
-  parser.add_argument('--conversations', type=int, default=4000)
+  parser.add_argument(
+    '--conversations', type=int, help='data: 4000; practice: 12000'
+  )
   parser.add_argument('--most-chars', type=int, default=80_000)
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--seeds', default='0')
@@ -262,9 +296,13 @@ def main(argv=None):
   parser.add_argument('--data', default=None)
   args, extra = parser.parse_known_args(argv)
   distances = [int(d) for d in args.distances.split(',')]
+  n = args.conversations or 4000
   if args.what == 'data':
-    write_data(
-      args.path, args.source, args.conversations, args.most_chars, args.seed
+    write_data(args.path, args.source, n, args.most_chars, args.seed)
+    return
+  if args.what == 'practice':
+    write_practice(
+      args.path, args.source, args.conversations or 12_000, args.seed
     )
     return
   if args.what == 'probe':
@@ -283,7 +321,7 @@ def main(argv=None):
     return
   data = args.data or os.path.join(args.path, 'data')
   if args.data is None and not os.path.isdir(data):
-    write_data(data, args.source, args.conversations, args.most_chars, 0)
+    write_data(data, args.source, n, args.most_chars, 0)
   results = []
   for seed in [int(s) for s in args.seeds.split(',')]:
     out, seconds = train(args.path, args.config, data, seed, extra)

@@ -179,3 +179,88 @@ def training_set(rng, talk, words, n: int, most_chars: int, short=0.85):
     chars = int(np.exp(rng.uniform(np.log(lo), np.log(max(hi, lo + 1)))))
     out.append(make(rng, talk, words, chars, _pick(rng, KINDS)))
   return out
+
+
+# ---- Memory practice ---------------------------------------------------------
+# Conversations dense in copying, in phrasings of their own (none of the
+# measurement's above): facts stated ("the door code is zuvo"), small talk,
+# then each asked for; and "repeat after me" lists. Values are invented
+# words, dictionary words, numbers and names, so a model that gets them
+# right copies them (an invented word cannot be guessed). Mixed into
+# training (`train.py --replay FOLDER --replay-share X`; BENCHMARKS.md
+# "Recall in a long chat").
+PRACTICE_KEYS = (
+  "password,door code,wifi password,dog's name,cat's name,favourite colour,"
+  "code name,sister's name,brother's name,lucky word,street,team name,"
+  "project name,boat's name,plant's name,hotel,meeting place,restaurant,"
+  'book title,movie,favourite band,nickname,city,village,answer,key word,'
+  "label,item,password hint,horse's name,car's name,bakery,shop,island,"
+  "river,mountain,teacher's name,neighbour's name,cafe,song"
+).split(',')
+PRACTICE = (
+  ('', 'Just so you know, ', 'By the way, ', 'Note: ', 'FYI, ',
+   'Quick thing: ', 'Oh, and ', 'Listen, '),
+  ('the {k} is {v}.', '{v} is the {k}.', 'the {k}: {v}', 'my {k} is {v}.',
+   'the {k} will be {v}.', "the {k}? It's {v}.", 'we call the {k} {v}.',
+   'the {k} is called {v}.'),
+  ('OK.', 'Okay.', 'Noted, thanks.', 'Got it.', 'Sure.', 'Understood.',
+   'Thanks for telling me.', 'Good to know.', 'Alright.'),
+  ('What is the {k}?', 'What was the {k} again?', 'Remind me of the {k}.',
+   'Do you recall the {k}?', 'Tell me the {k}.',
+   'What did I say the {k} was?', 'And the {k}?',
+   'Which {k} did I mention?', 'The {k}, what was it?'),
+  ('{v}', 'The {k} is {v}.', 'It is {v}.', 'You said {v}.',
+   '{v}, you told me.', 'That would be {v}.', '{v}.'),
+  ('Repeat after me: {}', 'Say this back: {}', 'Can you say {}?',
+   'Echo: {}', 'Copy this: {}', 'Please write {}'),
+)  # fmt: skip
+_C, _V = 'bdfghklmnprstvz', 'aeiou'
+
+
+def invented(rng) -> str:
+  """A word of 2-3 invented syllables ("zuvo", "hebito")."""
+  n = int(rng.integers(2, 4))
+  return ''.join(_pick(rng, _C) + _pick(rng, _V) for _ in range(n))
+
+
+def _value(rng, words) -> str:
+  r = rng.random()
+  if r < 0.35:
+    return invented(rng)
+  if r < 0.85:
+    return _pick(rng, words)
+  if r < 0.95:
+    return str(int(rng.integers(10, 10000)))
+  return _pick(rng, NAMES)
+
+
+def practice(rng, talk, words, most_chars: int = 3000) -> list:
+  """One practice conversation's `(role, text)` turns: 1-3 facts or
+  repeats, 30 to `most_chars` characters of small talk (log-uniform),
+  then the facts asked for in a random order."""
+  intro, state, ack, ask, answer, repeat = PRACTICE
+  turns, facts = [], []
+  for _ in range(int(rng.integers(1, 4))):
+    if rng.random() < 0.3:
+      said = ' '.join(_value(rng, words) for _ in range(rng.integers(1, 4)))
+      turns += [('user', _pick(rng, repeat).format(said)), ('ai', said)]
+      continue
+    k = _pick(rng, PRACTICE_KEYS)
+    if k in dict(facts):
+      continue
+    v = _value(rng, words)
+    facts.append((k, v))
+    text = _pick(rng, intro) + _pick(rng, state).format(k=k, v=v)
+    turns += [('user', text[0].upper() + text[1:]), ('ai', _pick(rng, ack))]
+  chars = int(np.exp(rng.uniform(np.log(30), np.log(most_chars))))
+  while chars > 0:
+    for turn in _pick(rng, talk):
+      turns.append(turn)
+      chars -= len(turn[1])
+  for i in rng.permutation(len(facts)):
+    k, v = facts[i]
+    turns.append(('user', _pick(rng, ask).format(k=k)))
+    turns.append(('ai', _pick(rng, answer).format(k=k, v=v)))
+  if turns[0][0] != 'user':
+    turns.insert(0, ('user', 'Hi.'))
+  return turns

@@ -1,0 +1,45 @@
+"""The long-recall task's generators (src/analysis/long_recall.py): what
+the measurement asks is stated once; memory practice asks only for what
+it stated, in phrasings the measurement never uses."""
+
+import numpy as np
+
+from src.analysis import long_recall
+
+TALK = [[('user', 'how are you'), ('ai', 'fine, thanks')]]
+
+
+def test_practice_asks_for_what_it_stated_in_phrasings_of_its_own():
+  rng = np.random.default_rng(0)
+  measured = {
+    p.split('{}')[0].strip().lower()
+    for group in (long_recall.WORD, long_recall.NUMBER, long_recall.NAME)
+    for phrasings in group
+    for p in phrasings
+    if len(p.split('{}')[0].strip()) > 3
+  }
+  for _ in range(300):
+    turns = long_recall.practice(rng, TALK, ['alpha', 'bravo'], 200)
+    roles = [role for role, _ in turns]
+    assert roles[0] == 'user' and roles[-1] == 'ai'
+    said = ' '.join(text for role, text in turns if role == 'user')
+    for _, text in turns:
+      assert not any(text.lower().startswith(m) for m in measured), text
+    for (r1, question), (r2, answer) in zip(turns, turns[1:]):
+      if r1 == 'user' and r2 == 'ai' and question.endswith('?'):
+        for value in answer.rstrip('.').replace(',', ' ').split():
+          if value.isdigit() or value in ('alpha', 'bravo'):
+            assert value in said  # Only what was stated is asked for.
+  assert long_recall.invented(rng).isalpha()
+
+
+def test_a_measured_conversation_states_its_value_once_and_asks_last():
+  rng = np.random.default_rng(1)
+  conv = long_recall.make(rng, TALK, ['lantern'], 300, 'word')
+  text = ' '.join(t for _, t in conv.turns[:-1])
+  assert conv.value == 'lantern'
+  assert conv.turns[-1][0] == 'ai' and 'lantern' in conv.turns[-1][1]
+  assert text.count('lantern') in (1, 2)  # The statement (and its echo).
+  assert conv.filler_chars >= 300
+  control = long_recall.make(rng, TALK, ['lantern'], 300, 'word', False)
+  assert 'lantern' not in ' '.join(t for _, t in control.turns[:-1])
