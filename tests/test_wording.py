@@ -41,6 +41,7 @@ def test_the_table_holds_the_apps_own_strings_for_40_languages():
     ('konum: https://maps.google.com/?q=41.0,29.0', 'media'),  # Turkish.
     ('موقع: https://maps.google.com/?q=1,2', 'media'),  # Arabic iOS.
     ('Il tuo codice di sicurezza con Marco è cambiato.', 'system notice'),
+    ('Ayşe ile aranızdaki güvenlik kodu değişti.', 'system notice'),
     (
       'Mesajlar ve aramalar uçtan uca şifrelidir. Bu sohbetin dışında...',
       'system notice',

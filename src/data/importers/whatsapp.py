@@ -93,6 +93,7 @@ _LAYOUTS = (
 _HEAD_CHARS = str.maketrans('٠١٢٣٤٥٦٧٨٩۰۱۲۳۴۵۶۷۸۹،', '01234567890123456789,')
 _ARABIC_HEAD = re.compile('[٠-٩۰-۹،]')
 _ASCII_HEAD = frozenset('0123456789')  # A head that starts so needs none.
+_HEAD_MARKS = '[\u200e\u200f\u061c\ufeff'
 # Thai phones write the Buddhist era: 2565 is 2022.
 _BUDDHIST_ERA = 543
 # Japanese eras: the year before each one's first ("R1" is 2019).
@@ -239,7 +240,9 @@ def _match(pattern, line: str):
   """`pattern`'s header match of `line`, or None: made on the line with
   the digits and commas of its head made ASCII (one character for one, so
   the match's positions are the line's: take the text from the line)."""
-  first = line.lstrip('[\u200e\u200f\u061c\ufeff')[:1]
+  first = line[:1]
+  if first in _HEAD_MARKS:  # iOS: "[" and marks before the digits.
+    first = line[:8].lstrip(_HEAD_MARKS)[:1]
   if first not in _ASCII_HEAD and _ARABIC_HEAD.search(line, 0, 48):
     line = line[:48].translate(_HEAD_CHARS) + line[48:]
   return pattern.match(line)

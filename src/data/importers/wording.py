@@ -211,7 +211,8 @@ def _key(text: str) -> str:
   """`text` as the table holds it: marks and odd spaces made spaces,
   spaces collapsed, casefolded, composed alike (NFC), without a final
   period."""
-  text = unicodedata.normalize('NFC', text.translate(_NO_MARKS))
+  if not text.isascii():  # (ASCII has no marks and is composed.)
+    text = unicodedata.normalize('NFC', text.translate(_NO_MARKS))
   return ' '.join(text.split()).casefold().rstrip(_ENDS)
 
 
@@ -237,11 +238,11 @@ class _Table:
     self.location = {_key(t) for t in table['location']}
     notices = list(table['system notice'].values())
     self.notice = tuple(_key(t) for t in notices[0])
-    self.code = [
-      re.compile('.{1,80}?'.join(map(re.escape, _key(t).split('{}'))))
-      for t in notices[1]
-    ]
-    self.code_start = tuple(_key(t).split('{}')[0] for t in notices[1])
+    self.code = []  # (its longest fixed part, the whole as a pattern)
+    for text in notices[1]:
+      parts = _key(text).split('{}')
+      pattern = re.compile('.{1,80}?'.join(map(re.escape, parts)))
+      self.code.append((max(parts, key=len), pattern))
 
   def kind(self, body: str) -> str | None:
     """The kind of `body` (a message without its ends) by the table."""
@@ -265,8 +266,9 @@ class _Table:
       return 'media'
     if key.startswith(self.notice):
       return 'system notice'
-    if key.startswith(self.code_start) and any(p.match(key) for p in self.code):
-      return 'system notice'
+    for fixed, pattern in self.code:  # "Your security code with {}..."
+      if fixed in key and pattern.match(key):
+        return 'system notice'
     return None
 
 
@@ -303,8 +305,10 @@ def strip_edited(text: str) -> str:
 def clean_name(name: str) -> str:
   """A sender's name without direction marks, WhatsApp's "~ " prefix for
   people not in the contacts, and spare spaces."""
-  name = ''.join(ch for ch in name if ch not in MARKS)
-  name = name.replace('\u00a0', ' ').replace('\u202f', ' ').strip()
+  if not name.isascii():  # (ASCII has neither marks nor odd spaces.)
+    name = ''.join(ch for ch in name if ch not in MARKS)
+    name = name.replace('\u00a0', ' ').replace('\u202f', ' ')
+  name = name.strip()
   if name.startswith('~'):
     name = name[1:].strip()
   return name
