@@ -150,7 +150,7 @@ def test_finetune_takes_tokenizer_settings_and_weights(
   assert f'fine-tuned from {exported["dir"]} (export, step 4' in log
   assert 'unknown pieces: 0.00% of the tokens' in log
   assert 'replay: ' in log and '(40 conversations,' in log
-  assert 'of it at random (50% of the epoch)' in log
+  assert 'of it at random (50% of the epoch' in log
   # The step count and the optimizer start fresh; with learning rate 0
   # the one step left the pretrained weights as they were.
   loop = finetuned['loop']

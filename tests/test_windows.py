@@ -359,3 +359,20 @@ def test_spliced_windows_hold_conversations_starts_and_ends():
   again = windows.WindowBatches(view, 256, 4, seed=1, splice=0, pad_fraction=0)
   for step in (0, 5, 17):
     np.testing.assert_array_equal(plain.batch(step)[0], again.batch(step)[0])
+
+
+def test_a_replay_smaller_than_its_share_is_drawn_again_so_the_share_holds():
+  """A replay of 600 tokens at share 0.75 of 800 data tokens: 2,400
+  tokens an epoch, four passes (before, every conversation once: 43%
+  where 75% was asked, and the log said 75%)."""
+  stream, r_stream, r_ends, b = _replayed([40] * 20, [30] * 20, share=0.75)
+  assert b.replay_tokens == 2400 and b.replay_passes == 4
+  for epoch in range(2):
+    packed = np.concatenate(_epoch_windows(b, epoch))
+    assert sorted(packed[packed < 10000].tolist()) == stream.tolist()
+    replay = packed[packed >= 10000]
+    assert 2400 <= len(replay) < 2430  # The share, in whole conversations.
+    counts = np.bincount(replay - 10000)
+    assert counts.max() <= 4 and counts.min() >= 3  # Each up to 4 passes.
+  with pytest.raises(UserError, match='replay-share 0.999: an epoch would'):
+    _replayed([40] * 20, [30] * 2, share=0.999)

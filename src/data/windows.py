@@ -241,6 +241,7 @@ class Window:
     )
 
 
+MAX_REPLAY_PASSES = 100  # Times an epoch may read a small replay over.
 SPLICE_PIECES = (1, 2, 4)  # Conversations a spliced window holds (drawn).
 SPLICE_LEAST = 64  # Tokens of one conversation in it, at least.
 
@@ -378,6 +379,16 @@ class WindowBatches:
     self.replay = replay
     share = 0 if replay is None else replay_share / (1 - replay_share)
     self.replay_tokens = max(1, round(len(view) * share)) if share else 0
+    # Passes over the replay an epoch takes to hold its share.
+    self.replay_passes = 1
+    if share:
+      self.replay_passes = -(-self.replay_tokens // max(len(replay), 1))
+      if self.replay_passes > MAX_REPLAY_PASSES:
+        raise UserError(
+          f'replay-share {replay_share}: an epoch would read the replay '
+          f'data ({len(replay)} tokens) {self.replay_passes} times over; '
+          'give more replay data or a lower replay-share'
+        )
     self._drawn = None  # (epoch, view with its replay draw), cached.
     self.ai_only = ai_only
     self.max_len = max_len
@@ -402,8 +413,11 @@ class WindowBatches:
     if self._drawn is not None and self._drawn[0] == epoch:
       return self._drawn[1]
     spans = self.replay.spans
-    order = np.random.default_rng([self.seed, epoch, 14]).permutation(
-      len(spans)
+    rng = np.random.default_rng([self.seed, epoch, 14])
+    # A replay smaller than its share is drawn again (a new order each
+    # pass), so the share holds; each conversation at most once a pass.
+    order = np.concatenate(
+      [rng.permutation(len(spans)) for _ in range(self.replay_passes)]
     )
     lengths = np.cumsum((spans[:, 1] - spans[:, 0])[order])
     k = int(np.searchsorted(lengths, self.replay_tokens)) + 1

@@ -126,7 +126,9 @@ def _report(plan: run_plan.RunPlan, cluster: distributed.Cluster, log):
       f'replay: {s["replay"]} ({r.n_conversations} conversations, '
       f'{len(r.tokens)} tokens); every epoch draws '
       f'{plan.train_batches.replay_tokens} tokens of it at random '
-      f'({100 * s["replay-share"]:.0f}% of the epoch)'
+      f'({100 * s["replay-share"]:.0f}% of the epoch'
+      + _passes(plan.train_batches.replay_passes)
+      + ')'
     )
   if s['epochs']:
     log(f'{s["epochs"]} epochs = {s["steps"]} steps at batch {plan.batch_size}')
@@ -159,6 +161,13 @@ def _report(plan: run_plan.RunPlan, cluster: distributed.Cluster, log):
   )
   for line in time_lines(plan.step_seconds, plan.start_step, s['steps']):
     log(line)
+
+
+def _passes(passes: int) -> str:
+  """What the replay line adds when the replay is read more than once."""
+  if passes <= 1:
+    return ''
+  return f'; the replay is smaller: each conversation up to {passes} times'
 
 
 def _write_run_files(plan: run_plan.RunPlan, cluster, log) -> str | None:
