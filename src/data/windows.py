@@ -322,6 +322,23 @@ def _check_options(windows, pad_fraction, part, batch_size, replay, share):
     raise UserError('no tokens in the replay data; add conversations to it')
 
 
+def _replay_draw(data: int, replay, share: float) -> tuple[int, int]:
+  """`(tokens, passes)`: the replay tokens an epoch of `data` tokens
+  draws at `share`, and the passes over `replay` that takes (1 when it
+  holds them, or there is none)."""
+  if replay is None:
+    return 0, 1
+  tokens = max(1, round(data * share / (1 - share)))
+  passes = -(-tokens // max(len(replay), 1))
+  if passes > MAX_REPLAY_PASSES:
+    raise UserError(
+      f'replay-share {share}: an epoch would read the replay data '
+      f'({len(replay)} tokens) {passes} times over; give more replay data '
+      'or a lower replay-share'
+    )
+  return tokens, passes
+
+
 class WindowBatches:
   """Batches of padded windows for every training step (see the module).
 
@@ -377,18 +394,9 @@ class WindowBatches:
     self.part = part
     self.view = view
     self.replay = replay
-    share = 0 if replay is None else replay_share / (1 - replay_share)
-    self.replay_tokens = max(1, round(len(view) * share)) if share else 0
-    # Passes over the replay an epoch takes to hold its share.
-    self.replay_passes = 1
-    if share:
-      self.replay_passes = -(-self.replay_tokens // max(len(replay), 1))
-      if self.replay_passes > MAX_REPLAY_PASSES:
-        raise UserError(
-          f'replay-share {replay_share}: an epoch would read the replay '
-          f'data ({len(replay)} tokens) {self.replay_passes} times over; '
-          'give more replay data or a lower replay-share'
-        )
+    self.replay_tokens, self.replay_passes = _replay_draw(
+      len(view), replay, replay_share
+    )
     self._drawn = None  # (epoch, view with its replay draw), cached.
     self.ai_only = ai_only
     self.max_len = max_len
