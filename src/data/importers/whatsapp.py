@@ -249,8 +249,8 @@ def _match(pattern, line: str):
 
 
 def _order(path: str) -> tuple[str, str]:
-  """The file's layout ('ios' or 'android') and date order ('dmy', 'mdy',
-  'ymd'), read from the whole file (see the module docstring)."""
+  """The file's layout (a name of `_LAYOUTS`) and date order ('dmy',
+  'mdy', 'ymd'), read from the whole file (see the module docstring)."""
   layouts = dict.fromkeys(dict(_LAYOUTS), 0)
   possible = {'dmy': True, 'mdy': True}
   backwards = {'dmy': 0, 'mdy': 0}
