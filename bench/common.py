@@ -21,6 +21,26 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 
+def chatterbot_words(most: int, lower: bool = False) -> set[str]:
+  """The distinct words of 3 to `most` lowercase letters in the English
+  ChatterBot corpus (installed with the requirements); `lower`: of its
+  text lowercased first."""
+  import glob
+  import re
+
+  import chatterbot_corpus
+
+  root = os.path.join(os.path.dirname(chatterbot_corpus.__file__), 'data')
+  found = set()
+  for path in glob.glob(os.path.join(root, 'english', '*.yml')):
+    with open(path, encoding='utf-8') as f:
+      text = f.read()
+    found.update(
+      re.findall(rf'\b[a-z]{{3,{most}}}\b', text.lower() if lower else text)
+    )
+  return found
+
+
 def run_parser(doc: str):
   """An argument parser for a bench that measures a run: RUN_DIR [DATA]."""
   import argparse

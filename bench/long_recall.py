@@ -55,6 +55,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import common  # noqa: E402
 from src import runtime  # noqa: E402
 
 runtime.bootstrap(light=True)
@@ -90,17 +91,8 @@ def write_data(out: str, source: str, n: int, most_chars: int, seed: int):
 
 
 def write_practice(out: str, source: str, n: int, seed: int):
-  import glob
-  import re
-
-  import chatterbot_corpus
-
   talk, (_, held) = _talk(source)
-  root = os.path.join(os.path.dirname(chatterbot_corpus.__file__), 'data')
-  found = set()
-  for path in glob.glob(os.path.join(root, 'english', '*.yml')):
-    with open(path, encoding='utf-8') as f:
-      found.update(re.findall(r'\b[a-z]{3,12}\b', f.read().lower()))
+  found = common.chatterbot_words(12, lower=True)
   words = sorted(found - set(held))  # Never a word the measurement asks.
   rng = np.random.default_rng([seed, 2])
   convs = [task.practice(rng, talk, words) for _ in range(n)]

@@ -25,10 +25,8 @@ Prints a markdown table; results in WORK_DIR/repeat.json.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -59,14 +57,7 @@ QUICK_START = [
 
 def dictionary(n: int, seed: int = 0) -> list[str]:
   """`n` distinct lowercase words (3-9 letters) of the ChatterBot corpus."""
-  import chatterbot_corpus
-
-  root = os.path.join(os.path.dirname(chatterbot_corpus.__file__), 'data')
-  found = set()
-  for path in glob.glob(os.path.join(root, 'english', '*.yml')):
-    with open(path, encoding='utf-8') as f:
-      found.update(re.findall(r'\b[a-z]{3,9}\b', f.read()))
-  words = sorted(found)
+  words = sorted(common.chatterbot_words(9))
   if len(words) < n:
     raise SystemExit(f'error: --words {n}: the corpus has {len(words)}')
   rng = np.random.default_rng(seed)

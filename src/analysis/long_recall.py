@@ -131,6 +131,17 @@ def _pick(rng, options):
   return options[int(rng.integers(len(options)))]
 
 
+def _small_talk_for(rng, talk, chars: int):
+  """`(turns, characters)`: whole small-talk conversations drawn at random
+  until they hold at least `chars` characters."""
+  turns, used = [], 0
+  while used < chars:
+    for turn in _pick(rng, talk):
+      turns.append(turn)
+      used += len(turn[1])
+  return turns, used
+
+
 def make(rng, talk, words, filler_chars: int, kind: str = 'word', stated=True):
   """One conversation: the statement and its acknowledgement, whole small
   talk conversations of at least `filler_chars` characters, the question
@@ -154,12 +165,8 @@ def make(rng, talk, words, filler_chars: int, kind: str = 'word', stated=True):
   said, ack, ask, answer = (_pick(rng, p) for p in phrasing)
   turns = [('user', said.format(value)), ('ai', ack.format(value))]
   turns = turns if stated else []
-  used = 0
-  while used < filler_chars:
-    for turn in _pick(rng, talk):
-      turns.append(turn)
-      used += len(turn[1])
-  turns += [('user', ask), ('ai', answer.format(value))]
+  filler, used = _small_talk_for(rng, talk, filler_chars)
+  turns += filler + [('user', ask), ('ai', answer.format(value))]
   return Conversation(turns, kind, value, used)
 
 
@@ -253,10 +260,7 @@ def practice(rng, talk, words, most_chars: int = 3000) -> list:
     text = _pick(rng, intro) + _pick(rng, state).format(k=k, v=v)
     turns += [('user', text[0].upper() + text[1:]), ('ai', _pick(rng, ack))]
   chars = int(np.exp(rng.uniform(np.log(30), np.log(most_chars))))
-  while chars > 0:
-    for turn in _pick(rng, talk):
-      turns.append(turn)
-      chars -= len(turn[1])
+  turns += _small_talk_for(rng, talk, chars)[0]
   for i in rng.permutation(len(facts)):
     k, v = facts[i]
     turns.append(('user', _pick(rng, ask).format(k=k)))
