@@ -43,7 +43,8 @@ MAX_LINE = 1 << 20
 MAX_RATIO = 200
 
 _SP = r'[ \u00a0\u202f]'
-_MARK = '[\u200e\u200f\u061c\ufeff]*'
+_MARKS = '\u200e\u200f\u061c\ufeff'  # Direction marks and the BOM.
+_MARK = f'[{_MARKS}]*'
 # A year: digits, or a Japanese era's letter and its year ("R4" is 2022),
 # then the Buddhist era's name where Thai phones write it ("2565 BE").
 _YEAR = r'[MTSHR]?\d{1,4}'
@@ -93,7 +94,7 @@ _LAYOUTS = (
 _HEAD_CHARS = str.maketrans('٠١٢٣٤٥٦٧٨٩۰۱۲۳۴۵۶۷۸۹،', '01234567890123456789,')
 _ARABIC_HEAD = re.compile('[٠-٩۰-۹،]')
 _ASCII_HEAD = frozenset('0123456789')  # A head that starts so needs none.
-_HEAD_MARKS = '[\u200e\u200f\u061c\ufeff'
+_HEAD_MARKS = '[' + _MARKS
 # Thai phones write the Buddhist era: 2565 is 2022.
 _BUDDHIST_ERA = 543
 # Japanese eras: the year before each one's first ("R1" is 2019).
