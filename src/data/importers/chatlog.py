@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import functools
 import math
 import os
 import re
@@ -186,19 +187,29 @@ def wall_seconds(date: tuple, hms: tuple, pm: bool | None = None):
     if hour > 12:
       return None
     hour = hour % 12 + (12 if pm else 0)
-  try:
-    when = datetime.datetime(
-      *map(int, date), hour, int(hms[1]), int(hms[2]), tzinfo=datetime.UTC
-    )
-  except ValueError:
+  minute, second = int(hms[1]), int(hms[2])
+  day = _day_seconds(*map(int, date))
+  if day is None or hour > 23 or minute > 59 or second > 59:
     return None
-  return when.timestamp()
+  return day + hour * 3600 + minute * 60 + second
+
+
+@functools.lru_cache(maxsize=4096)
+def _day_seconds(year: int, month: int, day: int) -> int | None:
+  """Seconds from the epoch to the start of a day (UTC), or None when it
+  is no date: a cache, an export has a few thousand days."""
+  try:
+    start = datetime.datetime(year, month, day, tzinfo=datetime.UTC)
+  except (ValueError, OverflowError):
+    return None
+  return int(start.timestamp())
 
 
 def _key(name: str) -> str:
   return unicodedata.normalize('NFC', wording.clean_name(name)).casefold()
 
 
+@functools.lru_cache(maxsize=1024)  # An export has a few senders.
 def _matches(sender: str, alias: str, ai: tuple[str, ...]) -> bool:
   keys = {_key(a) for a in ai}
   return _key(sender) in keys or (bool(alias) and _key(alias) in keys)
@@ -215,7 +226,7 @@ class _Writer:
     self._reset()
 
   def _reset(self):
-    self.start = self.f.tell()
+    self.start = None  # Where the conversation began, once written to.
     self.role = None  # Side of the pending turn.
     self.parts: list[str] = []
     self.speaker = None  # Last speaker of the pending turn.
@@ -252,6 +263,8 @@ class _Writer:
       return
     m = self.opts.markers
     text = f' {m.line_break} '.join(self.parts)
+    if self.start is None:
+      self.start = self.f.tell()
     if self.lines == 0 and self.written:
       self.f.write('\n')  # The blank line between conversations.
     self.f.write(chatformat.format_turn(self.role, text, m) + '\n')
@@ -284,8 +297,9 @@ class _Writer:
 
   def _cut(self, why: str):
     self.report.skipped[why] += 1
-    self.f.seek(self.start)
-    self.f.truncate()
+    if self.start is not None:
+      self.f.seek(self.start)
+      self.f.truncate()
     self._reset()
 
 
@@ -323,7 +337,9 @@ def write_chat(items, f, opts: ChatOptions, report: ChatReport, warn):
     if opts.pseudonyms:
       item, text = people.disguise(item, text, ai)
     report.ai_messages += ai
-    writer.add(dataclasses.replace(item, text=text), AI if ai else USER)
+    if text is not item.text:
+      item = dataclasses.replace(item, text=text)
+    writer.add(item, AI if ai else USER)
   writer.end()
 
 

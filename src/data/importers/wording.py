@@ -54,29 +54,68 @@ _MEDIA = [
   r'ocultad[oa]|omess[oa])',
   r'(?:gif|sticker|audio|video|document|documento|dokument) ?'
   r'(?:omitted|weggelassen|omitid[oa]|omis|omess[oa]|ocultad[oa])',
-  # iOS: a document's name, its pages, then "document omitted".
-  r'[^\n]{1,300}[\s\u200e](?:document|dokument|documento|документ) '
-  r'(?:omitted|weggelassen|omitid[oa]|omis|omess[oa]|ocultad[oa]|опущен)',
   r'(?:изображение|видео|аудио|стикер|gif|документ) (?:опущено|опущен)',
   # iOS attachment lines: "<attached: 00000012-PHOTO-2021-03-04.jpg>".
   r'<(?:attached|anhang|adjunto|pièce jointe|joint|anexado|anexo|'
   r'allegato|bijlage): [^<>]{1,300}>',
-  # Android with media: "IMG-20210304-WA0001.jpg (file attached)".
-  r'[^\n]{1,300}\.\w{1,5} \((?:file attached|datei angehängt|archivo '
-  r'adjunto|fichier joint|arquivo anexado|file allegato|bestand '
-  r'bijgevoegd)\)',
   # Shared locations.
   r'(?:location|standort|ubicación|position|localização|posizione|'
   r'местоположение|геопозиция|poloha|umístění|الموقع|位置情報|sijainti|'
   r'lokalizacja|konum|locatie): https?://\S+',
   # Any language: a place's name or "Location", then its map link.
   r'[^\n:]{1,40}: https://maps\.google\.com/\?q=\S+',
-  r'[^\n]{1,200}: https://foursquare\.com/\S+',
-  r'[^\n]{1,200}(?:\n[^\n]{1,200}){0,2}\nhttps://foursquare\.com/\S+',
   r'(?:live location shared|live-standort wird geteilt|ubicación en tiempo '
   r'real compartida|position en direct partagée|localização em tempo real '
   r'compartilhada|posizione in tempo reale condivisa)',
 ]
+
+# Placeholders that start with a name (a file's, a place's): a pattern
+# that starts with "anything" is tried at every length of a message, so
+# each is tried only on a message that ends as it does (`_named_media`).
+_DOCUMENT_ENDS = (
+  'omitted', 'weggelassen', 'omitido', 'omitida', 'omis', 'omesso', 'omessa',
+  'ocultado', 'ocultada', 'опущен',
+)  # fmt: skip
+_NAMED_MEDIA = [
+  # iOS: a document's name, its pages, then "document omitted".
+  (
+    _DOCUMENT_ENDS,
+    r'[^\n]{1,300}[\s\u200e](?:document|dokument|documento|документ) '
+    r'(?:omitted|weggelassen|omitid[oa]|omis|omess[oa]|ocultad[oa]|опущен)',
+  ),
+  # Android with media: "IMG-20210304-WA0001.jpg (file attached)".
+  (
+    (')',),
+    r'[^\n]{1,300}\.\w{1,5} \((?:file attached|datei angehängt|archivo '
+    r'adjunto|fichier joint|arquivo anexado|file allegato|bestand '
+    r'bijgevoegd)\)',
+  ),
+  # A foursquare venue: its name (and address) on the line(s) before.
+  (
+    None,
+    r'[^\n]{1,200}(?::|(?:\n[^\n]{1,200}){0,2}\n)'
+    r' ?https://foursquare\.com/\S+',
+  ),
+]
+_NAMED_COMPILED = [
+  (ends, re.compile(f'(?:{pattern})\\Z', re.IGNORECASE))
+  for ends, pattern in _NAMED_MEDIA
+]
+
+
+def _named_media(body: str) -> bool:
+  """Whether `body` is one of `_NAMED_MEDIA`: the cheap check first."""
+  low = body[-16:].casefold()
+  for ends, pattern in _NAMED_COMPILED:
+    if ends is None:
+      if 'foursquare.com/' not in body:
+        continue
+    elif not low.endswith(ends):
+      continue
+    if pattern.match(body):
+      return True
+  return False
+
 
 # "This message was deleted" (by the other person) and "You deleted this
 # message" where the table lacks a wording, and messages the phone never
@@ -263,6 +302,8 @@ def kind(text: str, notices: tuple[str, ...] = ()) -> str | None:
   for name, pattern in _COMPILED:
     if pattern.match(body):
       return name
+  if _named_media(body):
+    return 'media'
   found = table().kind(body)
   if found is not None:
     return found
@@ -274,6 +315,8 @@ def kind(text: str, notices: tuple[str, ...] = ()) -> str | None:
 
 def strip_edited(text: str) -> str:
   """`text` without WhatsApp's trailing "<This message was edited>"."""
+  if not text.rstrip().endswith('>'):
+    return text
   return _EDITED.sub('', text)
 
 
