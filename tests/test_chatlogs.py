@@ -1085,11 +1085,23 @@ def test_a_lone_surrogate_in_a_message_is_converted(tmp_path):
     'https://foursquare.com/v/4e89af\n'
     '12/03/2022, 14:22 - Ana: Hi\n'
     '12/03/2022, 14:23 - Lev: Hey\n',
+    # Android before 2014: the month's name, the year only when not this
+    # one, and group notices under the exporter's name.
+    '19:23, 28 Aug 2013 - Ana: Lev joined\n'
+    '19:24, 28 Aug 2013 - Ana: Hi\n'
+    '19:25, 28 Aug 2013 - Lev: Hey\n',
+    'Mar 5, 8:11 PM - Ana: \u202a+91 94 05 193053\u202c left\n'
+    'Mar 5, 8:12 PM - Ana: Hi\n'
+    'Mar 5, 8:29 PM - Lev: Hey\n',
+    '18 Mar 12:14 - Ana: Lev changed the subject to \u201cThe trip\u201d\n'
+    '18 Mar 12:15 - Ana: Hi\n'
+    '18 Mar 12:16 - Lev: Hey\n',
   ],
   ids=[
     *('russian', 'czech', 'arabic', 'thai-era', 'finnish', 'ios-de', 'media'),
     *('thai-ios', 'japanese-era', 'arabic-ios', 'time-first', 'ios-2016'),
-    *('day-periods', 'android-documents'),
+    *('day-periods', 'android-documents', 'android-2013', 'android-mdy'),
+    'android-no-year',
   ],
 )
 def test_whatsapp_languages_calendars_and_layouts(tmp_path, text):
@@ -1119,6 +1131,9 @@ def test_whatsapp_languages_calendars_and_layouts(tmp_path, text):
     'null',
     'foursquare',
     '.pdf',
+    'joined',
+    'left',
+    'subject',
   ):
     assert app_wrote not in said, said
   assert conv[-1][0] == 'ai'

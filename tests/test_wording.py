@@ -69,3 +69,48 @@ def test_whatsapp_wording_in_the_apps_languages(text, kind):
 )
 def test_a_persons_words_are_kept(text):
   assert wording.kind(text) is None
+
+
+PEOPLE = wording.People(['Marco', 'Ayşe', 'Аня', 'ليف', 'Lev Park'])
+
+
+@pytest.mark.parametrize(
+  'text',
+  [
+    'Marco hat die Gruppe verlassen',  # German.
+    'Ayşe ayrıldı',  # Turkish.
+    'Вы добавили контакт Аня',  # Russian.
+    'ليف غادر المجموعة',  # Arabic.
+    'Lev Parkを追加しました',  # Japanese, no space.
+    'Hai abbandonato',  # Italian "You left": no name needed.
+    'Marco changed the subject to “Trip: day 2”',
+    'A participant changed the subject to “Anything”',
+    '\u202a+44 7830 332317\u202c joined',  # A number, in its marks.
+    "Lev Park changed this group's icon",
+  ],
+)
+def test_group_notices_in_the_apps_languages(text):
+  assert wording.group_notice(text, PEOPLE)
+
+
+@pytest.mark.parametrize(
+  'text',
+  [
+    'I left early',
+    'You added sugar?',  # "You added {}" needs one of the chat's people.
+    'Sam joined',  # Sam is no one in this chat.
+    'Marco left the keys on the table',
+    'Marco left\nthe keys',
+    'Lev Park',
+  ],
+)
+def test_a_persons_words_are_no_group_notice(text):
+  assert not wording.group_notice(text, PEOPLE)
+
+
+def test_the_table_has_group_notices_in_40_languages():
+  with open(wording._TABLE, encoding='utf-8') as f:
+    notices = json.load(f)['group notice']
+  assert len(notices) >= 10
+  for what, texts in notices.items():
+    assert len(texts) >= 40 and 'iOS' in what, what

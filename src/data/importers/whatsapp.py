@@ -19,7 +19,10 @@ messages, missed calls... in every language WhatsApp ships); the
 "<This message was edited>" mark is removed and the text kept. Also read:
 Arabic-Indic digits and the Arabic comma, Buddhist and Japanese era
 years, the time first (`[14:56:01, 3/18/22]`), iOS before 2017 without
-brackets (`7/1/16, 4:56:55 PM: Alice: ...`).
+brackets (`7/1/16, 4:56:55 PM: Alice: ...`), Android before 2014 with the
+month's name (`19:23, 28 Aug 2013 - `, `Mar 5, 8:11 PM - `), and the
+group notices it wrote under the exporter's name (`Alice: Bob joined`,
+when Bob is one of the chat's people).
 
 The file is read twice (once for the date order), line by line: memory does
 not grow with the export.
@@ -83,11 +86,39 @@ IOS_TIME_FIRST = re.compile(
   rf'^{_MARK}\[{_MARK}{_TIME}[,،]{_SP}+{_DATE}\]{_SP}*(?P<rest>.*)$'
 )
 IOS_OLD = re.compile(rf'^{_MARK}{_DATE}[,،]?{_SP}+{_TIME}:{_SP}(?P<rest>.*)$')
+# Android before 2014 in English wrote the month's name, the year only
+# when not this one: "19:23, 28 Aug 2013 - ", "Mar 5, 8:11 PM - ",
+# "18 Mar 12:14 - ".
+_MONTHS = {
+  m: n + 1
+  for n, m in enumerate(
+    'jan feb mar apr may jun jul aug sep oct nov dec'.split()
+  )
+}
+_MONTH = (
+  r'(?P<b>(?i:january|february|march|april|may|june|july|august|september|'
+  r'october|november|december|jan|feb|mar|apr|jun|jul|aug|sept|sep|oct|nov|'
+  r'dec))\.?'
+)
+_NAMED_YEAR = rf'(?:,?{_SP}(?P<c>\d{{4}}))?'
+_TAIL = rf'{_SP}*[-–]{_SP}(?P<rest>.*)$'
+ANDROID_NAMED = re.compile(
+  rf'^{_MARK}(?P<a>\d{{1,2}}){_SP}{_MONTH}{_NAMED_YEAR},?{_SP}+{_TIME}{_TAIL}'
+)
+ANDROID_NAMED_MDY = re.compile(
+  rf'^{_MARK}{_MONTH}{_SP}(?P<a>\d{{1,2}}){_NAMED_YEAR},{_SP}+{_TIME}{_TAIL}'
+)
+ANDROID_NAMED_TIME_FIRST = re.compile(
+  rf'^{_MARK}{_TIME},{_SP}+(?P<a>\d{{1,2}}){_SP}{_MONTH}{_NAMED_YEAR}{_TAIL}'
+)
 _LAYOUTS = (
   ('ios', IOS),
   ('android', ANDROID),
   ('ios-time-first', IOS_TIME_FIRST),
   ('ios-old', IOS_OLD),
+  ('android-month-name', ANDROID_NAMED),
+  ('android-month-name-first', ANDROID_NAMED_MDY),
+  ('android-month-name-time-first', ANDROID_NAMED_TIME_FIRST),
 )
 # Arabic-Indic and Persian digits, and the Arabic comma, as a header is
 # matched (each one character for one: the text keeps its own).
@@ -97,6 +128,9 @@ _ASCII_HEAD = frozenset('0123456789')  # A head that starts so needs none.
 _HEAD_MARKS = '[' + _MARKS
 # Thai phones write the Buddhist era: 2565 is 2022.
 _BUDDHIST_ERA = 543
+# The year of a date written without one (only the gaps between messages
+# count; a leap year, so that February 29 is a date).
+_SOME_LEAP_YEAR = 2000
 # Japanese eras: the year before each one's first ("R1" is 2019).
 _ERAS = {'M': 1867, 'T': 1911, 'S': 1925, 'H': 1988, 'R': 2018}
 # Group events Android writes with a colon in them ("Alice changed the
@@ -230,8 +264,9 @@ class _Lines:
 def _header(line: str):
   """(layout, match) for a line that starts a message, else None (see
   `_match`)."""
+  line = _ascii_head(line)
   for layout, pattern in _LAYOUTS:
-    m = _match(pattern, line)
+    m = pattern.match(line)
     if m:
       return layout, m
   return None
@@ -241,18 +276,33 @@ def _match(pattern, line: str):
   """`pattern`'s header match of `line`, or None: made on the line with
   the digits and commas of its head made ASCII (one character for one, so
   the match's positions are the line's: take the text from the line)."""
+  return pattern.match(_ascii_head(line))
+
+
+def _ascii_head(line: str) -> str:
+  """`line` with the digits and commas of its head made ASCII."""
   first = line[:1]
   if first in _HEAD_MARKS:  # iOS: "[" and marks before the digits.
     first = line[:8].lstrip(_HEAD_MARKS)[:1]
   if first not in _ASCII_HEAD and _ARABIC_HEAD.search(line, 0, 48):
     line = line[:48].translate(_HEAD_CHARS) + line[48:]
-  return pattern.match(line)
+  return line
 
 
-def _order(path: str) -> tuple[str, str]:
-  """The file's layout (a name of `_LAYOUTS`) and date order ('dmy',
-  'mdy', 'ymd'), read from the whole file (see the module docstring)."""
+def _sender(rest: str) -> tuple[str | None, str]:
+  """(sender, text) of a header's rest; sender None for a group event."""
+  sender, sep, body = rest.partition(':')
+  if not sep or _EVENT_SENDER.search(sender) or len(sender) > 100:
+    return None, rest
+  return sender, body[1:] if body.startswith(' ') else body
+
+
+def _order(path: str) -> tuple[str, str, wording.People]:
+  """The file's layout (a name of `_LAYOUTS`), date order ('dmy', 'mdy',
+  'ymd') and people, read from the whole file (see the module
+  docstring)."""
   layouts = dict.fromkeys(dict(_LAYOUTS), 0)
+  senders = set()
   possible = {'dmy': True, 'mdy': True}
   backwards = {'dmy': 0, 'mdy': 0}
   last = {'dmy': None, 'mdy': None}
@@ -263,7 +313,14 @@ def _order(path: str) -> tuple[str, str]:
       continue
     layout, m = found
     layouts[layout] += 1
+    rest = line[m.start('rest') :]
+    if rest.partition(':')[0] not in senders:  # (A sender's name is that.)
+      sender = _sender(rest)[0]
+      if sender is not None and len(senders) < chatlog.MAX_SENDERS:
+        senders.add(sender)
     a, b, c = m.group('a', 'b', 'c')
+    if not b.isdigit():  # The month's name: the order is known.
+      continue
     if len(a) == 4 or a[0] in _ERAS:
       ymd += 1
       continue
@@ -279,10 +336,12 @@ def _order(path: str) -> tuple[str, str]:
   if not any(layouts.values()):
     raise UserError(f'{path}: {_NOT_EXPORT}')
   layout = max(layouts, key=layouts.get)
+  people = wording.People(senders)
   if ymd and ymd >= sum(layouts.values()) / 2:
-    return layout, 'ymd'
+    return layout, 'ymd', people
   candidates = [o for o in ('dmy', 'mdy') if possible[o]] or ['dmy']
-  return layout, min(candidates, key=lambda o: (backwards[o], o != 'dmy'))
+  order = min(candidates, key=lambda o: (backwards[o], o != 'dmy'))
+  return layout, order, people
 
 
 def _number(field: str) -> int:
@@ -296,10 +355,14 @@ def _time(m, order: str) -> float | None:
   """Seconds since the epoch (as if UTC) of a header, or None if it is
   not a real date and time."""
   a, b, c, hh, mm, ss, ampm = m.group('a', 'b', 'c', 'hh', 'mm', 'ss', 'ampm')
-  a, b, c = _number(a), int(b), _number(c)
-  year, month, day = {'dmy': (c, b, a), 'mdy': (c, a, b), 'ymd': (a, b, c)}[
-    order
-  ]
+  if not b.isdigit():  # "28 Aug 2013", "Mar 5": no year is this year's.
+    month = _MONTHS[b[:3].lower()]
+    year, day = int(c) if c else _SOME_LEAP_YEAR, int(a)
+  else:
+    a, b, c = _number(a), int(b), _number(c)
+    year, month, day = {'dmy': (c, b, a), 'mdy': (c, a, b), 'ymd': (a, b, c)}[
+      order
+    ]
   if year < 100:
     year += 2000
   elif year > 2400:
@@ -310,7 +373,7 @@ def _time(m, order: str) -> float | None:
   return chatlog.wall_seconds((year, month, day), (hh, mm, ss or 0), pm)
 
 
-def _finish(current):
+def _finish(current, people: wording.People):
   """The item for a message whose lines are all read."""
   where, time, sender, lines, app = current
   text = '\n'.join(lines)
@@ -322,8 +385,8 @@ def _finish(current):
       kind = 'call'
     return chatlog.Drop(kind or 'system notice')
   text = wording.strip_edited(text)
-  kind = wording.kind(text)
-  if kind:
+  kind = wording.kind(text, people=people)  # Old Android: group notices
+  if kind:  # under the exporter's name.
     return chatlog.Drop(kind)
   first, _, caption = text.partition('\n')
   if caption.strip() and wording.kind(first) == 'media':
@@ -339,7 +402,7 @@ def items(source: chatlog.Source, warn):
   """Yields `Chat`, then a `Message` or `Drop` per message, in file
   order."""
   (path,) = source.paths
-  layout, order = _order(path)
+  layout, order, people = _order(path)
   pattern = dict(_LAYOUTS)[layout]
   yield chatlog.Chat(source.name)
   current = None  # [where, time, sender, lines, app]
@@ -363,14 +426,13 @@ def items(source: chatlog.Source, warn):
           current = None
       continue
     if current is not None:
-      yield _finish(current)
+      yield _finish(current, people)
     rest = line[m.start('rest') :]  # The line's own text, digits as written.
-    sender, sep, body = rest.partition(':')
-    body = body[1:] if body.startswith(' ') else body
-    if not sep or _EVENT_SENDER.search(sender) or len(sender) > 100:
+    sender, body = _sender(rest)
+    if sender is None:
       current = [f'{where}:{no}', time, None, [rest], False]
       continue
     app = body.startswith('\u200e')
     current = [f'{where}:{no}', time, wording.clean_name(sender), [body], app]
   if current is not None:
-    yield _finish(current)
+    yield _finish(current, people)

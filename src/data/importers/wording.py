@@ -7,14 +7,14 @@ WhatsApp's come from two sources, matched against a whole message after
 its ends are stripped: `whatsapp_wording.json`, WhatsApp's own strings in
 every language its apps ship (40+: deleted messages, missed calls,
 left-out images, videos, audio, stickers, GIFs, documents and contact
-cards, attachments, locations, the end-to-end notice, security codes; the
-file names its source and each string's key), and the patterns below,
-for what the table lacks (view-once media, "waiting for this message",
-the edit mark, older and Android-only wordings in the languages seen in
-real exports). `kind(text)` names what a message is when the app wrote
-it ('media', 'deleted', 'call', 'system notice') and `None` when a person
-did; `strip_edited(text)` removes the "edited" mark that WhatsApp appends
-and keeps the text."""
+cards, attachments, locations, the end-to-end notice, security codes,
+group notices; the file names its source and each string's key), and the
+patterns below, for what the table lacks (view-once media, "waiting for
+this message", the edit mark, older and Android-only wordings in the
+languages seen in real exports). `kind(text)` names what a message is
+when the app wrote it ('media', 'deleted', 'call', 'system notice') and
+`None` when a person did; `strip_edited(text)` removes the "edited" mark
+that WhatsApp appends and keeps the text."""
 
 from __future__ import annotations
 
@@ -218,11 +218,13 @@ _STRIP = MARKS + ' \t\u00a0\u202f'
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TABLE = os.path.join(_HERE, 'whatsapp_wording.json')
 _NO_MARKS = str.maketrans({m: ' ' for m in MARKS + '\u00a0\u202f'})
+_NO_MARKS.update(str.maketrans(dict.fromkeys('“”„«»', '"')))  # Quotes as one.
 _ENDS = '.。। '
 
 
 def _key(text: str) -> str:
   """`text` as the table holds it: marks and odd spaces made spaces,
+  quotes made '"' (Android's strings write "{}", its exports “{}”),
   spaces collapsed, casefolded, composed alike (NFC), without a final
   period."""
   if not text.isascii():  # (ASCII has no marks and is composed.)
@@ -252,14 +254,16 @@ class _Table:
     self.location = {_key(t) for t in table['location']}
     notices = list(table['system notice'].values())
     self.notice = tuple(_key(t) for t in notices[0])
+    self.group = _GroupNotices(table['group notice'])
     self.code = []  # (its longest fixed part, the whole as a pattern)
     for text in notices[1]:
       parts = _key(text).split('{}')
       pattern = re.compile('.{1,80}?'.join(map(re.escape, parts)))
       self.code.append((max(parts, key=len), pattern))
 
-  def kind(self, body: str) -> str | None:
-    """The kind of `body` (a message without its ends) by the table."""
+  def kind(self, body: str, people: People | None = None) -> str | None:
+    """The kind of `body` (a message without its ends) by the table; with
+    `people`, group notices too (see `group_notice`)."""
     key = _key(body)
     bare = key.strip('<>‹› ').rstrip(_ENDS)
     if bare in self.whole:
@@ -283,7 +287,95 @@ class _Table:
     for fixed, pattern in self.code:  # "Your security code with {}..."
       if fixed in key and pattern.match(key):
         return 'system notice'
+    if people is not None and '\n' not in body and self.group(key, people):
+      return 'system notice'
     return None
+
+
+# Quotes around a group's subject in a notice ("changed the subject to
+# “{}”"): what a quoted placeholder may hold is anything.
+_QUOTES = '"「」『』\'‘’'
+_PHONE = re.compile(r'\+?[\d ()-]{6,24}')
+
+
+class People:
+  """The people of one chat (their names as senders), as group notices
+  are matched against them."""
+
+  def __init__(self, names=()):
+    self.keys = {_key(clean_name(n)) for n in names}
+    starts = {}
+    for k in self.keys:
+      if k:
+        starts.setdefault(k[0], []).append(k)
+    self.starts = {c: tuple(ks) for c, ks in starts.items()}
+
+  def named(self, text: str) -> bool:
+    """Whether a notice's placeholder holds one of them or a number."""
+    text = text.strip()
+    return text in self.keys or bool(_PHONE.fullmatch(text))
+
+  def may_start(self, key: str) -> bool:
+    """Whether `key` may start with one of them (or a number)."""
+    first = key[:1]
+    return first in '+0123456789' or key.startswith(self.starts.get(first, ()))
+
+
+class _GroupNotices:
+  """WhatsApp's group notices ("{} left", "{} added {}", "You changed this
+  group's icon"...) in every language of the table. A message is one when
+  it is a whole notice whose placeholders hold one of the chat's people
+  (or a phone number), or are all quoted (a subject), or it has none: a
+  person's "I left early" or "You added sugar?" is no notice."""
+
+  def __init__(self, entries: dict):
+    self.whole = set()
+    # Those that start with fixed text, by its first two characters (or
+    # one, when that is all of it): (fixed start, pattern, quoted).
+    self.by_start = {}
+    self.named = []  # (pattern, quoted) of those that start with a name.
+    for texts in entries.values():
+      for text in texts:
+        parts = _key(text).split('{}')
+        if len(parts) == 1:
+          self.whole.add(parts[0])
+          continue
+        pattern = re.compile('(.{1,200}?)'.join(map(re.escape, parts)) + r'\Z')
+        quoted = all(p and p[-1] in _QUOTES for p in parts[:-1])
+        if parts[0]:
+          self.by_start.setdefault(parts[0][:2], []).append(
+            (parts[0], pattern, quoted)
+          )
+        else:
+          self.named.append((pattern, quoted))
+
+  def __call__(self, key: str, people: People) -> bool:
+    if key in self.whole:
+      return True
+    starts = self.by_start.get(key[:2], []) + self.by_start.get(key[:1], [])
+    for start, pattern, quoted in starts:
+      if key.startswith(start) and self._holds(pattern, quoted, key, people):
+        return True
+    if people.may_start(key):
+      for pattern, quoted in self.named:
+        if self._holds(pattern, quoted, key, people):
+          return True
+    return False
+
+  @staticmethod
+  def _holds(pattern, quoted: bool, key: str, people: People) -> bool:
+    m = pattern.match(key)
+    return bool(m) and (quoted or any(map(people.named, m.groups())))
+
+
+def group_notice(text: str, people: People) -> bool:
+  """Whether `text` (a message under a sender's name) is a group notice
+  WhatsApp wrote: old Android exports put them under the exporter's name
+  ("Sam: Kim joined"); newer ones write them without a sender."""
+  body = text.strip(_STRIP)
+  if len(body) > 400 or '\n' in body:
+    return False
+  return table().group(_key(body), people)
 
 
 @functools.lru_cache(maxsize=1)
@@ -292,10 +384,13 @@ def table() -> _Table:
   return _Table()
 
 
-def kind(text: str, notices: tuple[str, ...] = ()) -> str | None:
+def kind(
+  text: str, notices: tuple[str, ...] = (), people: People | None = None
+) -> str | None:
   """What the app wrote as `text` ('deleted', 'call', 'media', 'system
   notice'), or None when a person wrote it. `notices` are extra
-  whole-message patterns of the format (its own wording)."""
+  whole-message patterns of the format (its own wording); with `people`
+  (of the chat), group notices under a sender's name count too."""
   body = text.strip(_STRIP)
   if len(body) > 400:  # No app notice is this long.
     return None
@@ -304,7 +399,7 @@ def kind(text: str, notices: tuple[str, ...] = ()) -> str | None:
       return name
   if _named_media(body):
     return 'media'
-  found = table().kind(body)
+  found = table().kind(body, people)
   if found is not None:
     return found
   for pattern in notices:
