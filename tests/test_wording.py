@@ -47,6 +47,8 @@ def test_the_table_holds_the_apps_own_strings_for_40_languages():
       'system notice',
     ),
     ('null', 'media'),  # Android: a view-once photo once opened.
+    ('Čeká se na tuto zprávu. Může to chvíli trvat.', 'deleted'),  # Never
+    (f'{LRM}obrázek produktu byl vynechán', 'media'),  # received; Czech.
   ],
 )
 def test_whatsapp_wording_in_the_apps_languages(text, kind):
