@@ -815,9 +815,10 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
       {'url': 5},
     ),
     (
-      'IBAN DE89 3704 0044 0532 0130 00, or GB82WEST12345698765432',
-      'IBAN <iban>, or <iban>',
-      {'iban': 2},
+      'IBAN DE89 3704 0044 0532 0130 00, or GB82WEST12345698765432, '
+      'es91 2100 0418 4502 0005 1332',
+      'IBAN <iban>, or <iban>, <iban>',
+      {'iban': 3},
     ),
     (
       'card 4111 1111 1111 1111 or 5500-0000-0000-0004; order 1234 5678 '
@@ -827,15 +828,18 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
     ),
     (
       'ssn 123-45-6789, NI AB 12 34 56 C, passport number 912803456, '
-      'my passport: X1234567',
-      'ssn <id>, NI <id>, passport number <id>, my passport: <id>',
-      {'id': 4},
+      'my passport: X1234567, SSN 123 45 6789, licence: SMITH901017AB9CD',
+      'ssn <id>, NI <id>, passport number <id>, my passport: <id>, SSN '
+      '<id>, licence: <id>',
+      {'id': 6},
     ),
     (
-      'at 221 Baker Street, 1600 Pennsylvania Avenue, Hauptstraße 12 or '
-      'Rua das Flores 45',
-      'at <address>, <address>, <address> or <address>',
-      {'address': 4},
+      'at 221B Baker Street, 1600 Pennsylvania Avenue, Hauptstraße 12 or '
+      'Rua das Flores 45; 42 rue de Rivoli, calle Mayor 5, via Roma 10, '
+      'Kerkstraat 7',
+      'at <address>, <address>, <address> or <address>; <address>, '
+      '<address>, <address>, <address>',
+      {'address': 8},
     ),
     (
       'on 12.03.2021 at 10:30, 2021-03-12 14:00:00 or 3/12/2021 9:15; '

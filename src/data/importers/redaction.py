@@ -34,9 +34,10 @@ _DOMAIN = re.compile(
   + ')?',
   re.IGNORECASE,
 )
-_IBAN = re.compile(r'\b[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]){11,30}\b')
+# (In any case: the checksum decides.)
+_IBAN = re.compile(r'\b[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]){11,30}\b', re.IGNORECASE)
 _CARD = re.compile(r'(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])')
-_SSN = re.compile(r'\b(?!000|666|9\d\d)\d{3}-(?!00)\d{2}-(?!0000)\d{4}\b')
+_SSN = re.compile(r'\b(?!000|666|9\d\d)\d{3}([- ])(?!00)\d{2}\1(?!0000)\d{4}\b')
 _NINO = re.compile(
   r'\b[A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z] ?\d{2} ?\d{2} ?\d{2} ?[A-D]\b'
 )
@@ -44,18 +45,28 @@ _ID_AFTER = re.compile(
   r'\b(passport|id card|identity card|id|ssn|social security|'
   r'driver.?s licen[cs]e|licen[cs]e|tax id|personalausweis|reisepass|dni|'
   r'pasaporte|passeport)(\s*(?:number|no\.?|nr\.?|num(?:ber|ero|éro)?|#)?'
-  r'\s*(?:is|:)?\s*)([A-Z0-9][A-Z0-9-]{4,14})\b',
+  r'\s*(?:is|:)?\s*)([A-Z0-9][A-Z0-9-]{4,19})\b',
   re.IGNORECASE,
 )
 _STREET = re.compile(
-  r'\b\d{1,5}[a-z]?\s+(?:[A-Z][\w\'-]*\s+){1,3}(?:Street|St|Avenue|Ave|'
+  # "221B Baker Street", "1600 Pennsylvania Avenue".
+  r'\b\d{1,5}[a-zA-Z]?\s+(?:[A-Z][\w\'-]*\s+){1,3}(?:Street|St|Avenue|Ave|'
   r'Road|Rd|Boulevard|Blvd|Lane|Ln|Drive|Dr|Court|Ct|Way|Place|Pl|Terrace|'
   r'Close|Crescent)\b\.?'
-  r'|\b[A-ZÄÖÜ][\wäöüß-]*(?:straße|strasse|str\.|weg|gasse|platz|allee|'
-  r'ring|damm)\s+\d{1,4}[a-z]?\b'
-  r'|\b(?:Rua|Avenida|Calle|Carrer|Via|Viale|Rue|Boulevard|Avenue|Plaza|'
-  r'Praça|Largo)\s+(?:(?:de|da|do|del|la|le|des|dos|das)\s+)?'
-  r'(?:[A-ZÀ-Ý][\wÀ-ÿ\'-]*\s+){1,3},?\s*(?:n[º°o.]\s*)?\d{1,4}[a-z]?\b'
+  # "Hauptstraße 12", "Kerkstraat 5", "Storgatan 3", "Nørregade 7".
+  # (Up to 3 digits: "Spring 2010" is a year.)
+  r'|\b[A-ZÄÖÜÆØÅ][\wäöüßæøå-]*(?:straße|strasse|str\.|weg|gasse|platz|'
+  r'allee|damm|straat|laan|plein|gracht|singel|gatan|vägen|gata|gade|vej|'
+  r'veien)\s+\d{1,3}[a-z]?\b'
+  # "Rua das Flores 45", "calle Mayor 5", "via Roma 10".
+  r'|\b(?i:Rua|Avenida|Calle|Carrer|Via|Viale|Rue|Boulevard|Avenue|Plaza|'
+  r'Praça|Largo|Piazza|Corso|Paseo)\s+(?:(?:de|da|do|del|della|la|le|des|'
+  r'dos|das)\s+)?(?:[A-ZÀ-Ý][\wÀ-ÿ\'-]*\s+){1,3},?\s*(?:n[º°o.]\s*)?'
+  r'\d{1,4}[a-z]?\b'
+  # "42 rue de Rivoli", "12 bis avenue Foch".
+  r'|\b\d{1,4}(?:\s?(?:bis|ter))?,?\s+(?i:rue|avenue|boulevard|place|'
+  r'chemin|allée|impasse|quai|route)\s+(?:(?:de la|de|du|des|d\')\s*)?'
+  r'[A-ZÀ-Ý][\wÀ-ÿ\'-]*'
 )
 _PHONE = re.compile(r'(?<![\w+(])(?:\+|\(|\b)\d(?:[ ./-]?\(?\d\)?){6,16}(?!\w)')
 _DATE_LIKE = re.compile(r'\d{1,4}([./-])\d{1,2}\1\d{1,4}')
