@@ -848,8 +848,19 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
       'my ID card is here; node.js, file.txt, e.g. the U.S.',
       {},
     ),
+    (
+      'jam 10.00-18.00, (09.00 11.30 WIB), 18.30/19.00, 20:08 11/12/19, '
+      '24-26/12/2021 and 31/12/2021-1/1/2022; call 01.23.45.67.89 or '
+      '0812-3456-7890',
+      'jam 10.00-18.00, (09.00 11.30 WIB), 18.30/19.00, 20:08 11/12/19, '
+      '24-26/12/2021 and 31/12/2021-1/1/2022; call <phone> or <phone>',
+      {'phone': 2},
+    ),
   ],
-  ids=['links', 'iban', 'cards', 'ids', 'addresses', 'dates-and-words'],
+  ids=[
+    *('links', 'iban', 'cards', 'ids', 'addresses', 'dates-and-words'),
+    'times-and-phones',
+  ],
 )
 def test_redaction_covers_what_people_share(text, kept, kinds):
   from collections import Counter

@@ -68,8 +68,48 @@ _STREET = re.compile(
   r'chemin|allée|impasse|quai|route)\s+(?:(?:de la|de|du|des|d\')\s*)?'
   r'[A-ZÀ-Ý][\wÀ-ÿ\'-]*'
 )
-_PHONE = re.compile(r'(?<![\w+(])(?:\+|\(|\b)\d(?:[ ./-]?\(?\d\)?){6,16}(?!\w)')
-_DATE_LIKE = re.compile(r'\d{1,4}([./-])\d{1,2}\1\d{1,4}')
+# (Not from inside a time: "20:08 11/12/19" holds no phone number.)
+_PHONE = re.compile(
+  r'(?<![\w+(])(?<!\d[:.])(?:\+|\(|\b)\d(?:[ ./-]?\(?\d\)?){6,16}(?!\w)'
+)
+# What the phone pattern also finds but is dates and times: "30/08/2022",
+# "2020-10-15 10:00", "10.00-12.00", "18.30/19.00", "24-26/12/2021".
+_CLOCK = r'\d{1,2}[:.][0-5]\d(?:[:.][0-5]\d)?'
+_PIECE = re.compile(
+  r'(?P<a>\d{1,4})(?P<sep>[./-])(?P<b>\d{1,2})(?P=sep)(?P<c>\d{4}|\d{2})\b'
+  rf'|(?P<clock>{_CLOCK})\b|(?P<small>\d{{1,2}})\b'
+)
+_BETWEEN = re.compile(r'[\s,T/–-]*')
+
+
+def _date_or_time(text: str) -> bool:
+  """Whether `text` is dates and times only: real dates (day and month in
+  either order, or the year first) and clock times, with at most one
+  small number (an hour, a day of a range) between them."""
+  i, small, real = 0, 0, False
+  while i < len(text):
+    m = _PIECE.match(text, i)
+    if not m:
+      return False
+    if m.group('small'):
+      small += 1
+    elif m.group('clock') or _real_date(m):
+      real = True
+    else:
+      return False
+    i = _BETWEEN.match(text, m.end()).end()
+    if i == m.end() and i < len(text):
+      return False
+  return real and small <= 1
+
+
+def _real_date(m) -> bool:
+  a, b, c = (int(m.group(k)) for k in 'abc')
+  if len(m.group('a')) == 4:
+    return 1 <= b <= 12 and 1 <= c <= 31
+  return len(m.group('a')) <= 2 and (
+    (1 <= a <= 31 and 1 <= b <= 12) or (1 <= a <= 12 and 1 <= b <= 31)
+  )
 
 
 def _iban_ok(text: str) -> bool:
@@ -119,7 +159,7 @@ def redact(text: str, counts: collections.Counter) -> str:
   def phone(m):
     found = m.group(0)
     digits = sum(ch.isdigit() for ch in found)
-    if digits < 7 or digits > 15 or _DATE_LIKE.match(found):
+    if digits < 7 or digits > 15 or _date_or_time(found.strip('()')):
       return found
     counts['phone'] += 1
     return '<phone>'
