@@ -303,7 +303,7 @@ class People:
   are matched against them."""
 
   def __init__(self, names=()):
-    self.keys = {_key(clean_name(n)) for n in names}
+    self.keys = {_key(clean_name(n)) for n in names} - {''}
     starts = {}
     for k in self.keys:
       if k:
@@ -313,7 +313,9 @@ class People:
   def named(self, text: str) -> bool:
     """Whether a notice's placeholder holds one of them or a number."""
     text = text.strip()
-    return text in self.keys or bool(_PHONE.fullmatch(text))
+    if text in self.keys:
+      return True
+    return bool(_PHONE.fullmatch(text)) and sum(map(str.isdigit, text)) > 5
 
   def may_start(self, key: str) -> bool:
     """Whether `key` may start with one of them (or a number)."""
