@@ -1111,12 +1111,17 @@ def test_a_lone_surrogate_in_a_message_is_converted(tmp_path):
     '18 Mar 12:14 - Ana: Lev changed the subject to \u201cThe trip\u201d\n'
     '18 Mar 12:15 - Ana: Hi\n'
     '18 Mar 12:16 - Lev: Hey\n',
+    # A poll keeps its question; the options and votes are the app's.
+    '08/12/22, 7:16 pm - Ana: POLL:\nHi\nOPTION: Pizza (35 votes)\n'
+    'OPTION: Sushi (1 vote)\n'
+    '08/12/22, 7:17 pm - Lev: Pizza\n',
   ],
   ids=[
     *('russian', 'czech', 'arabic', 'thai-era', 'finnish', 'ios-de', 'media'),
     *('thai-ios', 'japanese-era', 'arabic-ios', 'time-first', 'ios-2016'),
     *('day-periods', 'android-documents', 'android-2013', 'android-mdy'),
     'android-no-year',
+    'poll',
   ],
 )
 def test_whatsapp_languages_calendars_and_layouts(tmp_path, text):
@@ -1149,6 +1154,9 @@ def test_whatsapp_languages_calendars_and_layouts(tmp_path, text):
     'joined',
     'left',
     'subject',
+    'POLL',
+    'OPTION',
+    'votes',
   ):
     assert app_wrote not in said, said
   assert conv[-1][0] == 'ai'

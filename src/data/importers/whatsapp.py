@@ -385,6 +385,7 @@ def _finish(current, people: wording.People):
       kind = 'call'
     return chatlog.Drop(kind or 'system notice')
   text = wording.strip_edited(text)
+  text = wording.poll_question(text) or text  # A poll: its question.
   kind = wording.kind(text, people=people)  # Old Android: group notices
   if kind:  # under the exporter's name.
     return chatlog.Drop(kind)

@@ -410,6 +410,23 @@ def kind(
   return None
 
 
+# A poll as exports write it: "POLL:", the question, then "OPTION: Pizza
+# (2 votes)" lines (seen in English exports only).
+_POLL_OPTION = re.compile(r'option: .* \(\d+ votes?\)', re.IGNORECASE)
+
+
+def poll_question(text: str) -> str | None:
+  """The question of a poll message (its options and counts are the
+  app's layout), or None when `text` is no poll."""
+  lines = [line.strip(_STRIP) for line in text.split('\n')]
+  if len(lines) < 3 or lines[0].casefold() != 'poll:':
+    return None
+  question = [line for line in lines[1:] if not _POLL_OPTION.fullmatch(line)]
+  if len(question) == len(lines) - 1:
+    return None  # No option: not the app's poll.
+  return '\n'.join(question)
+
+
 def strip_edited(text: str) -> str:
   """`text` without WhatsApp's trailing "<This message was edited>"."""
   if not text.rstrip().endswith('>'):
