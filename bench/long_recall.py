@@ -8,7 +8,7 @@ once (a word, a number, a name), small talk, then the question.
   python bench/long_recall.py run WORK --from data/smalltalk [--seeds 0,1,2]
       [--config configs/long-conversations.json] [--data DIR]
   python bench/long_recall.py probe RUN --from data/smalltalk
-      [--chars 100,600] [--samples 40] [--seen]
+      [--chars 100,600] [--samples 40] [--seen | --invented]
   python bench/long_recall.py practice OUT --from data/smalltalk
       [--conversations 12000] [--seed 0]
 
@@ -35,8 +35,11 @@ guessing scores). A reply is right when it contains the word.
 log-probability (nats) of the last AI turn ("The word was X.") of
 `--samples` conversations per amount of small talk (`--chars`), with the
 word stated and without (the control), and how many of those turns the
-model predicts token for token (argmax). A model that uses what was said
-gives the stated ones a higher log-probability than the control.
+model predicts token for token (argmax); and the same for the word's own
+pieces alone (`value...`: found whatever the words around it). A model
+that uses what was said gives the stated ones a higher log-probability
+than the control. `--invented` asks for invented words ("zuvo") instead
+of held-out ones: no guess can find them.
 
 `run` trains one run per seed with the walkthrough's settings
 (`train.py --config ... --data ... --seed S`, timed), then scores each.
@@ -192,8 +195,25 @@ def train(work: str, config: str, data: str, seed: int, extra) -> tuple:
   return out, time.perf_counter() - t0
 
 
-def probe(run: str, source: str, chars, samples: int, seen: bool = False):
-  """`{chars: {'stated', 'control', 'hits', 'control_hits'}}` (see the
+def _value_pieces(tok, text: str, value: str) -> list[int]:
+  """Indices of the pieces of `tok.encode(text)` that hold `value`'s
+  characters (the last occurrence of it in `text`)."""
+  ids = tok.encode(text)
+  start = text.rindex(value)
+  end, out, before = start + len(value), [], 0
+  for i in range(len(ids)):
+    upto = len(tok.decode(ids[: i + 1]))
+    if upto > start and before < end:
+      out.append(i)
+    before = upto
+  return out
+
+
+def probe(
+  run: str, source: str, chars, samples: int, seen=False, invented=False
+):
+  """`{chars: {'stated', 'control', 'hits', 'control_hits', 'value',
+  'value_control', 'value_hits', 'value_control_hits'}}` (see the
   module's text), on the run's eval model at 1,024 tokens."""
   import trax
 
@@ -209,13 +229,17 @@ def probe(run: str, source: str, chars, samples: int, seen: bool = False):
   checkpoints.set_weights(run, layer, signature, model.flat)
   forward = scoring.forward_fn(layer)
   talk, (train_words, held) = _talk(source)
+  words = train_words if seen else held
+  if invented:  # Words no model can guess.
+    words = [task.invented(np.random.default_rng([7, i])) for i in range(999)]
   out = {}
   for n in chars:
     found = {'stated': [], 'control': [], 'hits': 0, 'control_hits': 0}
+    found.update(value=[], value_control=[], value_hits=0)
+    found['value_control_hits'] = 0
     for i in range(samples):
       for stated, key in ((True, 'stated'), (False, 'control')):
         rng = np.random.default_rng(1000 + i)  # The same draw for both.
-        words = train_words if seen else held
         c = task.make(rng, talk, words, n, 'word', stated=stated)
         ids = [tokenizer.EOS_ID]
         for role, text in c.turns:
@@ -229,10 +253,16 @@ def probe(run: str, source: str, chars, samples: int, seen: bool = False):
         x[0, : len(ids)] = ids
         logits = np.asarray(forward(x))[0, first : len(ids) - 1]
         want = np.asarray(ids[first:-1])
-        found[key].append(-scoring.token_losses(logits, want).sum())
-        hit = bool((logits.argmax(-1) == want).all())
-        found['hits' if stated else 'control_hits'] += hit
-    for key in ('stated', 'control'):
+        losses = scoring.token_losses(logits, want)
+        right = logits.argmax(-1) == want
+        found[key].append(-losses.sum())
+        found['hits' if stated else 'control_hits'] += bool(right.all())
+        # The value's own pieces: found, whatever the words around it.
+        at = _value_pieces(tok, c.turns[-1][1], c.value)
+        prefix = 'value' if stated else 'value_control'
+        found[prefix].append(-losses[at].sum())
+        found[f'{prefix}_hits'] += bool(right[at].all())
+    for key in ('stated', 'control', 'value', 'value_control'):
       found[key] = round(float(np.mean(found[key])), 2)
     out[n] = found
     print(f'{n} characters of small talk: {found}', flush=True)
@@ -283,6 +313,11 @@ def main(argv=None):
   parser.add_argument(
     '--seen', action='store_true', help='ask for training words instead'
   )
+  parser.add_argument(
+    '--invented',
+    action='store_true',
+    help='probe: ask for invented words (no guess can find them)',
+  )
   parser.add_argument('--chars', default='100,600')
   parser.add_argument('--config', default='configs/long-conversations.json')
   parser.add_argument('--data', default=None)
@@ -299,7 +334,7 @@ def main(argv=None):
     return
   if args.what == 'probe':
     chars = [int(c) for c in args.chars.split(',')]
-    probe(args.path, args.source, chars, args.samples, args.seen)
+    probe(args.path, args.source, chars, args.samples, args.seen, args.invented)
     return
   if args.what == 'score':
     score(

@@ -43,3 +43,22 @@ def test_a_measured_conversation_states_its_value_once_and_asks_last():
   assert conv.filler_chars >= 300
   control = long_recall.make(rng, TALK, ['lantern'], 300, 'word', False)
   assert 'lantern' not in ' '.join(t for _, t in control.turns[:-1])
+
+
+def test_the_probe_scores_the_pieces_that_hold_the_value():
+  """`probe`'s value pieces: those whose characters overlap the value,
+  whatever the pieces around it (a toy tokenizer of two-letter pieces)."""
+  from bench import long_recall as bench
+
+  class Pairs:
+    def encode(self, text):
+      return [text[i : i + 2] for i in range(0, len(text), 2)]
+
+    def decode(self, ids):
+      return ''.join(ids)
+
+  text = 'The word was zuvo.'
+  at = bench._value_pieces(Pairs(), text, 'zuvo')
+  pieces = Pairs().encode(text)
+  assert [pieces[i] for i in at] == [' z', 'uv', 'o.']
+  assert bench._value_pieces(Pairs(), 'zuvo, zuvo', 'zuvo') == [3, 4]
