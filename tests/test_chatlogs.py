@@ -816,9 +816,9 @@ def test_fuzzed_exports_convert_or_get_one_line(tmp_path_factory):
     ),
     (
       'IBAN DE89 3704 0044 0532 0130 00, or GB82WEST12345698765432, '
-      'es91 2100 0418 4502 0005 1332',
-      'IBAN <iban>, or <iban>, <iban>',
-      {'iban': 3},
+      'es91 2100 0418 4502 0005 1332 to me; DE89 3704 0044 0532 0130 00 OK',
+      'IBAN <iban>, or <iban>, <iban> to me; <iban> OK',
+      {'iban': 4},
     ),
     (
       'card 4111 1111 1111 1111 or 5500-0000-0000-0004; order 1234 5678 '

@@ -34,8 +34,8 @@ _DOMAIN = re.compile(
   + ')?',
   re.IGNORECASE,
 )
-# (In any case: the checksum decides.)
-_IBAN = re.compile(r'\b[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]){11,30}\b', re.IGNORECASE)
+# (The country in any case: "es91 2100 ..."; the checksum decides.)
+_IBAN = re.compile(r'\b(?i:[A-Z]{2})\d{2}(?:[ ]?[A-Z0-9]){11,30}\b')
 _CARD = re.compile(r'(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])')
 _SSN = re.compile(r'\b(?!000|666|9\d\d)\d{3}([- ])(?!00)\d{2}\1(?!0000)\d{4}\b')
 _NINO = re.compile(
@@ -156,6 +156,19 @@ def redact(text: str, counts: collections.Counter) -> str:
     counts['id'] += 1
     return f'{m.group(1)}{m.group(2)}<id>'
 
+  def iban(m):
+    # The match may run on into a group of the next words ("... 00 OK"):
+    # whole groups are taken off its end until the checksum holds.
+    found = cut = m.group(0)
+    while len(cut.replace(' ', '')) >= 15:
+      if _iban_ok(cut):
+        counts['iban'] += 1
+        return '<iban>' + found[len(cut) :]
+      if ' ' not in cut:
+        break
+      cut = cut[: cut.rindex(' ')]
+    return found
+
   def phone(m):
     found = m.group(0)
     digits = sum(ch.isdigit() for ch in found)
@@ -167,7 +180,7 @@ def redact(text: str, counts: collections.Counter) -> str:
   text = _URL.sub(sub('url'), text)
   text = _EMAIL.sub(sub('email'), text)
   text = _DOMAIN.sub(sub('url'), text)
-  text = _IBAN.sub(sub('iban', _iban_ok), text)
+  text = _IBAN.sub(iban, text)
   text = _CARD.sub(sub('card', _luhn_ok), text)
   text = _SSN.sub(sub('id'), text)
   text = _NINO.sub(sub('id'), text)
