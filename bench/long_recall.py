@@ -234,9 +234,16 @@ def probe(
     words = [task.invented(np.random.default_rng([7, i])) for i in range(999)]
   out = {}
   for n in chars:
-    found = {'stated': [], 'control': [], 'hits': 0, 'control_hits': 0}
-    found.update(value=[], value_control=[], value_hits=0)
-    found['value_control_hits'] = 0
+    found = {
+      'stated': [],
+      'control': [],
+      'hits': 0,
+      'control_hits': 0,
+      'value': [],
+      'value_control': [],
+      'value_hits': 0,
+      'value_control_hits': 0,
+    }
     for i in range(samples):
       for stated, key in ((True, 'stated'), (False, 'control')):
         rng = np.random.default_rng(1000 + i)  # The same draw for both.

@@ -74,9 +74,9 @@ _TIME = (
 )
 # Words some locales put between the date and the time.
 _AT = rf'(?:(?:um|à|a las|klo|kl\.|alle|om|в){_SP}+)?'
-ANDROID = re.compile(
-  rf'^{_MARK}{_DATE}[,،]?{_SP}+{_AT}{_TIME}{_SP}*[-–]{_SP}(?P<rest>.*)$'
-)
+# Android's end of a header: " - ", then the sender and text.
+_TAIL = rf'{_SP}*[-–]{_SP}(?P<rest>.*)$'
+ANDROID = re.compile(rf'^{_MARK}{_DATE}[,،]?{_SP}+{_AT}{_TIME}{_TAIL}')
 IOS = re.compile(
   rf'^{_MARK}\[{_MARK}{_DATE}[,،]?{_SP}+{_AT}{_TIME}\]{_SP}*(?P<rest>.*)$'
 )
@@ -101,7 +101,6 @@ _MONTH = (
   r'dec))\.?'
 )
 _NAMED_YEAR = rf'(?:,?{_SP}(?P<c>\d{{4}}))?'
-_TAIL = rf'{_SP}*[-–]{_SP}(?P<rest>.*)$'
 ANDROID_NAMED = re.compile(
   rf'^{_MARK}(?P<a>\d{{1,2}}){_SP}{_MONTH}{_NAMED_YEAR},?{_SP}+{_TIME}{_TAIL}'
 )

@@ -306,8 +306,7 @@ class People:
     self.keys = {_key(clean_name(n)) for n in names} - {''}
     starts = {}
     for k in self.keys:
-      if k:
-        starts.setdefault(k[0], []).append(k)
+      starts.setdefault(k[0], []).append(k)
     self.starts = {c: tuple(ks) for c, ks in starts.items()}
 
   def named(self, text: str) -> bool:
