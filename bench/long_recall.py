@@ -8,7 +8,7 @@ once (a word, a number, a name), small talk, then the question.
   python bench/long_recall.py run WORK --from data/smalltalk [--seeds 0,1,2]
       [--config configs/long-conversations.json] [--data DIR]
   python bench/long_recall.py probe RUN --from data/smalltalk
-      [--chars 100,600] [--samples 40] [--seen | --invented]
+      [--chars 100,600] [--samples 40] [--seen | --invented] [--bind GIN]
   python bench/long_recall.py practice OUT --from data/smalltalk
       [--conversations 12000] [--seed 0]
 
@@ -210,11 +210,20 @@ def _value_pieces(tok, text: str, value: str) -> list[int]:
 
 
 def probe(
-  run: str, source: str, chars, samples: int, seen=False, invented=False
+  run: str,
+  source: str,
+  chars,
+  samples: int,
+  seen=False,
+  invented=False,
+  bindings=(),
 ):
   """`{chars: {'stated', 'control', 'hits', 'control_hits', 'value',
   'value_control', 'value_hits', 'value_control_hits'}}` (see the
-  module's text), on the run's eval model at 1,024 tokens."""
+  module's text), on the run's eval model at 1,024 tokens, or the power
+  of two that holds the longest small talk asked (~3 characters a
+  token, and the question); `bindings`: gin bindings read over the run's
+  (e.g. how the LSH layer reads: `LSHSelfAttention.chunk_len = 4096`)."""
   import trax
 
   from src.data import tokenizer
@@ -222,8 +231,11 @@ def probe(
   from src.model import ginconf
   from src.storage import checkpoints
 
-  model, _ = decoding.load_model(run, 'eval')
-  tok, length = model.tok, 1024
+  model, _ = decoding.load_model(run, 'eval', tuple(bindings))
+  tok = model.tok
+  length = 1024
+  while length < max(chars) / 2.5 + 256:
+    length *= 2
   layer = ginconf.model(tok.vocab_size, 'eval')
   signature = trax.shapes.ShapeDtype((1, length), np.int32)
   checkpoints.set_weights(run, layer, signature, model.flat)
@@ -326,6 +338,13 @@ def main(argv=None):
     help='probe: ask for invented words (no guess can find them)',
   )
   parser.add_argument('--chars', default='100,600')
+  parser.add_argument(
+    '--bind',
+    action='append',
+    default=[],
+    metavar='GIN',
+    help="probe: a gin binding over the run's model.gin, as it is read",
+  )
   parser.add_argument('--config', default='configs/long-conversations.json')
   parser.add_argument('--data', default=None)
   args, extra = parser.parse_known_args(argv)
@@ -341,7 +360,15 @@ def main(argv=None):
     return
   if args.what == 'probe':
     chars = [int(c) for c in args.chars.split(',')]
-    probe(args.path, args.source, chars, args.samples, args.seen, args.invented)
+    probe(
+      args.path,
+      args.source,
+      chars,
+      args.samples,
+      args.seen,
+      args.invented,
+      args.bind,
+    )
     return
   if args.what == 'score':
     score(
