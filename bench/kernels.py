@@ -2,6 +2,7 @@
 
   python bench/kernels.py                 # the benchmark model at 32k
   python bench/kernels.py --length 8192 --peak-gflops 156.8
+  python bench/kernels.py --batched      # the attention's products, 3 ways
 
 Times, with JAX under the project's XLA flags (`import src`), the products
 one training step of bench/train_speed.py's model is made of: the weight
@@ -13,6 +14,13 @@ reversible layers really run: every layer's forward twice (once forward,
 once recomputed in the backward pass) plus its backward (2x), i.e. 8 FLOPs
 per weight and token, 4x the attention's forward FLOPs, and the output
 layer at 6 per weight (it is not reversible).
+
+`--batched` times the chunked attention's two batched products (scores
+`[64, 64] x [64, 128]`, scores x values `[64, 128] x [128, 64]`, for every
+chunk and head) as XLA runs them, as numpy's BLAS runs them (the same
+shapes, `np.matmul`), and with two chunks' queries against three chunks'
+keys (bigger products, 1.5x the FLOPs; the rate counts only the needed
+ones). Set `XLA_FLAGS` to compare XLA's other CPU libraries.
 """
 
 from __future__ import annotations
@@ -49,12 +57,50 @@ def rate(shape_a, shape_b, reps=10):
   return 2 * batch * m * k * shape_b[-1] / seconds / 1e9
 
 
+def np_rate(shape_a, shape_b, reps=10):
+  """GFLOP/s of numpy's batched `a @ b` (its BLAS, one product a chunk)."""
+  import numpy as np
+
+  a = np.ones(shape_a, np.float32)
+  b = np.ones(shape_b, np.float32)
+  out = np.matmul(a, b)
+  t = time.perf_counter()
+  for _ in range(reps):
+    np.matmul(a, b, out=out)
+  seconds = (time.perf_counter() - t) / reps
+  m, k = shape_a[-2:]
+  return 2 * shape_a[0] * m * k * shape_b[-1] / seconds / 1e9
+
+
+def batched(n: int):
+  """The attention's batched products at `n` tokens, three ways."""
+  items = HEADS * n // CHUNK
+  scores = ((items, CHUNK, D_HEAD), (items, D_HEAD, 2 * CHUNK))
+  values = ((items, CHUNK, 2 * CHUNK), (items, 2 * CHUNK, D_HEAD))
+  print(f'XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r}')
+  for name, (a, b) in (('scores', scores), ('scores x values', values)):
+    print(
+      f'{name} {a} x {b}: XLA {rate(a, b):.1f} GFLOP/s, '
+      f'numpy {np_rate(a, b):.1f} GFLOP/s'
+    )
+  grouped = ((items // 2, 2 * CHUNK, D_HEAD), (items // 2, D_HEAD, 3 * CHUNK))
+  print(
+    f'scores, 2 chunks against 3 {grouped[0]} x {grouped[1]}: XLA '
+    f'{rate(*grouped) / 1.5:.1f} GFLOP/s of the needed FLOPs'
+  )
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--length', type=int, default=32768)
   parser.add_argument('--peak-gflops', type=float, default=None)
+  parser.add_argument(
+    '--batched', action='store_true', help="the attention's products, 3 ways"
+  )
   args = parser.parse_args()
   n = args.length
+  if args.batched:
+    return batched(n)
   chunks = n // CHUNK
   products = {
     # name: (a, b, FLOPs of this product per token in one forward pass)
