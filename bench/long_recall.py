@@ -222,8 +222,9 @@ def probe(
   'value_control', 'value_hits', 'value_control_hits'}}` (see the
   module's text), on the run's eval model at 1,024 tokens, or the power
   of two that holds the longest small talk asked (~3 characters a
-  token, and the question); `bindings`: gin bindings read over the run's
-  (e.g. how the LSH layer reads: `LSHSelfAttention.chunk_len = 4096`)."""
+  token, and the question), or the LSH layer's chunk if longer;
+  `bindings`: gin bindings read over the run's (e.g. how the LSH layer
+  reads: `LSHSelfAttention.chunk_len = 4096`)."""
   import trax
 
   from src.data import tokenizer
@@ -236,6 +237,11 @@ def probe(
   length = 1024
   while length < max(chars) / 2.5 + 256:
     length *= 2
+  try:  # The LSH layer's chunks must fill the window.
+    chunk = ginconf.gin.query_parameter('LSHSelfAttention.chunk_len')
+  except ValueError:  # Not bound: no LSH layer reads by chunks.
+    chunk = 0
+  length = max(length, int(chunk or 0))
   layer = ginconf.model(tok.vocab_size, 'eval')
   signature = trax.shapes.ShapeDtype((1, length), np.int32)
   checkpoints.set_weights(run, layer, signature, model.flat)
