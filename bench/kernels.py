@@ -39,37 +39,34 @@ from src import runtime  # noqa: E402
 runtime.bootstrap()  # XLA flags, quiet logs, Trax patches: first.
 
 
-def rate(shape_a, shape_b, reps=10):
-  """GFLOP/s of `a @ b` (batched when the shapes have 3 dimensions)."""
+def rate(shape_a, shape_b, reps=10, numpy=False):
+  """GFLOP/s of `a @ b` (batched when the shapes have 3 dimensions), as
+  XLA runs it, or numpy's BLAS (`numpy`: one product a batch entry)."""
   import jax
   import jax.numpy as jnp
+  import numpy as np
 
-  a = jnp.ones(shape_a, jnp.float32)
-  b = jnp.ones(shape_b, jnp.float32)
-  f = jax.jit(jnp.matmul)
-  f(a, b).block_until_ready()
+  if numpy:
+    a, b = np.ones(shape_a, np.float32), np.ones(shape_b, np.float32)
+    out = np.matmul(a, b)
+
+    def f(a, b):
+      return np.matmul(a, b, out=out)
+  else:
+    a, b = jnp.ones(shape_a, jnp.float32), jnp.ones(shape_b, jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+
+    def f(a, b):
+      return matmul(a, b).block_until_ready()
+
+  f(a, b)
   t = time.perf_counter()
   for _ in range(reps):
-    f(a, b).block_until_ready()
+    f(a, b)
   seconds = (time.perf_counter() - t) / reps
   batch = shape_a[0] if len(shape_a) == 3 else 1
   m, k = shape_a[-2:]
   return 2 * batch * m * k * shape_b[-1] / seconds / 1e9
-
-
-def np_rate(shape_a, shape_b, reps=10):
-  """GFLOP/s of numpy's batched `a @ b` (its BLAS, one product a chunk)."""
-  import numpy as np
-
-  a = np.ones(shape_a, np.float32)
-  b = np.ones(shape_b, np.float32)
-  out = np.matmul(a, b)
-  t = time.perf_counter()
-  for _ in range(reps):
-    np.matmul(a, b, out=out)
-  seconds = (time.perf_counter() - t) / reps
-  m, k = shape_a[-2:]
-  return 2 * shape_a[0] * m * k * shape_b[-1] / seconds / 1e9
 
 
 def batched(n: int):
@@ -81,7 +78,7 @@ def batched(n: int):
   for name, (a, b) in (('scores', scores), ('scores x values', values)):
     print(
       f'{name} {a} x {b}: XLA {rate(a, b):.1f} GFLOP/s, '
-      f'numpy {np_rate(a, b):.1f} GFLOP/s'
+      f'numpy {rate(a, b, numpy=True):.1f} GFLOP/s'
     )
   grouped = ((items // 2, 2 * CHUNK, D_HEAD), (items // 2, D_HEAD, 3 * CHUNK))
   print(
