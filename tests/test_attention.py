@@ -25,6 +25,15 @@ from .conftest import MICRO, TINY_GIN
 
 
 def decode(parallel_heads, n_tokens=40, extra=(), cls='FastLSHSelfAttention'):
+  decoder = _decoder(parallel_heads, extra, cls)
+  rng = np.random.default_rng(0)
+  # Past the 64-token window, so the selection really drops positions.
+  return np.stack(
+    [decoder.feed([int(t)]) for t in rng.integers(3, 60, n_tokens)]
+  )
+
+
+def _decoder(parallel_heads, extra=(), cls='FastLSHSelfAttention', types=None):
   ginconf.parse(
     TINY_GIN,
     MICRO
@@ -32,7 +41,7 @@ def decode(parallel_heads, n_tokens=40, extra=(), cls='FastLSHSelfAttention'):
     + (
       # Plain LSH in every block (Trax's class has no local window and no
       # directed term): ours, or Trax's own.
-      f'ReformerLM.attention_type = @{cls}',
+      f'ReformerLM.attention_type = {types or "@" + cls}',
       'LSHSelfAttention.n_hashes = 2',
       f'LSHSelfAttention.n_parallel_heads = {parallel_heads}',
     ),
@@ -40,12 +49,7 @@ def decode(parallel_heads, n_tokens=40, extra=(), cls='FastLSHSelfAttention'):
   layer = ginconf.model(60, 'predict')
   layer.rng = jax.random.PRNGKey(1)
   layer.init(trax.shapes.ShapeDtype((1, 1), np.int32))
-  decoder = Decoder(layer, 128)
-  rng = np.random.default_rng(0)
-  # Past the 64-token window, so the selection really drops positions.
-  return np.stack(
-    [decoder.feed([int(t)]) for t in rng.integers(3, 60, n_tokens)]
-  )
+  return Decoder(layer, 128)
 
 
 @pytest.mark.parametrize('parallel_heads', [1, 2])
@@ -140,6 +144,74 @@ def test_bucket_index_selects_what_the_sort_keeps():
         keep,
       )
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_keep_mask_marks_what_the_sort_keeps():
+  """`keep_mask` (a wide layer's candidates as a mask over its memory)
+  marks exactly the positions at or before the query that `select_kv`
+  keeps, at every position, for 1 and 2 hash rounds, with the memory
+  longer and shorter than what is kept."""
+  rng = np.random.default_rng(0)
+  for rounds, mem, n_buckets, n_keep in ((1, 64, 4, 8), (2, 100, 4, 16),
+                                         (2, 40, 2, 64)):  # fmt: skip
+    offsets = (np.arange(rounds) * n_buckets)[:, None]
+    for q in range(mem - 1):
+      buckets = np.zeros((rounds, mem), np.int32)
+      buckets[:, :q] = rng.integers(0, n_buckets, (rounds, q)) + offsets
+      qb = (rng.integers(0, n_buckets, rounds) + offsets[:, 0]).astype(np.int32)
+      buckets[:, q] = qb
+      keep = min(n_keep, mem)
+      valid = jnp.asarray((buckets == qb[:, None]).any(0))
+      want = np.asarray(decode_select.select_kv(valid, q, keep))
+      got = decode_select.keep_mask(
+        jnp.asarray(buckets), jnp.asarray(qb), q, keep
+      )
+      assert set(np.flatnonzero(np.asarray(got))) == {
+        int(p) for p in want if p <= q
+      }, (rounds, mem, q)
+
+
+def test_a_wide_layer_reads_its_candidates_from_the_whole_cache(monkeypatch):
+  """A layer with many candidates (`decode_select.reads_memory`: a wide
+  reading, few buckets and long chunks) reads them as a mask over its whole
+  key cache, without a sort or a gather: the same logits as Trax's sorting
+  step to rounding (2 hash rounds, past the window), blocks at any
+  position the same as tokens, and blocks not sized by its chunk."""
+  monkeypatch.setattr(decode_select, 'WIDE_MIN', 64)  # MICRO's 2 x 16 x 2.
+  wide = decode(2, n_tokens=120)
+  trax_sort = decode(2, n_tokens=120, cls='LSHSelfAttention')
+  np.testing.assert_allclose(wide, trax_sort, atol=1e-5, rtol=1e-5)
+  assert (wide.argmax(-1) == trax_sort.argmax(-1)).all()
+  d = _decoder(2)
+  hlo = (
+    jax.jit(d._pure_step)
+    .lower(d.weights, d.state, np.zeros((1, 1), np.int32), d._rng)
+    .as_text(dialect='hlo')
+  )
+  assert ' sort(' not in hlo  # The indexed step sorts its candidates.
+  ids = [int(t) for t in np.random.default_rng(2).integers(3, 60, 110)]
+  by_token = [d.feed(ids, blocks=False), d.feed([7])]
+  d.reset()
+  d.feed(ids[:5], blocks=False)
+  by_block = [d.feed(ids[5:], blocks=True), d.feed([7])]
+  np.testing.assert_allclose(by_block, by_token, atol=1e-5, rtol=1e-5)
+  longer = ('LSHSelfAttention.chunk_len = 128',)
+  assert _decoder(2, longer).block == 64  # No local layer here: 64.
+  monkeypatch.setattr(decode_select, 'WIDE_MIN', 10**9)  # Gathered:
+  assert _decoder(2, longer).block == 128  # a multiple of the chunk.
+
+
+def test_a_start_block_holds_whole_lsh_chunks(monkeypatch):
+  """A start block (read as training reads a window) is a whole number of
+  LSH chunks, also where blocks are shorter than a chunk (a wide layer)."""
+  monkeypatch.setattr(decode_select, 'WIDE_MIN', 64)
+  mixed = '[@LocalSelfAttention, @FastLSHSelfAttention, @LocalSelfAttention]'
+  d = _decoder(1, ('LSHSelfAttention.chunk_len = 64',), types=mixed)
+  assert (d.block, d.min_start) == (32, 1024)  # tiny.gin's local 32.
+  d.min_start = 32  # As a test reads short starts.
+  assert d.start_part(100, exact=False) == 64  # Not 96.
+  logits = d.feed(list(range(3, 102)), exact=False)
+  assert d.start == 64 and np.isfinite(logits).all()
 
 
 def test_scanned_buckets_are_trax_argmax_buckets():

@@ -134,7 +134,11 @@ def block_size(model, max_len: int) -> int:
   A multiple of every attention layer's chunk length that divides the
   context (blocks fall on a fixed grid, see `Decoder.feed`) and is short
   enough that a block's own earlier tokens are in each of its tokens' LSH
-  window (`decode_block.lsh_block`)."""
+  window (`decode_block.lsh_block`). An LSH layer whose tokens read the
+  whole key cache (`decode_select.reads_memory`: few buckets, long
+  chunks) sets neither: each of its tokens reads its own positions at
+  any block length, and a block of its chunk (4,096) would be a costly
+  read for a message of a few words."""
   lsh = reformer.lsh_layers(model)
   local = reformer.local_layers(model)
   attention_layers = [  # Every layer with a predict-mode memory.
@@ -152,9 +156,14 @@ def block_size(model, max_len: int) -> int:
     for node in attention_layers
   ) or any(not isinstance(node, AxialPositions) for node in positions):
     return 0
-  size = math.lcm(*[layer._chunk_len for layer in lsh + local] or [64])
+  narrow = [
+    layer
+    for layer in lsh
+    if not decode_select.reads_memory(layer, layer._predict_mem_len)
+  ]
+  size = math.lcm(*[layer._chunk_len for layer in narrow + local] or [64])
   limit = min(
-    [2 * decode_select.keep_count(layer) - 1 for layer in lsh] or [size]
+    [2 * decode_select.keep_count(layer) - 1 for layer in narrow] or [size]
   )
   if size > limit or max_len % size:
     return 0
@@ -244,7 +253,9 @@ class Decoder:
     self.block = block_size(predict_model, max_len)
     self._block_fn = jax.jit(self._pure_block, donate_argnums=(1,))
     self._start_fn = jax.jit(self._pure_start, donate_argnums=(1,))
-    self.min_start = MIN_START
+    # A start block is read as training reads a window: whole LSH chunks.
+    self._start_grain = math.lcm(*[layer._chunk_len for layer in lsh] or [1])
+    self.min_start = math.lcm(MIN_START, self._start_grain)
     self.reset()
 
   def _keep_fresh_state(self, state):
@@ -379,10 +390,10 @@ class Decoder:
   def start_part(self, n: int, exact: bool = True) -> int:
     """How many of `n` tokens read at position 0 (the pad included) a
     fresh read takes as its start block (see `feed`): a multiple of
-    `min_start`, or (not `exact`) of `block`."""
+    `min_start`, or (not `exact`) of `block` and the LSH chunks."""
     if not self.block or n < self.min_start:
       return 0
-    unit = self.min_start if exact else self.block
+    unit = self.min_start if exact else math.lcm(self.block, self._start_grain)
     return n // unit * unit
 
   def rewind(self):

@@ -239,6 +239,14 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
     dots = jnp.sum(q[:, None, :] * parts[..., :d], -1)  # XLA fuses it.
     return dots / jnp.sqrt(jnp.asarray(d, dots.dtype))
 
+  def _memory_scores(self, q, keys, x_q, weights):
+    """`_block_scores` over the whole key cache (`keys`, `[mem, width]`),
+    shared by all of a block's queries: one product, `[length, mem]`."""
+    del x_q, weights
+    d = self._d_qk
+    dots = jnp.matmul(q, jnp.transpose(keys[:, :d]))
+    return dots / jnp.sqrt(jnp.asarray(d, dots.dtype))
+
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
     return lsh_forward(self, x, mask, weights=weights, **kwargs)
 
@@ -309,6 +317,13 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
     a = jnp.matmul(x_q, self.weight(weights, 'a'))
     dots = jnp.sum(q[:, None, :] * parts[..., :d], -1)
     dots += jnp.sum(a[:, None, :] * parts[..., d + self._d_v :], -1)
+    return dots / jnp.sqrt(jnp.asarray(d, dots.dtype))
+
+  def _memory_scores(self, q, keys, x_q, weights):
+    d = self._d_qk
+    a = jnp.matmul(x_q, self.weight(weights, 'a'))
+    dots = jnp.matmul(q, jnp.transpose(keys[:, :d]))
+    dots += jnp.matmul(a, jnp.transpose(keys[:, d + self._d_v :]))
     return dots / jnp.sqrt(jnp.asarray(d, dots.dtype))
 
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):

@@ -147,6 +147,10 @@ def _attend_all(self, x, weights, q, qb, ring, own, buckets, keys, q_start):
   mem_len = keys.shape[1]
   n_keep = min(decode_select.keep_count(self), mem_len)
   positions = q_start + jnp.arange(length, dtype=jnp.int32)
+  if decode_select.reads_memory(self, mem_len):
+    return _attend_memory_all(
+      self, x, weights, (q, qb, positions), buckets, keys, n_keep
+    )
   # The rings as they were before the block: its own tokens are in every
   # query's window (length < 2 n_keep), and what the block would have
   # pushed out of a ring had n_keep newer positions of its bucket.
@@ -170,6 +174,45 @@ def _attend_all(self, x, weights, q, qb, ring, own, buckets, keys, q_start):
              keys=example(keys))  # fmt: skip
   out = decode_state.each_head(head, x, weights, per)
   return jnp.sum(out, axis=1).astype(x.dtype)  # Over heads.
+
+
+def _attend_memory_all(self, x, weights, queries, buckets, keys, n_keep):
+  """`_attend_all` for a layer that `reads_memory`: each token's
+  candidates (`queries`: the block's `q`, `qb` and positions) as a mask
+  over the whole key cache (`decode_select.keep_mask`), read with one
+  product per head."""
+  batch = x.shape[0]
+  q, qb, positions = queries
+
+  def head(x_b, w_h, per):
+    keep = jax.vmap(decode_select.keep_mask, in_axes=(None, 0, 0, None))(
+      per['buckets'], per['qb'], positions, n_keep
+    )
+    return attend_memory(self, x_b, per['q'], positions, keep, per['keys'], w_h)
+
+  def example(a):
+    return decode_state.by_example(a, batch, self._n_heads)
+
+  per = dict(q=q, qb=qb, buckets=example(buckets), keys=example(keys))
+  out = decode_state.each_head(head, x, weights, per)
+  return jnp.sum(out, axis=1).astype(x.dtype)  # Over heads.
+
+
+def attend_memory(self, x_rows, q, positions, keep, keys, weights):
+  """`attend_block` over the whole key cache `keys` (`[mem, width]`), each
+  query reading the positions `keep` marks (`[length, mem]`), one head:
+  `[length, d_model]`."""
+  mem = keys.shape[0]
+  # Not kept: a position after every query (the causal mask hides it).
+  kv = jnp.where(keep, jnp.arange(mem, dtype=jnp.int32), mem)
+  dots = self._memory_scores(q, keys, x_rows, weights)
+  dots = ea.mask_self_attention(
+    dots, positions[:, None], kv, causal=True, exclude_self=True, masked=True
+  )
+  dots = jnp.exp(dots - fastmath.logsumexp(dots, axis=-1, keepdims=True))
+  d = self._d_qk
+  o = jnp.matmul(dots, keys[:, d : d + self._d_v])
+  return jnp.matmul(o, self.weight(weights, 'o'))
 
 
 def attend_block(self, x_rows, q, positions, kv, parts, weights):

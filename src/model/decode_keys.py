@@ -81,11 +81,18 @@ def indexed_token(
     keys: `[mem, width]` the key cache.
 
   Returns:
-    `[1, d_v]`: Trax's one-token step over the positions its sort keeps.
+    `[1, d_v]`: Trax's one-token step over the positions its sort keeps
+    (a layer that `reads_memory` reads them from the whole key cache,
+    the others masked: the same result, to rounding).
   """
   mem = keys.shape[0]
   all_buckets = jnp.reshape(buckets, (self._n_hashes, mem))
   n_keep = min(decode_select.keep_count(self), mem)
+  if decode_select.reads_memory(self, mem):  # The same positions, masked.
+    keep = decode_select.keep_mask(all_buckets, qb, q_start, n_keep)
+    # Not kept: a position after every query (the causal mask hides it).
+    kv_indices = jnp.where(keep, jnp.arange(mem, dtype=jnp.int32), mem)
+    return attend_parts(self, x_q, q, q_start, kv_indices, keys, weights, rng)
   kv_indices = decode_select.select_indexed(
     all_buckets, qb, lists, q_start, n_keep
   )

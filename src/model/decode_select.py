@@ -28,6 +28,60 @@ def keep_count(self) -> int:
   return self._n_hashes * self._chunk_len * (1 + self._n_chunks_before)
 
 
+# Candidates per token from which a layer reads its whole key cache under
+# a mask (`keep_mask`) instead of gathering each token's own (when they
+# are also a quarter of the memory or more). A layer read wide (few
+# buckets, long chunks: BENCHMARKS "Recall in a long chat, fifth round")
+# keeps 16,384 at chunks of 4,096: gathered for a block of 32 tokens that
+# is 32 x 16,384 rows of keys and values a head (~200 MB), and each
+# token sorts 5 x 16,384 candidates; the masked read is one product with
+# the key cache and a prefix sum over it.
+WIDE_MIN = 1024
+
+
+def reads_memory(self, mem_len: int) -> bool:
+  """Whether this layer's tokens read the whole key cache under a mask
+  (`keep_mask`) rather than their gathered candidates (`select_indexed`):
+  the same positions, a cheaper way when they are many."""
+  keep = keep_count(self)
+  return keep >= WIDE_MIN and 4 * keep >= mem_len
+
+
+def keep_mask(all_buckets, q_buckets, q_start, n_keep: int):
+  """`select_indexed`'s positions as a mask over the memory, those at or
+  before the query (the only ones its attention does not mask).
+
+  The same ranking as `select_kv`, with the buckets read as
+  `select_indexed` reads them (a position's own from the query's on are
+  not written yet: 0; the query shares its own). Of the positions up to
+  `q_start + 1`, those sharing a bucket rank first, latest first, then
+  the others, latest first; the `n_keep` best are kept (later positions
+  only fill what is left, and attention masks them).
+
+  Args:
+    all_buckets: `[n_hashes, mem]` bucket of each memory position.
+    q_buckets: `[n_hashes]` the query's buckets.
+    q_start: Position of the query.
+    n_keep: How many positions the step keeps (at most `mem`).
+
+  Returns:
+    `[mem] bool`.
+  """
+  mem = all_buckets.shape[1]
+  positions = jnp.arange(mem, dtype=jnp.int32)
+  seen = jnp.where(positions < q_start, all_buckets, 0)
+  valid = jnp.any(seen == q_buckets[:, None], axis=0) | (positions == q_start)
+  past = positions <= q_start + 1
+  shared = (past & valid).astype(jnp.int32)
+  other = (past & ~valid).astype(jnp.int32)
+
+  def later(c):  # Members of c at higher positions than p.
+    return jnp.cumsum(c[::-1])[::-1] - c
+
+  rank = jnp.where(valid, later(shared), jnp.sum(shared) + later(other))
+  return (positions <= q_start) & (rank < n_keep)
+
+
 def select_kv(is_valid_target, q_start, n_keep: int):
   """The positions Trax's sort keeps, found with prefix sums in O(memory).
 
