@@ -14,7 +14,9 @@ them first), so tokens are appended in place and an LSH layer keeps a
 bucket index, its hashing rotations and a key cache in its predict state
 (`decode_index.create_state`). A token of such a layer costs O(n_keep),
 not O(memory), and the outputs are Trax's bit for bit (pinned by
-tests/test_attention.py).
+tests/test_attention.py); a wide layer, whose candidates are a large
+share of its memory (`decode_select.reads_memory`), reads them as a mask
+over the whole key cache instead, Trax's outputs to rounding.
 """
 
 from __future__ import annotations
