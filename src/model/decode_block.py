@@ -188,7 +188,9 @@ def _attend_memory_all(self, x, weights, queries, buckets, keys, n_keep):
     keep = jax.vmap(decode_select.keep_mask, in_axes=(None, 0, 0, None))(
       per['buckets'], per['qb'], positions, n_keep
     )
-    return attend_memory(self, x_b, per['q'], positions, keep, per['keys'], w_h)
+    return decode_keys.attend_memory(
+      self, x_b, per['q'], positions, keep, per['keys'], w_h
+    )
 
   def example(a):
     return decode_state.by_example(a, batch, self._n_heads)
@@ -196,23 +198,6 @@ def _attend_memory_all(self, x, weights, queries, buckets, keys, n_keep):
   per = dict(q=q, qb=qb, buckets=example(buckets), keys=example(keys))
   out = decode_state.each_head(head, x, weights, per)
   return jnp.sum(out, axis=1).astype(x.dtype)  # Over heads.
-
-
-def attend_memory(self, x_rows, q, positions, keep, keys, weights):
-  """`attend_block` over the whole key cache `keys` (`[mem, width]`), each
-  query reading the positions `keep` marks (`[length, mem]`), one head:
-  `[length, d_model]`."""
-  mem = keys.shape[0]
-  # Not kept: a position after every query (the causal mask hides it).
-  kv = jnp.where(keep, jnp.arange(mem, dtype=jnp.int32), mem)
-  dots = self._memory_scores(q, keys, x_rows, weights)
-  dots = ea.mask_self_attention(
-    dots, positions[:, None], kv, causal=True, exclude_self=True, masked=True
-  )
-  dots = jnp.exp(dots - fastmath.logsumexp(dots, axis=-1, keepdims=True))
-  d = self._d_qk
-  o = jnp.matmul(dots, keys[:, d : d + self._d_v])
-  return jnp.matmul(o, self.weight(weights, 'o'))
 
 
 def attend_block(self, x_rows, q, positions, kv, parts, weights):

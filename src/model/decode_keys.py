@@ -54,6 +54,26 @@ def attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng):
   return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
 
 
+def attend_memory(self, x_rows, q, positions, keep, keys, weights):
+  """Attention of a block's queries (`q`, `[length, d_qk]`, at
+  `positions`; inputs `x_rows`) over the whole key cache `keys` (`[mem,
+  width]`), each reading the positions `keep` marks (`[length, mem]`),
+  one head, as `decode_block.attend_block` over gathered candidates:
+  `[length, d_model]`. A wide layer's tokens read this way
+  (`decode_select.reads_memory`)."""
+  mem = keys.shape[0]
+  # Not kept: a position after every query (the causal mask hides it).
+  kv = jnp.where(keep, jnp.arange(mem, dtype=jnp.int32), mem)
+  dots = self._memory_scores(q, keys, x_rows, weights)
+  dots = ea.mask_self_attention(
+    dots, positions[:, None], kv, causal=True, exclude_self=True, masked=True
+  )
+  dots = jnp.exp(dots - fastmath.logsumexp(dots, axis=-1, keepdims=True))
+  d = self._d_qk
+  o = jnp.matmul(dots, keys)[:, d : d + self._d_v]  # Whole width: no copy.
+  return jnp.matmul(o, self.weight(weights, 'o'))
+
+
 def attend_selected(self, x, q, q_start, kv_indices, weights, rng):
   """`attend_parts` for a memory without a key cache: the candidates'
   keys and values projected from the memory `x` (`[mem, d]`)."""
@@ -90,9 +110,8 @@ def indexed_token(
   n_keep = min(decode_select.keep_count(self), mem)
   if decode_select.reads_memory(self, mem):  # The same positions, masked.
     keep = decode_select.keep_mask(all_buckets, qb, q_start, n_keep)
-    # Not kept: a position after every query (the causal mask hides it).
-    kv_indices = jnp.where(keep, jnp.arange(mem, dtype=jnp.int32), mem)
-    return attend_parts(self, x_q, q, q_start, kv_indices, keys, weights, rng)
+    at = jnp.reshape(q_start, (1,)).astype(jnp.int32)
+    return attend_memory(self, x_q, q[:1], at, keep[None], keys, weights)
   kv_indices = decode_select.select_indexed(
     all_buckets, qb, lists, q_start, n_keep
   )
