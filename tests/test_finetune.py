@@ -235,6 +235,33 @@ def test_init_from_refusals(case, tiny_run, exported, tmp_path):
   assert after == before
 
 
+def test_a_finetune_may_read_the_attention_otherwise(exported, tmp_path):
+  """How the attention reads (`finetune.READING`: chunks, hash rounds,
+  buckets) may change in a fine-tune, as a curriculum reads longer windows
+  with longer chunks: the run says so, trains, and its model.gin keeps the
+  new reading (the chat reads it so); the weights' settings may not."""
+  out = str(tmp_path / 'ft')
+  settings = finetune_settings(out, exported['dir'], steps=1)
+  settings = settings.__class__(
+    settings.values, settings.source, settings.given - {'vocab-size'}
+  )
+  lines = []
+  wider = ('LSHSelfAttention.chunk_len = 32', 'LSHSelfAttention.n_hashes = 2')
+  loop = trainer.train(settings, gin_bindings=wider, log=lines.append)
+  assert loop.step == 1
+  said = [line for line in lines if 'reads its attention otherwise' in line]
+  assert said == [
+    'reads its attention otherwise than the pretrained model (same '
+    'weights): LSHSelfAttention.chunk_len 16 -> 32, '
+    'LSHSelfAttention.n_hashes 1 -> 2'
+  ]
+  saved = open(os.path.join(out, 'model.gin')).read()
+  assert 'LSHSelfAttention.chunk_len = 32' in saved
+  assert 'LSHSelfAttention.n_hashes = 2' in saved
+  decoder = decoding.Decoder.load(out)
+  assert decoder.block == 32 and np.isfinite(decoder.feed([5, 6])).all()
+
+
 def test_unknown_pieces_are_counted():
   assert finetune.unknown_share(np.array([5, 2, 2, 7])) == 0.5
   assert finetune.unknown_share(np.array([], np.int32)) == 0.0

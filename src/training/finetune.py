@@ -27,6 +27,10 @@ from src.storage import checkpoints, modelfolder, snapshots
 INIT_FILE = rundir.INIT
 # Settings that may differ from the pretrained model's.
 MAY_DIFFER = ('dropout',)
+# How an attention layer reads (no weight depends on these): a fine-tune
+# may read longer windows with longer chunks, as the long-conversation
+# curriculum does (BENCHMARKS "Recall in a long chat, fifth round").
+READING = ('chunk_len', 'n_chunks_before', 'n_hashes', 'n_buckets')
 # Train settings that must agree with the pretrained tokenizer.
 TOKENIZER_KEYS = {
   'vocab-size': 'requested_vocab_size',
@@ -157,9 +161,14 @@ def tokenizer_settings(settings, info: dict, where: str) -> dict:
 
 def check_settings(
   setup: ginconf.GinSetup, source: modelfolder.ModelFolder, gin_path: str
-):
-  """The gin file may not change the pretrained model's settings (only
-  dropout)."""
+) -> list[str]:
+  """The gin file may not change the pretrained model's settings but
+  dropout and how the attention reads (`READING`).
+
+  Returns:
+    The reading settings that differ, as `name old -> new`.
+  """
+  changed = []
   for group, mine, theirs in (
     ('ReformerLM', setup.model, source.setup.model),
     (source.setup.attention_name, setup.attention, source.setup.attention),
@@ -168,14 +177,19 @@ def check_settings(
     for key in sorted(set(mine) | set(theirs)):
       if key.startswith('_') or any(d in key for d in MAY_DIFFER):
         continue
-      if mine.get(key) != theirs.get(key):
-        raise UserError(
-          f'{gin_path}: sets {group}.{key} = {mine.get(key)!r}, but the '
-          f'pretrained model ({source.gin_path}) has {theirs.get(key)!r}; a '
-          "fine-tune run keeps the model's settings (only dropout may "
-          'differ): remove it from the gin file (gin/finetune.gin binds '
-          'none)'
-        )
+      if mine.get(key) == theirs.get(key):
+        continue
+      if group != 'ReformerLM' and key in READING:
+        changed.append(f'{group}.{key} {theirs.get(key)} -> {mine.get(key)}')
+        continue
+      raise UserError(
+        f'{gin_path}: sets {group}.{key} = {mine.get(key)!r}, but the '
+        f'pretrained model ({source.gin_path}) has {theirs.get(key)!r}; a '
+        "fine-tune run keeps the model's settings (only dropout and the "
+        f"attention's {', '.join(READING)} may differ): remove it from the "
+        'gin file (gin/finetune.gin binds none)'
+      )
+  return changed
 
 
 def unknown_share(tokens) -> float:

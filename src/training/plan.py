@@ -117,13 +117,19 @@ def window_length(s, setup: ginconf.GinSetup) -> int:
   return length
 
 
-def _setup(s, gin_bindings, base, fine) -> ginconf.GinSetup:
+def _setup(s, gin_bindings, base, fine, log=print) -> ginconf.GinSetup:
   """The model's settings: the gin file, the preset's `gin-bindings`, the
-  command line's `--bind` (a fine-tune's model settings under them)."""
+  command line's `--bind` (a fine-tune's model settings under them; it
+  may read its attention otherwise, `finetune.READING`, and says so)."""
   bindings = tuple(s['gin-bindings']) + tuple(gin_bindings)
   setup = ginconf.parse(s['gin'], bindings, base=base)
   if fine is not None and fine.source is not None:
-    finetune.check_settings(setup, fine.source, s['gin'])
+    changed = finetune.check_settings(setup, fine.source, s['gin'])
+    if changed:
+      log(
+        'reads its attention otherwise than the pretrained model (same '
+        f'weights): {", ".join(changed)}'
+      )
   return setup
 
 
@@ -212,7 +218,7 @@ def prepare(
   _notes(settings, log)
   out_dir = check_out_dir(settings)
   s, fine, base = _with_pretrained(settings, out_dir, leader)
-  setup = _setup(s, gin_bindings, base, fine)
+  setup = _setup(s, gin_bindings, base, fine, log)
   start_step, checkpoint_folder, damage = _resume_point(setup, out_dir, leader)
   window = _window(s, setup, out_dir, start_step and not leader)
   batch_size, micro = _batch_size(s, cluster)
