@@ -36,7 +36,10 @@ log-probability (nats) of the last AI turn ("The word was X.") of
 `--samples` conversations per amount of small talk (`--chars`), with the
 word stated and without (the control), and how many of those turns the
 model predicts token for token (argmax); and the same for the word's own
-pieces alone (`value...`: found whatever the words around it). A model
+pieces alone (`value...`: found whatever the words around it), and the
+stated values' pieces that are the argmax (`pieces`: the first piece and
+later ones; rare pieces, seen fewer than 20 times in the small talk, and
+common ones: a piece a model rarely predicts is the hardest to copy). A model
 that uses what was said gives the stated ones a higher log-probability
 than the control. `--invented` asks for invented words ("zuvo") instead
 of held-out ones: no guess can find them.
@@ -50,6 +53,7 @@ markdown table is printed for BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -250,6 +254,9 @@ def probe(
   words = train_words if seen else held
   if invented:  # Words no model can guess.
     words = [task.invented(np.random.default_rng([7, i])) for i in range(999)]
+  counts = collections.Counter(
+    i for turns in talk for _, text in turns for i in tok.encode(text)
+  )
   out = {}
   for n in chars:
     found = {
@@ -261,6 +268,7 @@ def probe(
       'value_control': [],
       'value_hits': 0,
       'value_control_hits': 0,
+      'pieces': {k: [0, 0] for k in ('first', 'later', 'rare', 'common')},
     }
     for i in range(samples):
       for stated, key in ((True, 'stated'), (False, 'control')):
@@ -287,11 +295,32 @@ def probe(
         prefix = 'value' if stated else 'value_control'
         found[prefix].append(-losses[at].sum())
         found[f'{prefix}_hits'] += bool(right[at].all())
+        if stated:
+          _piece_hits(
+            found['pieces'], [counts[ids[first + j]] for j in at], right[at]
+          )
     for key in ('stated', 'control', 'value', 'value_control'):
       found[key] = round(float(np.mean(found[key])), 2)
+    found['pieces'] = {k: f'{h}/{m}' for k, (h, m) in found['pieces'].items()}
     out[n] = found
     print(f'{n} characters of small talk: {found}', flush=True)
   return out
+
+
+RARE = 20  # A piece seen fewer times than this in the small talk is rare.
+
+
+def _piece_hits(pieces: dict, seen, right) -> None:
+  """Adds a stated value's pieces to `pieces`' `[hits, count]`: by place
+  (the first piece, found by the lookup; later ones, by copying on) and
+  by how often the small talk has the piece (`RARE`)."""
+  for j, (times, hit) in enumerate(zip(seen, right)):
+    for key in (
+      'first' if j == 0 else 'later',
+      'rare' if times < RARE else 'common',
+    ):
+      pieces[key][0] += int(hit)
+      pieces[key][1] += 1
 
 
 def table(results) -> str:

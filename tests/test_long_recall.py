@@ -62,3 +62,21 @@ def test_the_probe_scores_the_pieces_that_hold_the_value():
   pieces = Pairs().encode(text)
   assert [pieces[i] for i in at] == [' z', 'uv', 'o.']
   assert bench._value_pieces(Pairs(), 'zuvo, zuvo', 'zuvo') == [3, 4]
+
+
+def test_the_probe_counts_pieces_by_place_and_by_how_rare():
+  """`probe`'s `pieces`: the first piece apart from later ones (the lookup
+  finds the first; copying goes on from it), rare pieces (seen fewer than
+  `RARE` times in the small talk) apart from common ones."""
+  from bench import long_recall as bench
+
+  pieces = {k: [0, 0] for k in ('first', 'later', 'rare', 'common')}
+  rare = bench.RARE - 1
+  bench._piece_hits(pieces, [rare, 100, bench.RARE], [False, True, False])
+  bench._piece_hits(pieces, [100], [True])
+  assert pieces == {
+    'first': [1, 2],
+    'later': [1, 2],
+    'rare': [0, 1],
+    'common': [2, 3],
+  }
