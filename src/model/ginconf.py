@@ -12,10 +12,9 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
   (`src.model.optim.lr_schedule`; `total_steps` comes from the run settings).
 - `optimizer.kind`: which Trax optimizer class to use.
 - `output_loss.chunk_size`: positions whose logits exist at once.
-- `output_layer.halves`, `output_layer.tied`: what the output layer reads
-  of the two reversible halves, 'concat' (Trax) or 'mean', and whether it
-  scores tokens through the token embedding (`src.model.reformer`): part
-  of the model, saved with it.
+- `output_layer.halves`: what the output layer reads of the two
+  reversible halves, 'concat' (Trax) or 'mean' (`src.model.reformer`):
+  part of the model, saved with it.
 - `positions.axial_init_scale`: how large the axial position embeddings
   start, relative to the token embeddings.
 - `lsh.directed` is gone: a model.gin saved before the classes is read
@@ -83,8 +82,8 @@ class GinSetup:
       of local and LSH attention), else None.
     directed: the LSH layers have a directed score term (and its weights:
       `DirectedLSHSelfAttention`).
-    output: what the output layer reads (`output_layer`: `halves`,
-      'concat' or 'mean', and `tied`).
+    halves: what the output layer reads of the reversible halves
+      (`output_layer.halves`: 'concat' or 'mean').
   """
 
   path: str
@@ -95,7 +94,7 @@ class GinSetup:
   layer_attention: tuple = ()
   local: dict | None = None
   directed: bool = False
-  output: reformer.Output = reformer.Output()
+  halves: str = 'concat'
 
   @property
   def max_len(self) -> int:
@@ -379,7 +378,7 @@ def model(vocab_size: int, mode: str):
   """The parsed config's model (Trax's `ReformerLM` with this project's
   layers and `output_layer`), not initialized: the one builder every
   mode and tool uses."""
-  return reformer.reformer_lm(vocab_size, mode, output=output_layer())
+  return reformer.reformer_lm(vocab_size, mode, halves=output_layer())
 
 
 def fresh_model(vocab_size: int, offset: str = 'zero'):
@@ -393,7 +392,7 @@ def fresh_model(vocab_size: int, offset: str = 'zero'):
     positions(),
     zero_outputs=residual(),
     offset=offset,
-    output=output_layer(),
+    halves=output_layer(),
   )
 
 

@@ -11,7 +11,6 @@ The settings' checks are `src.model.settings`, the loss and metrics
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -21,7 +20,6 @@ from trax.layers.research import efficient_attention as ea
 
 from src.core.errors import UserError
 from src.model import positions as axial
-from src.model import tied
 
 
 def positions(axial_init_scale: float = 1.0) -> float:
@@ -101,27 +99,16 @@ def branch_outputs(lm) -> tuple[list, list]:
 HALVES = ('concat', 'mean')
 
 
-@dataclasses.dataclass(frozen=True)
-class Output:
-  """What the output layer reads (gin: `output_layer`)."""
-
-  halves: str = 'concat'  # 'concat' (Trax's) or 'mean' of the two halves.
-  tied: bool = False  # Also scores tokens through the token embedding.
-
-
-def output_layer(halves: str = 'concat', tied: bool = False) -> Output:
-  """What the output layer reads (gin: output_layer).
+def output_layer(halves: str = 'concat') -> str:
+  """What the output layer reads of the two reversible halves (gin:
+  output_layer).
 
   Args:
-    halves: 'concat' (Trax's ReformerLM: both reversible halves, `2
-      d_model` features, so the output layer has `2 d_model x vocab`
-      weights) or 'mean' (their mean, `d_model` features, as
-      reformer-pytorch does: half the output layer's weights and work,
-      which dominate a step at a vocabulary of thousands of pieces).
-    tied: True also scores each token through its embedding's vector
-      (`src.model.tied`: a learned gate, starting at 0, times the halves'
-      mean against the embedding): what a layer copies scores its token
-      whether or not the token was often a training target.
+    halves: 'concat' (Trax's ReformerLM: both, `2 d_model` features, so
+      the output layer has `2 d_model x vocab` weights) or 'mean' (their
+      mean, `d_model` features, as reformer-pytorch does: half the output
+      layer's weights and work, which dominate a step at a vocabulary of
+      thousands of pieces).
 
   Returns:
     The choice.
@@ -131,11 +118,7 @@ def output_layer(halves: str = 'concat', tied: bool = False) -> Output:
       f"output_layer.halves = {halves!r}: write 'concat' or 'mean' in the "
       'gin file'
     )
-  if not isinstance(tied, bool):
-    raise UserError(
-      f'output_layer.tied = {tied!r}: write True or False in the gin file'
-    )
-  return Output(halves, bool(tied))
+  return halves
 
 
 def _mean_of_halves(a, b):
@@ -148,7 +131,7 @@ def reformer_lm(
   axial_init_scale: float | None = None,
   zero_outputs: tuple[bool, bool] = (False, False),
   offset: str = 'zero',
-  output: Output = Output(),
+  halves: str = 'concat',
 ):
   """`trax.models.ReformerLM` with the gin-bound settings.
 
@@ -162,16 +145,13 @@ def reformer_lm(
   layers, start at zero when the model is initialized. Its axial
   positions are `positions.AxialPositions` (any window of the grid);
   `offset` is where a training window starts on it ('zero' or 'random').
-  `output` (see `output_layer`): halves 'mean' puts the mean of the
-  reversible halves where Trax concatenates them; `tied` also scores
-  tokens through the token embedding.
+  `halves` (see `output_layer`): 'mean' puts the mean of the reversible
+  halves where Trax concatenates them.
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
-  if output.halves == 'mean':
+  if output_layer(halves) == 'mean':
     (join,) = [s for s in lm.sublayers if isinstance(s, tl.Concatenate)]
     _replace(lm, join, tl.Fn('MeanOfHalves', _mean_of_halves))
-  if output.tied:
-    _tie(lm)
   if any(zero_outputs):
     attention, dense = branch_outputs(lm)
     if not attention or len(attention) != len(dense):
@@ -200,16 +180,6 @@ def reformer_lm(
         init = tl.RandomNormalInitializer(axial_init_scale / math.sqrt(d_model))
       _replace(lm, layer, axial.AxialPositions.like(layer, offset, init))
   return lm
-
-
-def _tie(lm):
-  """Makes `lm` also score tokens through its token embedding
-  (`src.model.tied`): its embedding passes its matrix on, its output
-  layer reads it."""
-  (embedding,) = [s for s in lm.sublayers if type(s) is tl.Embedding]
-  vocab_size = embedding._vocab_size
-  _replace(lm, embedding, tied.TiedEmbedding(vocab_size, embedding._d_feature))
-  _replace(lm, lm.sublayers[-1], tied.TiedOutput(vocab_size))
 
 
 def _zero_dense(layer):
