@@ -5,6 +5,7 @@ once (a word, a number, a name), small talk, then the question.
       [--conversations 4000] [--most-chars 80000] [--seed 0]
   python bench/long_recall.py score RUN --from data/smalltalk
       [--distances 1000,4000,12000,24000] [--samples 6] [--n-hashes H]
+      [--json FILE]
   python bench/long_recall.py run WORK --from data/smalltalk [--seeds 0,1,2]
       [--config configs/long-conversations.json] [--data DIR]
   python bench/long_recall.py probe RUN --from data/smalltalk
@@ -46,8 +47,9 @@ of held-out ones: no guess can find them.
 
 `run` trains one run per seed with the walkthrough's settings
 (`train.py --config ... --data ... --seed S`, timed), then scores each.
-Results go to `RUN/long_recall.json` and `WORK/long_recall.json`; a
-markdown table is printed for BENCHMARKS.md.
+Results go to `WORK/long_recall.json` (`score --json FILE` for one run;
+nothing is written into the run's folder); a markdown table is printed
+for BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -174,8 +176,6 @@ def score(
         )
   finally:
     http_server.should_exit = True
-  with open(os.path.join(run, 'long_recall.json'), 'w') as f:
-    json.dump(rows, f, indent=1)
   return rows
 
 
@@ -380,6 +380,7 @@ def main(argv=None):
     metavar='GIN',
     help="probe: a gin binding over the run's model.gin, as it is read",
   )
+  parser.add_argument('--json', help='score: also write the rows here')
   parser.add_argument('--config', default='configs/long-conversations.json')
   parser.add_argument('--data', default=None)
   args, extra = parser.parse_known_args(argv)
@@ -406,7 +407,7 @@ def main(argv=None):
     )
     return
   if args.what == 'score':
-    score(
+    rows = score(
       args.path,
       args.source,
       distances,
@@ -414,6 +415,9 @@ def main(argv=None):
       args.n_hashes,
       args.seen,
     )
+    if args.json:  # Not into RUN: a model folder is read, never written.
+      with open(args.json, 'w') as f:
+        json.dump(rows, f, indent=1)
     return
   data = args.data or os.path.join(args.path, 'data')
   if args.data is None and not os.path.isdir(data):
