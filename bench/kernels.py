@@ -3,6 +3,7 @@
   python bench/kernels.py                 # the benchmark model at 32k
   python bench/kernels.py --length 8192 --peak-gflops 156.8
   python bench/kernels.py --batched      # the attention's products, 3 ways
+  python bench/kernels.py --batched --bf16   # and with bfloat16 inputs
 
 Times, with JAX under the project's XLA flags (`import src`), the products
 one training step of bench/train_speed.py's model is made of: the weight
@@ -20,7 +21,10 @@ layer at 6 per weight (it is not reversible).
 chunk and head) as XLA runs them, as numpy's BLAS runs them (the same
 shapes, `np.matmul`), and with two chunks' queries against three chunks'
 keys (bigger products, 1.5x the FLOPs; the rate counts only the needed
-ones). Set `XLA_FLAGS` to compare XLA's other CPU libraries.
+ones). Set `XLA_FLAGS` to compare XLA's other CPU libraries. `--bf16`
+adds XLA's products of bfloat16 inputs summed in float32 (what a CPU with
+native bfloat16, AVX512-BF16 or AMX, could run), and one flat 4096^3
+product both ways.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ from src import runtime  # noqa: E402
 runtime.bootstrap()  # XLA flags, quiet logs, Trax patches: first.
 
 
-def rate(shape_a, shape_b, reps=10, numpy=False):
+def rate(shape_a, shape_b, reps=10, numpy=False, bf16=False):
   """GFLOP/s of `a @ b` (batched when the shapes have 3 dimensions), as
-  XLA runs it, or numpy's BLAS (`numpy`: one product a batch entry)."""
+  XLA runs it, or numpy's BLAS (`numpy`: one product a batch entry);
+  `bf16`: XLA's product of bfloat16 inputs summed in float32."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -53,8 +58,11 @@ def rate(shape_a, shape_b, reps=10, numpy=False):
     def f(a, b):
       return np.matmul(a, b, out=out)
   else:
-    a, b = jnp.ones(shape_a, jnp.float32), jnp.ones(shape_b, jnp.float32)
-    matmul = jax.jit(jnp.matmul)
+    kind = jnp.bfloat16 if bf16 else jnp.float32
+    a, b = jnp.ones(shape_a, kind), jnp.ones(shape_b, kind)
+    matmul = jax.jit(
+      lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)
+    )
 
     def f(a, b):
       return matmul(a, b).block_until_ready()
@@ -69,8 +77,9 @@ def rate(shape_a, shape_b, reps=10, numpy=False):
   return 2 * batch * m * k * shape_b[-1] / seconds / 1e9
 
 
-def batched(n: int):
-  """The attention's batched products at `n` tokens, three ways."""
+def batched(n: int, bf16=False):
+  """The attention's batched products at `n` tokens, three ways (`bf16`:
+  XLA's with bfloat16 inputs, and one flat 4096^3 product each way)."""
   items = HEADS * n // CHUNK
   scores = ((items, CHUNK, D_HEAD), (items, D_HEAD, 2 * CHUNK))
   values = ((items, CHUNK, 2 * CHUNK), (items, 2 * CHUNK, D_HEAD))
@@ -79,6 +88,13 @@ def batched(n: int):
     print(
       f'{name} {a} x {b}: XLA {rate(a, b):.1f} GFLOP/s, '
       f'numpy {rate(a, b, numpy=True):.1f} GFLOP/s'
+      + (f', XLA bfloat16 {rate(a, b, bf16=True):.1f}' if bf16 else '')
+    )
+  if bf16:
+    flat = ((4096, 4096), (4096, 4096))
+    print(
+      f'flat {flat[0]} x {flat[1]}: XLA {rate(*flat, reps=3):.1f} GFLOP/s, '
+      f'bfloat16 {rate(*flat, reps=3, bf16=True):.1f}'
     )
   grouped = ((items // 2, 2 * CHUNK, D_HEAD), (items // 2, D_HEAD, 3 * CHUNK))
   print(
@@ -94,10 +110,15 @@ def main():
   parser.add_argument(
     '--batched', action='store_true', help="the attention's products, 3 ways"
   )
+  parser.add_argument(
+    '--bf16',
+    action='store_true',
+    help='with --batched: also bfloat16 inputs summed in float32',
+  )
   args = parser.parse_args()
   n = args.length
   if args.batched:
-    return batched(n)
+    return batched(n, args.bf16)
   chunks = n // CHUNK
   products = {
     # name: (a, b, FLOPs of this product per token in one forward pass)
