@@ -64,10 +64,12 @@ def _first_extremes(rotations, columns):
   which stays in the CPU's cache), not as one `[n, length]` product
   beforehand: at 32k positions and 512 buckets the whole product took
   ~23 ms per head and its scan ~9 more; made in the scan, the hash takes
-  ~12 ms (~50 ms for 4 heads under `vmap`, was ~170).
+  ~12 ms (~50 ms for 4 heads under `vmap`, was ~170). Rows go 32 at a
+  time: on an AMD Zen 3 (AVX2) the 4 heads' hash took ~130 ms against
+  ~250 with 16 at a time (BENCHMARKS.md "A 32k step on an AVX2 Zen 3").
   """
   n, length = rotations.shape[0], columns.shape[1]
-  group = next(g for g in (16, 8, 4, 2, 1) if n % g == 0)  # Rows per step.
+  group = next(g for g in (32, 16, 8, 4, 2, 1) if n % g == 0)  # Rows a step.
 
   def step(carry, group_rotations):
     hi, at_hi, lo, at_lo = carry
