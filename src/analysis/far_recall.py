@@ -134,13 +134,18 @@ TINY_GIN = os.path.join(
 )
 GRID = 32768  # The position grid: gin/reformer_32k.gin's context.
 # The blocks with smeared keys and values (src/model/attention.py): the
-# lookup is found in one layer, at steps 550-650 on AVX2 and AVX-512
-# alike, where the shipped blocks' plateau lasted as long as the rounding
-# decided (BENCHMARKS.md "Smeared keys and values").
+# lookup is found in one layer, where the shipped blocks' plateau lasted
+# as long as the rounding decided (BENCHMARKS.md "Smeared keys and
+# values").
 SMEARED = (
   'ReformerLM.attention_type = [@SmearedLocalSelfAttention, '
   '@SmearedDirectedLSHSelfAttention, @SmearedLocalSelfAttention]',
 )
+# Their rate: at `train`'s 0.003 the lookup formed in seeds 0 and 1 of 3
+# on an AVX-512 Xeon and only in seed 1 on an AVX2 Zen 3; at 0.0015 in
+# seeds 0-3 of 0-4 on the Zen 3, by step 200-500 (BENCHMARKS.md "The far
+# lookup on a real AVX2 machine").
+SMEARED_RATE = 0.0015
 LSH_CHUNK = 32  # gin/tiny.gin's.
 
 
