@@ -123,3 +123,22 @@ def test_time_preflight_counts_flops_and_warns_past_a_day():
   assert '16 days for steps 1..20000' in lines[0]
   assert 'more than 16 day(s)' in lines[1] and 'gin/tiny.gin' in lines[1]
   assert len(progress.time_lines(0.05, 0, 1500)) == 1
+
+
+def test_attention_text_names_each_class_as_bound():
+  """The pre-flight line and the model card name the classes the gin binds
+  (a smeared model is not called `LSHSelfAttention (directed)`)."""
+  smeared = (
+    'ReformerLM.attention_type = [@SmearedLocalSelfAttention, '
+    '@SmearedDirectedLSHSelfAttention, @SmearedLocalSelfAttention]'
+  )
+  assert ginconf.parse(TINY_GIN).attention_text == (
+    'blocks local, LSH, local (LSH: DirectedLSHSelfAttention; '
+    'local: LocalSelfAttention, chunk 32)'
+  )
+  assert ginconf.parse(TINY_GIN, (smeared,)).attention_text == (
+    'blocks local, LSH, local (LSH: SmearedDirectedLSHSelfAttention; '
+    'local: SmearedLocalSelfAttention, chunk 32)'
+  )
+  one = ('ReformerLM.attention_type = @FastLSHSelfAttention',)
+  assert ginconf.parse(TINY_GIN, one).attention_text == 'FastLSHSelfAttention'

@@ -84,6 +84,9 @@ class GinSetup:
       `DirectedLSHSelfAttention`).
     halves: what the output layer reads of the reversible halves
       (`output_layer.halves`: 'concat' or 'mean').
+    block_classes: Each decoder block's attention class as bound
+      (`SmearedDirectedLSHSelfAttention`, where `layer_attention` names
+      the Trax class whose settings it reads), for logs and model cards.
   """
 
   path: str
@@ -95,6 +98,7 @@ class GinSetup:
   local: dict | None = None
   directed: bool = False
   halves: str = 'concat'
+  block_classes: tuple = ()
 
   @property
   def max_len(self) -> int:
@@ -102,19 +106,19 @@ class GinSetup:
 
   @property
   def attention_text(self) -> str:
-    """The attention in words, for logs and model cards."""
-    lsh = self.attention_name == 'LSHSelfAttention'
-    name = self.attention_name + (
-      ' (directed)' if self.directed and lsh else ''
-    )
-    if self.local is None:
-      return name
+    """The attention in words, for logs and model cards: the classes as
+    bound (`SmearedLocalSelfAttention`, not the Trax class whose settings
+    it reads)."""
+    pairs = list(zip(self.layer_attention, self.block_classes))
+    lsh = next((c for s, c in pairs if s == 'LSHSelfAttention'), None)
+    if self.local is None or not pairs:
+      return (self.block_classes or (self.attention_name,))[0]
+    local = next(c for s, c in pairs if s == 'SelfAttention')
     order = ', '.join(
-      'LSH' if k == 'LSHSelfAttention' else 'local'
-      for k in self.layer_attention
+      'LSH' if s == 'LSHSelfAttention' else 'local' for s, _ in pairs
     )
     return (
-      f'blocks {order} (LSH: {name}; local: SelfAttention, chunk '
+      f'blocks {order} (LSH: {lsh}; local: {local}, chunk '
       f'{self.local["chunk_len"]})'
     )
 
@@ -324,6 +328,7 @@ def parse_text(
     local,
     any(issubclass(c, attention.DirectedLSHSelfAttention) for c in kinds),
     _checked(output_layer, path),
+    tuple(kinds[i % len(kinds)].__name__ for i in range(n_layers)),
   )
 
 
