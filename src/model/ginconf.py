@@ -316,19 +316,18 @@ def parse_text(
   if len(set(names)) > 1:
     local = per_class.get('SelfAttention')
     settings.check_local(model_settings, local, path)
-  n_layers = int(model_settings['n_layers'])
-  per_layer = tuple(names[i % len(names)] for i in range(n_layers))
+  blocks = [kinds[i % len(kinds)] for i in range(model_settings['n_layers'])]
   return GinSetup(
     path,
     gin.config_str(),
     model_settings,
     attention_settings,
     attention.settings_name(main),
-    per_layer,
+    tuple(attention.settings_name(c) for c in blocks),
     local,
     any(issubclass(c, attention.DirectedLSHSelfAttention) for c in kinds),
     _checked(output_layer, path),
-    tuple(kinds[i % len(kinds)].__name__ for i in range(n_layers)),
+    tuple(c.__name__ for c in blocks),
   )
 
 
