@@ -4,6 +4,8 @@
   python bench/kernels.py --length 8192 --peak-gflops 156.8
   python bench/kernels.py --batched      # the attention's products, 3 ways
   python bench/kernels.py --batched --bf16   # and with bfloat16 inputs
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
+    python bench/kernels.py --split          # one device against two
 
 Times, with JAX under the project's XLA flags (`import src`), the products
 one training step of bench/train_speed.py's model is made of: the weight
@@ -25,6 +27,13 @@ ones). Set `XLA_FLAGS` to compare XLA's other CPU libraries. `--bf16`
 adds XLA's products of bfloat16 inputs summed in float32 (what a CPU with
 native bfloat16, AVX512-BF16 or AMX, could run), and one flat 4096^3
 product both ways.
+
+`--split` (with XLA's CPU split into devices, `XLA_FLAGS` as above) times
+the batched products and the real chunked attention of one LSH layer
+(Trax's `attend`, all heads under `vmap`; forward, and forward + backward)
+on one device and split over all of them by `shard_map` (the batch, or the
+heads): XLA's CPU runs a batched product's small products one after
+another, and a device runs its share on its own thread.
 """
 
 from __future__ import annotations
@@ -103,6 +112,98 @@ def batched(n: int, bf16=False):
   )
 
 
+def split():
+  """The batched products and one LSH layer's `attend` on one CPU device,
+  then split over all devices (`shard_map`); the outputs must agree."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  from trax.layers.research import efficient_attention as ea
+
+  devices = jax.devices()
+  mesh = Mesh(np.array(devices), ('d',))
+  n, rng = 32768, np.random.default_rng(0)
+  items = HEADS * n // CHUNK
+
+  def product(a, b):
+    return jnp.matmul(a, b)
+
+  def attend(q, v, info):
+    mask = functools.partial(
+      ea.mask_self_attention, causal=True, exclude_self=True, masked=False
+    )
+    return ea.attend(
+      q,
+      None,
+      v,
+      q_chunk_len=CHUNK,
+      n_chunks_before=1,
+      n_chunks_after=0,
+      mask_fn=mask,
+      q_info=info,
+      kv_info=None,
+      dropout=0.0,
+      rng=None,
+    )[0]
+
+  def with_backward(fn):
+    def both(q, v, info, cotangent):
+      out, pull = jax.vjp(lambda q, v: fn(q, v, info), q, v)
+      return out, pull(cotangent)
+
+    return both
+
+  def best(fn, args, reps=5):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - t)
+    return sorted(times)[reps // 2], fn(*args)
+
+  def normal(*shape):
+    return np.asarray(rng.normal(size=shape), np.float32)
+
+  heads = jax.vmap(attend)
+  info = np.stack([rng.permutation(n) for _ in range(HEADS)]).astype(np.int32)
+  q, v, cot = (normal(HEADS, n, D_HEAD) for _ in range(3))
+  rows = (
+    (
+      'scores',
+      product,
+      (normal(items, CHUNK, D_HEAD), normal(items, D_HEAD, 2 * CHUNK)),
+      2 * items * CHUNK * D_HEAD * 2 * CHUNK,
+    ),
+    ('attend forward (one LSH layer, 4 heads)', heads, (q, v, info), 0),
+    ('attend forward + backward', with_backward(heads), (q, v, info, cot), 0),
+  )
+  print(f'{len(devices)} CPU devices; median of 5 (ms)')
+  for name, fn, args, flops in rows:
+    one, out = best(jax.jit(fn), args)
+    specs = tuple(P('d') for _ in args)
+    sharded = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P('d'))
+    placed = [jax.device_put(a, NamedSharding(mesh, P('d'))) for a in args]
+    many, out_many = best(jax.jit(sharded), placed)
+    diff = max(
+      float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+      for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out_many))
+    )
+    rate = (
+      f' ({flops / one / 1e9:.1f} / {flops / many / 1e9:.1f} GFLOP/s)'
+      if flops
+      else ''
+    )
+    print(
+      f'{name}: one device {one * 1e3:.0f}, split over {len(devices)} '
+      f'{many * 1e3:.0f}: {one / many:.2f}x{rate}; largest difference {diff}'
+    )
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--length', type=int, default=32768)
@@ -115,7 +216,14 @@ def main():
     action='store_true',
     help='with --batched: also bfloat16 inputs summed in float32',
   )
+  parser.add_argument(
+    '--split',
+    action='store_true',
+    help='batched products and attend on one device, then split over all',
+  )
   args = parser.parse_args()
+  if args.split:
+    return split()
   n = args.length
   if args.batched:
     return batched(n, args.bf16)
