@@ -4,8 +4,9 @@
   python bench/kernels.py --length 8192 --peak-gflops 156.8
   python bench/kernels.py --batched      # the attention's products, 3 ways
   python bench/kernels.py --batched --bf16   # and with bfloat16 inputs
+  python bench/kernels.py --split          # one device, then split in two:
   XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-    python bench/kernels.py --split          # one device against two
+    python bench/kernels.py --split
 
 Times, with JAX under the project's XLA flags (`import src`), the products
 one training step of bench/train_speed.py's model is made of: the weight
@@ -28,12 +29,14 @@ adds XLA's products of bfloat16 inputs summed in float32 (what a CPU with
 native bfloat16, AVX512-BF16 or AMX, could run), and one flat 4096^3
 product both ways.
 
-`--split` (with XLA's CPU split into devices, `XLA_FLAGS` as above) times
-the batched products and the real chunked attention of one LSH layer
-(Trax's `attend`, all heads under `vmap`; forward, and forward + backward)
-on one device and split over all of them by `shard_map` (the batch, or the
-heads): XLA's CPU runs a batched product's small products one after
-another, and a device runs its share on its own thread.
+`--split` times the batched products and the real chunked attention of one
+LSH layer (Trax's `attend`, all heads under `vmap`; forward, and forward +
+backward) on one device, and with XLA's CPU split into devices
+(`XLA_FLAGS` as above) also split over all of them by `shard_map` (the
+batch, or the heads): XLA's CPU runs a batched product's small products
+one after another, and each device runs its share on its own thread. Run
+it both ways: with several devices, one of them alone has fewer threads
+than the whole CPU, so its line there is not the one-device baseline.
 """
 
 from __future__ import annotations
@@ -182,26 +185,26 @@ def split():
     ('attend forward (one LSH layer, 4 heads)', heads, (q, v, info), 0),
     ('attend forward + backward', with_backward(heads), (q, v, info, cot), 0),
   )
-  print(f'{len(devices)} CPU devices; median of 5 (ms)')
+  print(f'{len(devices)} CPU device(s); median of 5 (ms)')
   for name, fn, args, flops in rows:
-    one, out = best(jax.jit(fn), args)
-    specs = tuple(P('d') for _ in args)
-    sharded = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P('d'))
-    placed = [jax.device_put(a, NamedSharding(mesh, P('d'))) for a in args]
-    many, out_many = best(jax.jit(sharded), placed)
-    diff = max(
-      float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-      for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out_many))
+    one, out = best(jax.jit(fn), [jax.device_put(a) for a in args])
+    line = f'{name}: one device {one * 1e3:.0f}' + (
+      f' ({flops / one / 1e9:.1f} GFLOP/s)' if flops else ''
     )
-    rate = (
-      f' ({flops / one / 1e9:.1f} / {flops / many / 1e9:.1f} GFLOP/s)'
-      if flops
-      else ''
-    )
-    print(
-      f'{name}: one device {one * 1e3:.0f}, split over {len(devices)} '
-      f'{many * 1e3:.0f}: {one / many:.2f}x{rate}; largest difference {diff}'
-    )
+    if len(devices) > 1:  # One of them alone has fewer threads: see above.
+      specs = tuple(P('d') for _ in args)
+      split = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P('d'))
+      placed = [jax.device_put(a, NamedSharding(mesh, P('d'))) for a in args]
+      many, out_many = best(jax.jit(split), placed)
+      diff = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out_many))
+      )
+      line += f'; split over {len(devices)}: {many * 1e3:.0f}' + (
+        f' ({flops / many / 1e9:.1f} GFLOP/s)' if flops else ''
+      )
+      line += f', largest difference {diff:.1e}'
+    print(line)
 
 
 def main():
