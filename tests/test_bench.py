@@ -29,6 +29,8 @@ def test_train_speed_smoke():
   assert result.returncode == 0, result.stderr[-3000:]
   for name in contenders:
     assert f'| {name} | 1024 | 500 | ' in result.stdout
+  assert 'GFLOP/s under JAX' in result.stdout
+  assert "under numpy's BLAS" in result.stdout
 
 
 @pytest.mark.slow
