@@ -4,6 +4,7 @@
   python bench/kernels.py --length 8192 --peak-gflops 156.8
   python bench/kernels.py --batched      # the attention's products, 3 ways
   python bench/kernels.py --batched --bf16   # and with bfloat16 inputs
+  python bench/kernels.py --ffi            # XLA's, then OpenBLAS's (FFI)
   python bench/kernels.py --split          # one device, then split in two:
   XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
     python bench/kernels.py --split
@@ -37,6 +38,11 @@ batch, or the heads): XLA's CPU runs a batched product's small products
 one after another, and each device runs its share on its own thread. Run
 it both ways: with several devices, one of them alone has fewer threads
 than the whole CPU, so its line there is not the one-device baseline.
+
+`--ffi` times the same rows as XLA runs them, then with the products
+through OpenBLAS from an XLA FFI call (`bench/blas_ffi.py`: the batch split
+over the cores, one OpenBLAS thread a part; its gradient the same
+products), and the largest difference between the two.
 """
 
 from __future__ import annotations
@@ -115,9 +121,11 @@ def batched(n: int, bf16=False):
   )
 
 
-def split():
+def split(ffi: bool = False):
   """The batched products and one LSH layer's `attend` on one CPU device,
-  then split over all devices (`shard_map`); the outputs must agree."""
+  then split over all devices (`shard_map`), or (`ffi`) then through
+  OpenBLAS from an FFI call (`bench/blas_ffi.py`); the outputs must
+  agree."""
   import functools
 
   import jax
@@ -132,14 +140,14 @@ def split():
   n, rng = 32768, np.random.default_rng(0)
   items = HEADS * n // CHUNK
 
-  def product(a, b):
-    return jnp.matmul(a, b)
+  def product(a, b, matmul=jnp.matmul):
+    return matmul(a, b)
 
-  def attend(q, v, info):
+  def attend(q, v, info, attend=ea.attend):
     mask = functools.partial(
       ea.mask_self_attention, causal=True, exclude_self=True, masked=False
     )
-    return ea.attend(
+    return attend(
       q,
       None,
       v,
@@ -186,13 +194,33 @@ def split():
     ('attend forward (one LSH layer, 4 heads)', heads, (q, v, info), 0),
     ('attend forward + backward', with_backward(heads), (q, v, info, cot), 0),
   )
+  ffi_version = {}
+  if ffi:
+    from bench import blas_ffi
+
+    heads_ffi = jax.vmap(functools.partial(attend, attend=blas_ffi.attend))
+    ffi_version = {
+      rows[0][0]: functools.partial(product, matmul=blas_ffi.matmul),
+      rows[1][0]: heads_ffi,
+      rows[2][0]: with_backward(heads_ffi),
+    }
   print(f'{len(devices)} CPU device(s); median of 5 (ms)')
   for name, fn, args, flops in rows:
     one, out = best(jax.jit(fn), [jax.device_put(a) for a in args])
     line = f'{name}: one device {one * 1e3:.0f}' + (
       f' ({flops / one / 1e9:.1f} GFLOP/s)' if flops else ''
     )
-    if len(devices) > 1:  # One of them alone has fewer threads: see above.
+    if ffi:
+      fast, out_fast = best(jax.jit(ffi_version[name]), args)
+      diff = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out_fast))
+      )
+      line += f'; OpenBLAS from an FFI call {fast * 1e3:.0f}' + (
+        f' ({flops / fast / 1e9:.1f} GFLOP/s)' if flops else ''
+      )
+      line += f', largest difference {diff:.1e}'
+    elif len(devices) > 1:  # One of them alone has fewer threads: see above.
       specs = tuple(P('d') for _ in args)
       split = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P('d'))
       placed = [jax.device_put(a, NamedSharding(mesh, P('d'))) for a in args]
@@ -225,9 +253,14 @@ def main():
     action='store_true',
     help='batched products and attend on one device, then split over all',
   )
+  parser.add_argument(
+    '--ffi',
+    action='store_true',
+    help='batched products and attend by XLA, then through OpenBLAS (FFI)',
+  )
   args = parser.parse_args()
-  if args.split:
-    return split()
+  if args.split or args.ffi:
+    return split(args.ffi)
   n = args.length
   if args.batched:
     return batched(n, args.bf16)

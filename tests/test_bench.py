@@ -303,3 +303,36 @@ def test_hostile_smoke(tmp_path):
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
   assert 'outside the out-dir after the resumes: unchanged' in result.stdout
   assert 'Traceback' not in result.stdout
+
+
+def test_blas_ffi_products_and_gradients_equal_xlas():
+  """bench/blas_ffi.py (issue 54's FFI experiment): OpenBLAS's products
+  from an XLA FFI call equal XLA's in every form, under jit and vmap, with
+  their gradients; a failure inside the handler is the call's error, not a
+  wrong result."""
+  import jax
+  import jax.numpy as jnp
+
+  from bench import blas_ffi
+
+  rng = np.random.default_rng(0)
+  shapes = {'nn': ((8, 5, 3), (8, 3, 4)), 'nt': ((8, 5, 3), (8, 4, 3))}
+  shapes['tn'] = ((8, 3, 5), (8, 3, 4))
+  for form, (sa, sb) in shapes.items():
+    a = jnp.asarray(rng.standard_normal((2, *sa)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((2, *sb)), jnp.float32)
+    mine = jax.jit(jax.vmap(lambda a, b: blas_ffi.matmul(a, b, form)))(a, b)
+    want = blas_ffi._reference(a, b, form)
+    np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-5)
+    grads = [
+      jax.grad(lambda a, b: (fn(a, b, form) ** 3).sum(), (0, 1))(a, b)
+      for fn in (blas_ffi.matmul, blas_ffi._reference)
+    ]
+    for g_mine, g_want in zip(*grads):
+      np.testing.assert_allclose(g_mine, g_want, rtol=1e-4, atol=1e-4)
+  a = jnp.ones((2, 5, 3), jnp.float32)
+  wrong = jax.ffi.ffi_call(  # An output the product does not fit.
+    blas_ffi._NAME + 'nn', jax.ShapeDtypeStruct((2, 5, 7), jnp.float32)
+  )
+  with pytest.raises(Exception, match='jade batched matmul'):
+    jax.block_until_ready(wrong(a, jnp.ones((2, 3, 4), jnp.float32)))
