@@ -205,6 +205,16 @@ def split(ffi: bool = False):
       rows[2][0]: with_backward(heads_ffi),
     }
   print(f'{len(devices)} CPU device(s); median of 5 (ms)')
+
+  def against(label, seconds, out, other, flops):
+    """`; LABEL ms (GFLOP/s), largest difference` against `out`."""
+    diff = max(
+      float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+      for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(other))
+    )
+    rate = f' ({flops / seconds / 1e9:.1f} GFLOP/s)' if flops else ''
+    return f'; {label} {seconds * 1e3:.0f}{rate}, largest difference {diff:.1e}'
+
   for name, fn, args, flops in rows:
     one, out = best(jax.jit(fn), [jax.device_put(a) for a in args])
     line = f'{name}: one device {one * 1e3:.0f}' + (
@@ -212,27 +222,14 @@ def split(ffi: bool = False):
     )
     if ffi:
       fast, out_fast = best(jax.jit(ffi_version[name]), args)
-      diff = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out_fast))
-      )
-      line += f'; OpenBLAS from an FFI call {fast * 1e3:.0f}' + (
-        f' ({flops / fast / 1e9:.1f} GFLOP/s)' if flops else ''
-      )
-      line += f', largest difference {diff:.1e}'
+      line += against('OpenBLAS from an FFI call', fast, out, out_fast, flops)
     elif len(devices) > 1:  # One of them alone has fewer threads: see above.
       specs = tuple(P('d') for _ in args)
       split = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P('d'))
       placed = [jax.device_put(a, NamedSharding(mesh, P('d'))) for a in args]
       many, out_many = best(jax.jit(split), placed)
-      diff = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out_many))
-      )
-      line += f'; split over {len(devices)}: {many * 1e3:.0f}' + (
-        f' ({flops / many / 1e9:.1f} GFLOP/s)' if flops else ''
-      )
-      line += f', largest difference {diff:.1e}'
+      label = f'split over {len(devices)}:'
+      line += against(label, many, out, out_many, flops)
     print(line)
 
 
