@@ -147,9 +147,10 @@ def _array(buffer) -> np.ndarray:
 
 
 def _operands(a, b, form: str):
+  """`a` and `b` as `form` reads them (numpy or JAX arrays alike)."""
   return (
-    a.transpose(0, 2, 1) if form[0] == 't' else a,
-    b.transpose(0, 2, 1) if form[1] == 't' else b,
+    a.swapaxes(-1, -2) if form[0] == 't' else a,
+    b.swapaxes(-1, -2) if form[1] == 't' else b,
   )
 
 
@@ -228,7 +229,7 @@ def _pool() -> _Pool:
     return _STATE['pool']
 
 
-def _register() -> bool:
+def _register():
   with _LOCK:
     if 'handlers' not in _STATE:
       handlers = {f: _handler(f, _pool) for f in FORMS}
@@ -236,12 +237,15 @@ def _register() -> bool:
         capsule = jax.ffi.pycapsule(handler)
         jax.ffi.register_ffi_target(_NAME + form, capsule, platform='cpu')
       _STATE['handlers'] = handlers  # Kept alive as long as the process.
-  return True
 
 
 def enabled() -> bool:
-  """Whether `matmul` runs through OpenBLAS (the CPU backend)."""
-  return jax.default_backend() == 'cpu' and _register()
+  """Whether `matmul` runs through OpenBLAS (the CPU backend); registers
+  the handlers the first time."""
+  if jax.default_backend() != 'cpu':
+    return False
+  _register()
+  return True
 
 
 def _shape(a, b, form: str):
@@ -279,11 +283,7 @@ _product.defvjp(_forward, _backward)
 
 
 def _reference(a, b, form: str):
-  if form[0] == 't':
-    a = jnp.swapaxes(a, -1, -2)
-  if form[1] == 't':
-    b = jnp.swapaxes(b, -1, -2)
-  return jnp.matmul(a, b)
+  return jnp.matmul(*_operands(a, b, form))
 
 
 def matmul(a, b, form: str = 'nn'):
