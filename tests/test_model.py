@@ -12,6 +12,7 @@ from trax.supervised import training as trax_training
 from src.core.errors import UserError
 from src.data import windows
 from src.model import ginconf, losses, optim, reformer
+from src.model.attention import weight_roles
 
 from .conftest import MICRO, ROOT, TINY_GIN
 
@@ -165,6 +166,70 @@ def test_blocks_start_with_quiet_feed_forwards():
   assert min(query) > 1.0
   out, _, ff = start('residual.zero_feed_forward = False')
   assert min(out) > 1.0 and min(ff) > 1.0
+
+
+SMEARED = (
+  'ReformerLM.attention_type = [@SmearedLocalSelfAttention, '
+  '@SmearedDirectedLSHSelfAttention, @SmearedLocalSelfAttention]'
+)
+
+
+def _induction_top1(layer, weights, rng, d_model: int) -> float:
+  """How often, at a head's first weights, a position whose token came
+  earlier scores the position after that occurrence highest among all
+  before it (the induction head), by the score's part that reads the
+  position before: `x_t w_a . x_(s-1) w_s` (LSH) or `x_t w_q . x_(s-1)
+  w_s` (local), random unit-scale inputs of 64 positions."""
+  query = layer.weight(weights, 'a' if 'a' in weight_roles(layer) else 'q')
+  smear = layer.weight(weights, 's')
+  hits = 0
+  for _ in range(50):
+    x = rng.normal(size=(64, d_model))
+    t, s = 50, int(rng.integers(1, 40))
+    x[t] = x[s - 1]  # The token at t came before, at s - 1.
+    scores = (x[t] @ query) @ (x[:t] @ smear).T  # Key of p reads x[p].
+    shifted = np.concatenate([[-np.inf], scores[:-1]])  # Key p+1 reads x[p].
+    hits += int(np.argmax(shifted) == s)
+  return hits / 50
+
+
+def test_smeared_layers_can_start_as_induction_heads():
+  """`smear.aligned`: each smeared layer's `w_s` (the key projection of
+  the position before) starts equal to its query projection (`w_a` in
+  the directed LSH layer, `w_q` in the local ones), so at the first step
+  a query scores the position after an earlier occurrence of its own
+  token above every other (random inputs: at least 45 of 50 in every
+  layer and head, where the random start finds it about as often as
+  chance); the other
+  weights stay random. Without smeared layers it is refused."""
+  shipped = tuple(b for b in MICRO if not b.startswith('residual.'))
+
+  def layers(*bindings):
+    ginconf.parse(TINY_GIN, (*shipped, SMEARED, *bindings))
+    lm = ginconf.fresh_model(300)
+    lm.init(tl.ShapeDtype((1, 128), np.int32))
+    return reformer.branch_outputs(lm)[0]
+
+  rng = np.random.default_rng(0)
+  aligned = layers('smear.aligned = True')
+  plain = layers()
+  assert [type(a).__name__ for a in aligned] == [
+    'SmearedLocalSelfAttention',
+    'SmearedDirectedLSHSelfAttention',
+    'SmearedLocalSelfAttention',
+  ]
+  for a, p in zip(aligned, plain):
+    w = [np.asarray(h) for h in a.weights]
+    heads = [tuple(np.asarray(x)[i] for x in a.weights) for i in range(2)]
+    query = 'a' if 'a' in weight_roles(a) else 'q'
+    assert np.array_equal(a.weight(w, 's'), a.weight(w, query))
+    assert not np.array_equal(a.weight(w, 's'), a.weight(w, 'u'))
+    assert all(_induction_top1(a, h, rng, 32) >= 0.9 for h in heads)
+    plain_head = tuple(np.asarray(x)[0] for x in p.weights)
+    assert _induction_top1(p, plain_head, rng, 32) < 0.3
+  with pytest.raises(UserError, match='smear.aligned = True needs smeared'):
+    ginconf.parse(TINY_GIN, (*shipped, 'smear.aligned = True'))
+    ginconf.fresh_model(300)
 
 
 def test_training_starts_positions_at_the_token_scale(tiny_run):

@@ -62,6 +62,7 @@ CONFIGURABLES = frozenset(
     'positions',
     'lsh',  # lsh.directed: model.gin files saved before the classes.
     'residual',
+    'smear',
   }
   | _ATTENTION
   | _OPTIMIZERS

@@ -354,11 +354,25 @@ class _Smeared:
   weights (their `EXTRA_ROLES` end with 's', 'u')."""
 
   _smeared = True
+  _aligned = False  # `w_s` starts as the query projection (`start_aligned`).
+
+  def start_aligned(self):
+    """`w_s` starts equal to the head's query projection when the layer is
+    initialized (`w_a`, the directed query, in LSH; `w_q` in a local
+    layer): a query's score then favours, from the first step, the
+    positions that follow an earlier occurrence of its own token (an
+    induction head), which the lookup of something said once builds on
+    (`model.reformer_lm` asks; `smear.aligned`)."""
+    self._aligned = True
 
   def create_weights_unbatched(self, input_signature, rng):
     """The base's weights of one head, plus `w_s` and `w_u`."""
     weights = super().create_weights_unbatched(input_signature, rng)
-    return (*weights, *smear_weights(self, input_signature, rng))
+    w_s, w_u = smear_weights(self, input_signature, rng)
+    if self._aligned:
+      roles = weight_roles(self)
+      w_s = weights[roles.index('a' if 'a' in roles else 'q')]
+    return (*weights, w_s, w_u)
 
 
 class SmearedLocalSelfAttention(_Smeared, LocalSelfAttention):

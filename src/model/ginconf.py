@@ -22,6 +22,8 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
 - `residual.zero_feed_forward`, `residual.zero_attention`: each block's
   feed-forward output (attention output) starts at zero
   (`src.model.reformer.residual`).
+- `smear.aligned`: each smeared layer's key projection of the position
+  before starts as its query projection (`src.model.reformer.smear`).
 
 `mode` and `vocab_size` are never bound in gin: the scripts pass them.
 """
@@ -58,6 +60,7 @@ for _cls in (
 ):
   gin.external_configurable(_cls, module='jade', denylist=['mode'])
 residual = gin.external_configurable(reformer.residual, module='jade')
+smear = gin.external_configurable(reformer.smear, module='jade')
 output_layer = gin.external_configurable(reformer.output_layer, module='jade')
 
 MODEL_GIN = rundir.MODEL_GIN  # The run's bindings, saved in out-dir.
@@ -387,7 +390,8 @@ def model(vocab_size: int, mode: str):
 
 def fresh_model(vocab_size: int, offset: str = 'zero'):
   """The model a run trains (`mode` 'train'), with every gin-bound
-  setting of how it starts: `positions.axial_init_scale`, `residual`.
+  setting of how it starts: `positions.axial_init_scale`, `residual`,
+  `smear`.
   Initialized by its trainer. `offset`: where its training windows start
   on the position grid ('random' for windows shorter than the context)."""
   return reformer.reformer_lm(
@@ -397,6 +401,7 @@ def fresh_model(vocab_size: int, offset: str = 'zero'):
     zero_outputs=residual(),
     offset=offset,
     halves=output_layer(),
+    aligned=smear(),
   )
 
 

@@ -72,6 +72,25 @@ def residual(
   return bool(zero_attention), bool(zero_feed_forward)
 
 
+def smear(aligned: bool = False) -> bool:
+  """How the smeared attention layers start (gin: smear).
+
+  Args:
+    aligned: Each smeared layer's projection of the position before into
+      its keys (`w_s`) starts equal to its query projection (the directed
+      query `w_a` in LSH), so from the first step a query's score favours
+      the positions that follow an earlier occurrence of its own token:
+      the induction head that copying, and the lookup of something said
+      once, are built on (BENCHMARKS.md "Smeared keys that start
+      aligned"). It needs `@Smeared...` classes in
+      `ReformerLM.attention_type`.
+
+  Only a run from scratch uses it: resumed and fine-tuned runs load
+  their weights.
+  """
+  return bool(aligned)
+
+
 def _zeros(shape, rng):
   """A Trax initializer: zeros."""
   del rng
@@ -132,6 +151,7 @@ def reformer_lm(
   zero_outputs: tuple[bool, bool] = (False, False),
   offset: str = 'zero',
   halves: str = 'concat',
+  aligned: bool = False,
 ):
   """`trax.models.ReformerLM` with the gin-bound settings.
 
@@ -146,7 +166,8 @@ def reformer_lm(
   positions are `positions.AxialPositions` (any window of the grid);
   `offset` is where a training window starts on it ('zero' or 'random').
   `halves` (see `output_layer`): 'mean' puts the mean of the reversible
-  halves where Trax concatenates them.
+  halves where Trax concatenates them. `aligned` (see `smear`): the
+  smeared layers' `w_s` start as their query projections.
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
   if output_layer(halves) == 'mean':
@@ -172,6 +193,8 @@ def reformer_lm(
       layer.start_at_zero()
     for layer in dense if zero_outputs[1] else ():
       _replace(lm, layer, _zero_dense(layer))
+  if aligned:
+    _start_aligned(lm)
   for layer in all_layers(lm):
     if isinstance(layer, tl.AxialPositionalEncoding):
       init = None
@@ -180,6 +203,21 @@ def reformer_lm(
         init = tl.RandomNormalInitializer(axial_init_scale / math.sqrt(d_model))
       _replace(lm, layer, axial.AxialPositions.like(layer, offset, init))
   return lm
+
+
+def _start_aligned(lm):
+  """`smear.aligned`: every smeared attention layer of `lm` starts
+  aligned; a model with none is refused."""
+  found = [x for x in all_layers(lm) if hasattr(x, 'start_aligned')]
+  if not found:
+    raise UserError(
+      'smear.aligned = True needs smeared attention layers; name '
+      '@SmearedLocalSelfAttention or @SmearedDirectedLSHSelfAttention in '
+      'ReformerLM.attention_type, or set smear.aligned = False in the gin '
+      'file'
+    )
+  for layer in found:
+    layer.start_aligned()
 
 
 def _zero_dense(layer):
