@@ -200,8 +200,8 @@ def test_smeared_layers_can_start_as_induction_heads():
   a query scores the position after an earlier occurrence of its own
   token above every other (random inputs: at least 45 of 50 in every
   layer and head, where the random start finds it about as often as
-  chance); the other
-  weights stay random. Without smeared layers it is refused."""
+  chance); the other weights stay random. Without smeared layers it is
+  refused."""
   shipped = tuple(b for b in MICRO if not b.startswith('residual.'))
 
   def layers(*bindings):
