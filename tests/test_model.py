@@ -12,7 +12,6 @@ from trax.supervised import training as trax_training
 from src.core.errors import UserError
 from src.data import windows
 from src.model import ginconf, losses, optim, reformer
-from src.model.attention import weight_roles
 
 from .conftest import MICRO, ROOT, TINY_GIN
 
@@ -180,7 +179,7 @@ def _induction_top1(layer, weights, rng, d_model: int) -> float:
   before it (the induction head), by the score's part that reads the
   position before: `x_t w_a . x_(s-1) w_s` (LSH) or `x_t w_q . x_(s-1)
   w_s` (local), random unit-scale inputs of 64 positions."""
-  query = layer.weight(weights, 'a' if 'a' in weight_roles(layer) else 'q')
+  query = layer.weight(weights, layer.query_role())
   smear = layer.weight(weights, 's')
   hits = 0
   for _ in range(50):
@@ -218,11 +217,11 @@ def test_smeared_layers_can_start_as_induction_heads():
     'SmearedDirectedLSHSelfAttention',
     'SmearedLocalSelfAttention',
   ]
+  assert [a.query_role() for a in aligned] == ['q', 'a', 'q']
   for a, p in zip(aligned, plain):
     w = [np.asarray(h) for h in a.weights]
     heads = [tuple(np.asarray(x)[i] for x in a.weights) for i in range(2)]
-    query = 'a' if 'a' in weight_roles(a) else 'q'
-    assert np.array_equal(a.weight(w, 's'), a.weight(w, query))
+    assert np.array_equal(a.weight(w, 's'), a.weight(w, a.query_role()))
     assert not np.array_equal(a.weight(w, 's'), a.weight(w, 'u'))
     assert all(_induction_top1(a, h, rng, 32) >= 0.9 for h in heads)
     plain_head = tuple(np.asarray(x)[0] for x in p.weights)

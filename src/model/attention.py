@@ -365,13 +365,16 @@ class _Smeared:
     (`model.reformer_lm` asks; `smear.aligned`)."""
     self._aligned = True
 
+  def query_role(self) -> str:
+    """The query projection `w_s` aligns to: `a` (LSH) or `q` (local)."""
+    return 'a' if 'a' in weight_roles(self) else 'q'
+
   def create_weights_unbatched(self, input_signature, rng):
     """The base's weights of one head, plus `w_s` and `w_u`."""
     weights = super().create_weights_unbatched(input_signature, rng)
     w_s, w_u = smear_weights(self, input_signature, rng)
     if self._aligned:
-      roles = weight_roles(self)
-      w_s = weights[roles.index('a' if 'a' in roles else 'q')]
+      w_s = weights[weight_roles(self).index(self.query_role())]
     return (*weights, w_s, w_u)
 
 
