@@ -63,6 +63,7 @@ CONFIGURABLES = frozenset(
     'lsh',  # lsh.directed: model.gin files saved before the classes.
     'residual',
     'smear',
+    'output_start',
   }
   | _ATTENTION
   | _OPTIMIZERS

@@ -24,6 +24,8 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
   (`src.model.reformer.residual`).
 - `smear.aligned`: each smeared layer's key projection of the position
   before starts as its query projection (`src.model.reformer.smear`).
+- `output_start.tied`: the output layer's columns start as the token
+  embedding (`src.model.reformer.output_start`).
 
 `mode` and `vocab_size` are never bound in gin: the scripts pass them.
 """
@@ -61,6 +63,7 @@ for _cls in (
   gin.external_configurable(_cls, module='jade', denylist=['mode'])
 residual = gin.external_configurable(reformer.residual, module='jade')
 smear = gin.external_configurable(reformer.smear, module='jade')
+output_start = gin.external_configurable(reformer.output_start, module='jade')
 output_layer = gin.external_configurable(reformer.output_layer, module='jade')
 
 MODEL_GIN = rundir.MODEL_GIN  # The run's bindings, saved in out-dir.
@@ -391,7 +394,7 @@ def model(vocab_size: int, mode: str):
 def fresh_model(vocab_size: int, offset: str = 'zero'):
   """The model a run trains (`mode` 'train'), with every gin-bound
   setting of how it starts: `positions.axial_init_scale`, `residual`,
-  `smear`.
+  `smear`, `output_start`.
   Initialized by its trainer. `offset`: where its training windows start
   on the position grid ('random' for windows shorter than the context)."""
   return reformer.reformer_lm(
@@ -402,6 +405,7 @@ def fresh_model(vocab_size: int, offset: str = 'zero'):
     offset=offset,
     halves=output_layer(),
     aligned=smear(),
+    tied=output_start(),
   )
 
 
