@@ -231,53 +231,6 @@ def test_smeared_layers_can_start_as_induction_heads():
     ginconf.fresh_model(300)
 
 
-def test_the_output_layer_can_start_as_the_token_embedding():
-  """`output_start.tied`: each token's output column starts as its
-  embedding vector (in each half the layer reads), at the spread of
-  Trax's draw, so a token's embedding reaching the output scores that
-  token: with every block's output at zero, each position's top token is
-  its own (random start: about 1 in the vocabulary). Both halves' layouts
-  ('concat', 'mean')."""
-  blocks_off = (
-    'residual.zero_attention = True',
-    'residual.zero_feed_forward = True',
-    'ReformerLM.dropout = 0.0',
-  )
-
-  def output(*bindings):
-    ginconf.parse(TINY_GIN, (*MICRO, *blocks_off, *bindings))
-    lm = ginconf.fresh_model(300)
-    tokens = (
-      np.random.default_rng(0).integers(3, 300, (2, 128)).astype(np.int32)
-    )
-    lm.init(tl.ShapeDtype(tokens.shape, np.int32))
-    (embedding,) = [s for s in lm.sublayers if type(s) is tl.Embedding]
-    (dense,) = [
-      s for s in reformer.all_layers(lm.sublayers[-1]) if type(s) is tl.Dense
-    ]
-    top = np.asarray(lm(tokens)).argmax(-1)
-    own = float(np.mean(top[:, 1:] == tokens[:, :-1]))  # Shifted right.
-    return np.asarray(embedding.weights), np.asarray(dense.weights[0]), own
-
-  matrix, kernel, own = output('output_start.tied = True')
-  _, plain, own_plain = output()
-  d = matrix.shape[1]
-  assert kernel.shape == (2 * d, 300)
-  for half in (kernel[:d], kernel[d:]):
-    scale = half[:, 7] / matrix[7]
-    np.testing.assert_allclose(half, matrix.T * scale[0], rtol=1e-5)
-  assert abs(kernel.std() / plain.std() - 1) < 0.02
-  assert own > 0.9 and own_plain < 0.1
-  matrix, kernel, _ = output('output_start.tied = True', MEAN_HALVES)
-  assert kernel.shape == (d, 300)
-  np.testing.assert_allclose(
-    kernel / kernel[0, 0], matrix.T / matrix[0, 0], rtol=1e-5
-  )
-
-
-MEAN_HALVES = "output_layer.halves = 'mean'"
-
-
 def test_training_starts_positions_at_the_token_scale(tiny_run):
   """The training path uses the setting: after a few steps the shared run's
   axial embeddings are still near the tokens' scale, far from Trax's 1.0."""

@@ -63,7 +63,6 @@ CONFIGURABLES = frozenset(
     'lsh',  # lsh.directed: model.gin files saved before the classes.
     'residual',
     'smear',
-    'output_start',
   }
   | _ATTENTION
   | _OPTIMIZERS

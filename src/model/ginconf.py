@@ -24,8 +24,6 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
   (`src.model.reformer.residual`).
 - `smear.aligned`: each smeared layer's key projection of the position
   before starts as its query projection (`src.model.reformer.smear`).
-- `output_start.tied`: the output layer's columns start as the token
-  embedding (`src.model.reformer.output_start`).
 
 `mode` and `vocab_size` are never bound in gin: the scripts pass them.
 """
@@ -63,7 +61,6 @@ for _cls in (
   gin.external_configurable(_cls, module='jade', denylist=['mode'])
 residual = gin.external_configurable(reformer.residual, module='jade')
 smear = gin.external_configurable(reformer.smear, module='jade')
-output_start = gin.external_configurable(reformer.output_start, module='jade')
 output_layer = gin.external_configurable(reformer.output_layer, module='jade')
 
 MODEL_GIN = rundir.MODEL_GIN  # The run's bindings, saved in out-dir.
@@ -394,7 +391,7 @@ def model(vocab_size: int, mode: str):
 def fresh_model(vocab_size: int, offset: str = 'zero'):
   """The model a run trains (`mode` 'train'), with every gin-bound
   setting of how it starts: `positions.axial_init_scale`, `residual`,
-  `smear`, `output_start`.
+  `smear`.
   Initialized by its trainer. `offset`: where its training windows start
   on the position grid ('random' for windows shorter than the context)."""
   return reformer.reformer_lm(
@@ -405,7 +402,6 @@ def fresh_model(vocab_size: int, offset: str = 'zero'):
     offset=offset,
     halves=output_layer(),
     aligned=smear(),
-    tied=output_start(),
   )
 
 

@@ -91,24 +91,6 @@ def smear(aligned: bool = False) -> bool:
   return bool(aligned)
 
 
-def output_start(tied: bool = False) -> bool:
-  """How the output layer starts (gin: output_start).
-
-  Args:
-    tied: Each token's column of the output layer starts as that token's
-      embedding vector (read by each reversible half), scaled to the
-      spread of Trax's own draw; then it trains freely. A token's
-      embedding carried to the output (a copy, by an attention's values)
-      then scores that token from the first step, also a token that is
-      rarely a training target (a rare word's own piece), whose column
-      the training barely moves (BENCHMARKS.md "Copying a rare word").
-
-  Only a run from scratch uses it: resumed and fine-tuned runs load
-  their weights.
-  """
-  return bool(tied)
-
-
 def _zeros(shape, rng):
   """A Trax initializer: zeros."""
   del rng
@@ -170,7 +152,6 @@ def reformer_lm(
   offset: str = 'zero',
   halves: str = 'concat',
   aligned: bool = False,
-  tied: bool = False,
 ):
   """`trax.models.ReformerLM` with the gin-bound settings.
 
@@ -186,9 +167,7 @@ def reformer_lm(
   `offset` is where a training window starts on it ('zero' or 'random').
   `halves` (see `output_layer`): 'mean' puts the mean of the reversible
   halves where Trax concatenates them. `aligned` (see `smear`): the
-  smeared layers' `w_s` start as their query projections. `tied` (see
-  `output_start`): the output layer's columns start as the token
-  embedding.
+  smeared layers' `w_s` start as their query projections.
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
   if output_layer(halves) == 'mean':
@@ -216,8 +195,6 @@ def reformer_lm(
       _replace(lm, layer, _zero_dense(layer))
   if aligned:
     _start_aligned(lm)
-  if tied:
-    _start_tied(lm)
   for layer in all_layers(lm):
     if isinstance(layer, tl.AxialPositionalEncoding):
       init = None
@@ -252,24 +229,6 @@ def _zero_dense(layer):
     use_bias=layer._use_bias,
     use_bfloat16=layer._use_bfloat16,
   )
-
-
-def _start_tied(lm):
-  """`output_start.tied`: `lm`'s output layer is drawn again, its kernel
-  the embedding's matrix (transposed, once per half it reads) scaled to
-  the spread of Trax's draw. Trax initializes the embedding first, so its
-  weights are there when the output layer's initializer reads them."""
-  (embedding,) = [s for s in lm.sublayers if type(s) is tl.Embedding]
-  (dense,) = [s for s in all_layers(lm.sublayers[-1]) if type(s) is tl.Dense]
-  draw = dense._kernel_initializer
-
-  def kernel(shape, rng):
-    own = draw(shape, rng)
-    matrix = jnp.asarray(embedding.weights, jnp.float32).T
-    tied = jnp.concatenate([matrix] * (shape[0] // matrix.shape[0]), axis=0)
-    return tied * (jnp.std(own) / jnp.std(tied))
-
-  _replace(lm, dense, tl.Dense(dense._n_units, kernel_initializer=kernel))
 
 
 def _replace(root, old, new):
