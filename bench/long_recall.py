@@ -9,7 +9,8 @@ once (a word, a number, a name), small talk, then the question.
   python bench/long_recall.py run WORK --from data/smalltalk [--seeds 0,1,2]
       [--config configs/long-conversations.json] [--data DIR]
   python bench/long_recall.py probe RUN --from data/smalltalk
-      [--chars 100,600] [--samples 40] [--seen | --invented] [--bind GIN]
+      [--chars 100,600] [--samples 40] [--seen | --invented] [--distractor]
+      [--bind GIN]
   python bench/long_recall.py practice OUT --from data/smalltalk
       [--conversations 12000] [--seed 0]
 
@@ -43,7 +44,13 @@ later ones; rare pieces, seen fewer than 20 times in the small talk, and
 common ones: a piece a model rarely predicts is the hardest to copy). A model
 that uses what was said gives the stated ones a higher log-probability
 than the control. `--invented` asks for invented words ("zuvo") instead
-of held-out ones: no guess can find them.
+of held-out ones: no guess can find them. `--distractor` says another
+value of the same kind ("My cat is called X.") just before or after the
+statement asked about (`long_recall.with_distractor`) and scores the
+answer naming it too (`distractor`); `slot` counts the conversations
+where the asked value is the likelier: a model that finds the statement
+the question asks about gets all of them, one that copies whatever
+unusual word was said about half.
 
 `run` trains one run per seed with the walkthrough's settings
 (`train.py --config ... --data ... --seed S`, timed), then scores each.
@@ -221,35 +228,19 @@ def probe(
   seen=False,
   invented=False,
   bindings=(),
+  distractor=False,
 ):
   """`{chars: {'stated', 'control', 'hits', 'control_hits', 'value',
-  'value_control', 'value_hits', 'value_control_hits'}}` (see the
-  module's text), on the run's eval model at 1,024 tokens, or the power
-  of two that holds the longest small talk asked (~3 characters a
-  token, and the question), or the LSH layer's chunk if longer;
-  `bindings`: gin bindings read over the run's (e.g. how the LSH layer
-  reads: `LSHSelfAttention.chunk_len = 4096`)."""
-  import trax
+  'value_control', 'value_hits', 'value_control_hits', 'pieces'}}` (and
+  with `distractor`, 'distractor' and 'slot'; see the module's text), on
+  the run's eval model (`_probe_model`); `bindings`: gin bindings read
+  over the run's (e.g. how the LSH layer reads: `LSHSelfAttention.chunk_len
+  = 4096`)."""
+  tok, forward, length = _probe_model(run, chars, bindings)
 
-  from src.data import tokenizer
-  from src.inference import decoding, scoring
-  from src.model import ginconf
-  from src.storage import checkpoints
+  def score(turns, value):
+    return _score(forward, tok, length, turns, value)
 
-  model, _ = decoding.load_model(run, 'eval', tuple(bindings))
-  tok = model.tok
-  length = 1024
-  while length < max(chars) / 2.5 + 256:
-    length *= 2
-  try:  # The LSH layer's chunks must fill the window.
-    chunk = ginconf.gin.query_parameter('LSHSelfAttention.chunk_len')
-  except ValueError:  # Not bound: no LSH layer reads by chunks.
-    chunk = 0
-  length = max(length, int(chunk or 0))
-  layer = ginconf.model(tok.vocab_size, 'eval')
-  signature = trax.shapes.ShapeDtype((1, length), np.int32)
-  checkpoints.set_weights(run, layer, signature, model.flat)
-  forward = scoring.forward_fn(layer)
   talk, (train_words, held) = _talk(source)
   words = train_words if seen else held
   if invented:  # Words no model can guess.
@@ -259,55 +250,121 @@ def probe(
   )
   out = {}
   for n in chars:
-    found = {
-      'stated': [],
-      'control': [],
-      'hits': 0,
-      'control_hits': 0,
-      'value': [],
-      'value_control': [],
-      'value_hits': 0,
-      'value_control_hits': 0,
-      'pieces': {k: [0, 0] for k in ('first', 'later', 'rare', 'common')},
-    }
-    for i in range(samples):
-      for stated, key in ((True, 'stated'), (False, 'control')):
-        rng = np.random.default_rng(1000 + i)  # The same draw for both.
-        c = task.make(rng, talk, words, n, 'word', stated=stated)
-        ids = [tokenizer.EOS_ID]
-        for role, text in c.turns:
-          piece = tok.encode(text)
-          if role == chatformat.AI:
-            piece = [tok.ai_start_id] + piece + [tok.ai_end_id]
-          first, ids = len(ids) + 1, ids + piece  # The answer's text.
-        if len(ids) > length:
-          continue
-        x = np.zeros((1, length), np.int32)
-        x[0, : len(ids)] = ids
-        logits = np.asarray(forward(x))[0, first : len(ids) - 1]
-        want = np.asarray(ids[first:-1])
-        losses = scoring.token_losses(logits, want)
-        right = logits.argmax(-1) == want
-        found[key].append(-losses.sum())
-        found['hits' if stated else 'control_hits'] += bool(right.all())
-        # The value's own pieces: found, whatever the words around it.
-        at = _value_pieces(tok, c.turns[-1][1], c.value)
-        prefix = 'value' if stated else 'value_control'
-        found[prefix].append(-losses[at].sum())
-        found[f'{prefix}_hits'] += bool(right[at].all())
-        if stated:
-          _piece_hits(
-            found['pieces'], [counts[ids[first + j]] for j in at], right[at]
-          )
-    for key in ('stated', 'control', 'value', 'value_control'):
-      found[key] = round(float(np.mean(found[key])), 2)
+    found = _probe_at(n, samples, talk, words, distractor, counts, score)
+    for key in ('stated', 'control', 'value', 'value_control', 'distractor'):
+      if key in found:
+        found[key] = round(float(np.mean(found[key])), 2)
     found['pieces'] = {k: f'{h}/{m}' for k, (h, m) in found['pieces'].items()}
     out[n] = found
     print(f'{n} characters of small talk: {found}', flush=True)
   return out
 
 
+def _probe_model(run: str, chars, bindings):
+  """`(tokenizer, forward, length)`: the run's eval model at 1,024 tokens,
+  or the power of two that holds the longest small talk asked (~3
+  characters a token, and the question), or the LSH layer's chunk if
+  longer."""
+  import trax
+
+  from src.inference import decoding, scoring
+  from src.model import ginconf
+  from src.storage import checkpoints
+
+  model, _ = decoding.load_model(run, 'eval', tuple(bindings))
+  length = 1024
+  while length < max(chars) / 2.5 + 256:
+    length *= 2
+  try:  # The LSH layer's chunks must fill the window.
+    chunk = ginconf.gin.query_parameter('LSHSelfAttention.chunk_len')
+  except ValueError:  # Not bound: no LSH layer reads by chunks.
+    chunk = 0
+  length = max(length, int(chunk or 0))
+  layer = ginconf.model(model.tok.vocab_size, 'eval')
+  signature = trax.shapes.ShapeDtype((1, length), np.int32)
+  checkpoints.set_weights(run, layer, signature, model.flat)
+  return model.tok, scoring.forward_fn(layer), length
+
+
+def _probe_at(n, samples, talk, words, distractor, counts, score) -> dict:
+  """The probe's sums at `n` characters of small talk (`score(turns,
+  value)`: `_score` on the run's model)."""
+  found = {
+    'stated': [],
+    'control': [],
+    'hits': 0,
+    'control_hits': 0,
+    'value': [],
+    'value_control': [],
+    'value_hits': 0,
+    'value_control_hits': 0,
+    'pieces': {k: [0, 0] for k in ('first', 'later', 'rare', 'common')},
+    **({'distractor': [], 'slot': 0} if distractor else {}),
+  }
+  for i in range(samples):
+    for stated, key in ((True, 'stated'), (False, 'control')):
+      rng = np.random.default_rng(1000 + i)  # The same draw for both.
+      c = task.make(rng, talk, words, n, 'word', stated=stated)
+      turns = c.turns
+      if distractor and stated:
+        other = _other(rng, words, c.value)
+        turns = task.with_distractor(rng, c, other)
+      scored = score(turns, c.value)
+      if scored is None:
+        continue
+      losses, right, at, ids_at = scored
+      found[key].append(-losses.sum())
+      found['hits' if stated else 'control_hits'] += bool(right.all())
+      # The value's own pieces: found, whatever the words around it.
+      prefix = 'value' if stated else 'value_control'
+      found[prefix].append(-losses[at].sum())
+      found[f'{prefix}_hits'] += bool(right[at].all())
+      if not stated:
+        continue
+      _piece_hits(found['pieces'], [counts[j] for j in ids_at], right[at])
+      if distractor:  # The same answer naming the other value.
+        answer = (turns[-1][0], turns[-1][1].replace(c.value, other))
+        wrong = score(turns[:-1] + [answer], other)
+        if wrong is not None:
+          found['distractor'].append(-wrong[0][wrong[2]].sum())
+          found['slot'] += int(found['value'][-1] > found['distractor'][-1])
+  return found
+
+
 RARE = 20  # A piece seen fewer times than this in the small talk is rare.
+
+
+def _other(rng, words, value: str) -> str:
+  """A distractor: another of `words` than `value`."""
+  while True:
+    other = words[int(rng.integers(len(words)))]
+    if other != value:
+      return other
+
+
+def _score(forward, tok, length: int, turns, value: str):
+  """`(losses, right, at, ids_at)` of the last AI turn of `turns` read
+  teacher-forced: each token's loss, whether it is the argmax, the
+  indices of `value`'s pieces and their token ids; None when longer than
+  `length`."""
+  from src.data import tokenizer
+  from src.inference import scoring
+
+  ids = [tokenizer.EOS_ID]
+  for role, text in turns:
+    piece = tok.encode(text)
+    if role == chatformat.AI:
+      piece = [tok.ai_start_id] + piece + [tok.ai_end_id]
+    first, ids = len(ids) + 1, ids + piece  # The answer's text.
+  if len(ids) > length:
+    return None
+  x = np.zeros((1, length), np.int32)
+  x[0, : len(ids)] = ids
+  logits = np.asarray(forward(x))[0, first : len(ids) - 1]
+  want = np.asarray(ids[first:-1])
+  losses = scoring.token_losses(logits, want)
+  at = _value_pieces(tok, turns[-1][1], value)
+  return losses, logits.argmax(-1) == want, at, [ids[first + j] for j in at]
 
 
 def _piece_hits(pieces: dict, seen, right) -> None:
@@ -372,6 +429,11 @@ def main(argv=None):
     action='store_true',
     help='probe: ask for invented words (no guess can find them)',
   )
+  parser.add_argument(
+    '--distractor',
+    action='store_true',
+    help='probe: another value of the same kind is said beside the asked one',
+  )
   parser.add_argument('--chars', default='100,600')
   parser.add_argument(
     '--bind',
@@ -404,6 +466,7 @@ def main(argv=None):
       args.seen,
       args.invented,
       args.bind,
+      args.distractor,
     )
     return
   if args.what == 'score':

@@ -80,3 +80,21 @@ def test_the_probe_counts_pieces_by_place_and_by_how_rare():
     'rare': [0, 1],
     'common': [2, 3],
   }
+
+
+def test_a_distractor_is_stated_once_beside_the_asked_statement():
+  """`with_distractor`: another value said once, right before or right
+  after the statement asked about; the question and the answer are the
+  conversation's own."""
+  places = set()
+  for seed in range(8):
+    rng = np.random.default_rng(seed)
+    conv = long_recall.make(rng, TALK, ['lantern'], 300, 'word')
+    turns = long_recall.with_distractor(rng, conv, 'meadow')
+    text = ' '.join(t for _, t in turns)
+    assert text.count('meadow') == 1 and len(turns) == len(conv.turns) + 2
+    assert turns[-2:] == conv.turns[-2:]
+    at = next(i for i, (_, t) in enumerate(turns) if 'meadow' in t)
+    assert turns[at][0] == 'user' and turns[at + 1][0] == 'ai'
+    places.add(at)
+  assert places == {0, 2}

@@ -170,6 +170,26 @@ def make(rng, talk, words, filler_chars: int, kind: str = 'word', stated=True):
   return Conversation(turns, kind, value, used)
 
 
+DISTRACTOR = (
+  'My cat is called {}.',
+  'Our street is {}.',
+  'The name of my boat is {}.',
+  'My password is {}.',
+)
+
+
+def with_distractor(rng, conv: Conversation, other: str) -> list:
+  """`conv`'s turns with a second statement of another thing (`other`, a
+  value of the same kind, with an acknowledgement) just after the asked
+  one, or just before it (drawn alike): a model that finds the statement
+  the question asks about answers `conv.value`; one that copies whatever
+  unusual word was said is as likely to answer `other`."""
+  said = [('user', _pick(rng, DISTRACTOR).format(other)), ('ai', 'Okay.')]
+  turns = list(conv.turns)
+  at = 2 if rng.random() < 0.5 else 0
+  return turns[:at] + said + turns[at:]
+
+
 KINDS = ('word', 'word', 'word', 'number', 'name')  # Drawn alike: words 3/5.
 
 
