@@ -12,7 +12,7 @@ once (a word, a number, a name), small talk, then the question.
       [--chars 100,600] [--samples 40] [--seen | --invented] [--distractor]
       [--bind GIN]
   python bench/long_recall.py practice OUT --from data/smalltalk
-      [--conversations 12000] [--seed 0]
+      [--conversations 12000] [--seed 0] [--lookup]
 
 `data` writes training conversations in the line format
 (`src/analysis/long_recall.py`: each states one value at its start and
@@ -24,7 +24,9 @@ with a fifth of them held out for `score`).
 small talk, then asked for, in phrasings of its own; invented and
 dictionary words, numbers, names as values; none of the measurement's
 held-out words) to mix into training with `train.py --replay OUT
---replay-share X`.
+--replay-share X`. `--lookup` writes lookup practice instead
+(`long_recall.lookup_practice`: 2-4 facts, ordinary words as values,
+each asked for), which a copy of "the unusual word" cannot answer.
 
 `score` asks a trained run over the OpenAI API (an in-process server on
 a local port, `/v1/chat/completions`, temperature 0, as a client would):
@@ -106,17 +108,21 @@ def write_data(out: str, source: str, n: int, most_chars: int, seed: int):
   )
 
 
-def write_practice(out: str, source: str, n: int, seed: int):
+def write_practice(
+  out: str, source: str, n: int, seed: int, lookup: bool = False
+):
   talk, (_, held) = _talk(source)
   found = common.chatterbot_words(12, lower=True)
   words = sorted(found - set(held))  # Never a word the measurement asks.
-  rng = np.random.default_rng([seed, 2])
-  convs = [task.practice(rng, talk, words) for _ in range(n)]
+  rng = np.random.default_rng([seed, 3 if lookup else 2])
+  make = task.lookup_practice if lookup else task.practice
+  convs = [make(rng, talk, words) for _ in range(n)]
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, 'practice.txt')
   with open(path, 'w', encoding='utf-8') as f:
     f.write(recall.to_text(convs, chatformat.Markers()))
-  print(f'{path}: {n} practice conversations ({len(words)} words)')
+  kind = 'lookup practice' if lookup else 'practice'
+  print(f'{path}: {n} {kind} conversations ({len(words)} words)')
 
 
 def _sample(rng, talk, words, tok, tokens: int, stated: bool):
@@ -434,6 +440,11 @@ def main(argv=None):
     action='store_true',
     help='probe: another value of the same kind is said beside the asked one',
   )
+  parser.add_argument(
+    '--lookup',
+    action='store_true',
+    help='practice: several ordinary words said, each asked for',
+  )
   parser.add_argument('--chars', default='100,600')
   parser.add_argument(
     '--bind',
@@ -453,7 +464,11 @@ def main(argv=None):
     return
   if args.what == 'practice':
     write_practice(
-      args.path, args.source, args.conversations or 12_000, args.seed
+      args.path,
+      args.source,
+      args.conversations or 12_000,
+      args.seed,
+      args.lookup,
     )
     return
   if args.what == 'probe':

@@ -2,6 +2,8 @@
 the measurement asks is stated once; memory practice asks only for what
 it stated, in phrasings the measurement never uses."""
 
+import re
+
 import numpy as np
 
 from src.analysis import long_recall
@@ -98,3 +100,34 @@ def test_a_distractor_is_stated_once_beside_the_asked_statement():
     assert turns[at][0] == 'user' and turns[at + 1][0] == 'ai'
     places.add(at)
   assert places == {0, 2}
+
+
+def test_lookup_practice_says_several_ordinary_words_and_asks_for_each():
+  """`lookup_practice`: 2-4 facts about different things (a thing drawn
+  twice is said once), mostly words
+  of the list (a copy of "the unusual word" cannot answer), every one
+  asked for once, after the small talk; nothing asked that was not
+  stated."""
+  rng = np.random.default_rng(0)
+  words = ['alpha', 'bravo', 'charlie', 'delta', 'echo', 'foxtrot']
+  questions = {
+    q.format(k=k)
+    for q in long_recall.PRACTICE[3]
+    for k in long_recall.PRACTICE_KEYS
+  }
+  values, several = [], 0
+  for _ in range(200):
+    turns = long_recall.lookup_practice(rng, TALK, words, 200)
+    assert turns[0][0] == 'user' and turns[-1][0] == 'ai'
+    at = [i for i, (r, t) in enumerate(turns) if r == 'user' and t in questions]
+    assert 1 <= len(at) <= 4 and at == list(range(at[0], len(turns), 2))
+    several += len(at) >= 2
+    assert len({turns[i][1] for i in at}) == len(at)  # Different things.
+    before = ' '.join(t for _, t in turns[: at[0]]).lower()
+    before = set(re.findall(r'[a-z]+', before))
+    for i in at:
+      said = [w for w in re.findall(r'[a-z]+', turns[i + 1][1]) if w in before]
+      assert said, turns[i + 1]  # Only what was stated is asked for.
+      values.append(set(said))
+  assert sum(bool(v & set(words)) for v in values) > 0.8 * len(values)
+  assert several > 190
