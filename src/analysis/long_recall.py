@@ -265,7 +265,7 @@ def practice(rng, talk, words, most_chars: int = 3000) -> list:
   """One practice conversation's `(role, text)` turns: 1-3 facts or
   repeats, 30 to `most_chars` characters of small talk (log-uniform),
   then the facts asked for in a random order."""
-  intro, state, ack, ask, answer, repeat = PRACTICE
+  repeat = PRACTICE[5]
   turns, facts = [], []
   for _ in range(int(rng.integers(1, 4))):
     if rng.random() < 0.3:
@@ -277,29 +277,19 @@ def practice(rng, talk, words, most_chars: int = 3000) -> list:
       continue
     v = _value(rng, words)
     facts.append((k, v))
-    text = _pick(rng, intro) + _pick(rng, state).format(k=k, v=v)
-    turns += [('user', text[0].upper() + text[1:]), ('ai', _pick(rng, ack))]
-  chars = int(np.exp(rng.uniform(np.log(30), np.log(most_chars))))
-  turns += _small_talk_for(rng, talk, chars)[0]
-  for i in rng.permutation(len(facts)):
-    k, v = facts[i]
-    turns.append(('user', _pick(rng, ask).format(k=k)))
-    turns.append(('ai', _pick(rng, answer).format(k=k, v=v)))
-  if turns[0][0] != 'user':
-    turns.insert(0, ('user', 'Hi.'))
-  return turns
+    turns += _statement(rng, k, v)
+  return _asked(rng, talk, turns, facts, most_chars)
 
 
 def lookup_practice(rng, talk, words, most_chars: int = 3000) -> list:
   """One conversation of lookup practice: 2-4 facts drawn about different
   things (a thing drawn twice is said once), each value a word of
   `words` (one in ten invented), with short small talk between some of
-  them, 30 to `most_chars` characters of small
-  talk (log-uniform), then every fact asked for in a random order. With
-  several ordinary words said, copying "the unusual word" cannot answer:
-  the statement the question asks about must be found (BENCHMARKS.md
-  "What formed is a copy")."""
-  intro, state, ack, ask, answer, _ = PRACTICE
+  them, 30 to `most_chars` characters of small talk (log-uniform), then
+  every fact asked for in a random order. With several ordinary words
+  said, copying "the unusual word" cannot answer: the statement the
+  question asks about must be found (BENCHMARKS.md "What formed is a
+  copy")."""
   turns, facts = [], []
   for _ in range(int(rng.integers(2, 5))):
     k = _pick(rng, PRACTICE_KEYS)
@@ -307,12 +297,26 @@ def lookup_practice(rng, talk, words, most_chars: int = 3000) -> list:
       continue
     v = invented(rng) if rng.random() < 0.1 else _pick(rng, words)
     facts.append((k, v))
-    text = _pick(rng, intro) + _pick(rng, state).format(k=k, v=v)
-    turns += [('user', text[0].upper() + text[1:]), ('ai', _pick(rng, ack))]
+    turns += _statement(rng, k, v)
     if rng.random() < 0.5:
       turns += _small_talk_for(rng, talk, int(rng.integers(20, 200)))[0]
+  return _asked(rng, talk, turns, facts, most_chars)
+
+
+def _statement(rng, k: str, v: str) -> list:
+  """A practice statement of fact `k` = `v` and its acknowledgement."""
+  intro, state, ack = PRACTICE[:3]
+  text = _pick(rng, intro) + _pick(rng, state).format(k=k, v=v)
+  return [('user', text[0].upper() + text[1:]), ('ai', _pick(rng, ack))]
+
+
+def _asked(rng, talk, turns, facts, most_chars: int) -> list:
+  """`turns`, then 30 to `most_chars` characters of small talk
+  (log-uniform), then each of `facts` asked for and answered in a
+  random order; a user turn first."""
+  ask, answer = PRACTICE[3:5]
   chars = int(np.exp(rng.uniform(np.log(30), np.log(most_chars))))
-  turns += _small_talk_for(rng, talk, chars)[0]
+  turns = turns + _small_talk_for(rng, talk, chars)[0]
   for i in rng.permutation(len(facts)):
     k, v = facts[i]
     turns.append(('user', _pick(rng, ask).format(k=k)))
