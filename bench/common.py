@@ -103,7 +103,7 @@ VARIANTS = {
     '@FastLSHSelfAttention, @LocalSelfAttention]'
   ],
   # The shipped blocks with smeared keys (each key sees the position
-  # before: `attention.SmearedLocalSelfAttention`).
+  # before: `smeared.SmearedLocalSelfAttention`).
   'smeared': [
     'ReformerLM.attention_type = [@SmearedLocalSelfAttention, '
     '@SmearedDirectedLSHSelfAttention, @SmearedLocalSelfAttention]'

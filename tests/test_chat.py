@@ -608,27 +608,58 @@ def test_the_context_holds_every_token_shown_however_a_reply_ends(
   assert context.turns[-1].ids[1:-1] == reply.ids
 
 
-def test_smeared_attention_reads_while_chatting_what_training_reads():
+def _random_context_weights(model, rng):
+  """The context weights (`w_c`, `w_r`) of `model`'s
+  `ContextLSHSelfAttention` layers made random (they start at zero)."""
+  for layer in reformer.branch_outputs(model)[0]:
+    roles = attention.weight_roles(layer)
+    if 'c' not in roles:
+      continue
+    layer.weights = tuple(
+      jax.numpy.asarray(rng.normal(0, 0.3, np.shape(w)), np.float32)
+      if role in ('c', 'r')
+      else w
+      for role, w in zip(roles, layer.weights)
+    )
+
+
+@pytest.mark.parametrize(
+  'lsh, extra',
+  [
+    ('SmearedDirectedLSHSelfAttention', ()),
+    (
+      'ContextLSHSelfAttention',
+      (
+        'ContextLSHSelfAttention.query_span = 6',
+        'ContextLSHSelfAttention.key_span = 5',
+      ),
+    ),
+  ],
+)
+def test_smeared_attention_reads_while_chatting_what_training_reads(lsh, extra):
   """A model with smeared attention (`SmearedLocalSelfAttention`,
   `SmearedDirectedLSHSelfAttention`: each key and value sees the position
-  before) gives, token by token, in blocks at any position and from a start
-  block, the logits of the training (eval) forward pass (LSH made exact;
-  random weights, so the smearing weights are not zero)."""
+  before; `ContextLSHSelfAttention`: its directed query and key also read
+  sums of the last few positions) gives, token by token, in blocks at any
+  position and from a start block, the logits of the training (eval)
+  forward pass (LSH made exact; random weights, so the smearing and
+  context weights are not zero)."""
   from .conftest import MICRO
 
   smeared = (
     'ReformerLM.attention_type = [@SmearedLocalSelfAttention, '
-    '@SmearedDirectedLSHSelfAttention, @SmearedLocalSelfAttention]'
+    f'@{lsh}, @SmearedLocalSelfAttention]'
   )
   ginconf.parse(
     os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
-    MICRO + ('SelfAttention.chunk_len = 16', *EXACT_LSH, smeared),
+    MICRO + ('SelfAttention.chunk_len = 16', *EXACT_LSH, smeared, *extra),
   )
   full_model = ginconf.model(300, 'eval')
   full_model.init(trax.shapes.ShapeDtype((1, 128), np.int32))
+  _random_context_weights(full_model, np.random.default_rng(5))
   roles = [attention.weight_roles(a) for a in reformer.branch_outputs(
     full_model)[0]]  # fmt: skip
-  assert all(r[-2:] == ('s', 'u') for r in roles), roles
+  assert all(r[-2:] in (('s', 'u'), ('c', 'r')) for r in roles), roles
   predict = ginconf.model(300, 'predict')
   predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   predict.weights = full_model.weights

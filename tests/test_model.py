@@ -3,6 +3,7 @@
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -229,6 +230,52 @@ def test_smeared_layers_can_start_as_induction_heads():
   with pytest.raises(UserError, match='smear.aligned = True needs smeared'):
     ginconf.parse(TINY_GIN, (*shipped, 'smear.aligned = True'))
     ginconf.fresh_model(300)
+
+
+CONTEXT = (
+  'ReformerLM.attention_type = [@SmearedLocalSelfAttention, '
+  '@ContextLSHSelfAttention, @SmearedLocalSelfAttention]'
+)
+
+
+def test_the_context_layer_starts_as_its_base_and_reads_the_recent_rows():
+  """`ContextLSHSelfAttention` starts with its context weights (`w_c`,
+  `w_r`) at zero: a model with it gives, at the start, the logits of the
+  same model with `SmearedDirectedLSHSelfAttention` (the same draws);
+  once `w_c` is not zero the output changes. `window_sums` sums the
+  `query_span` rows ending with each (or the `key_span` before it, from
+  the memory's rows); a span below 1 is refused with the binding's
+  name."""
+  from src.model import attention, decode_state
+
+  x = np.random.default_rng(0).integers(3, 300, (1, 128)).astype(np.int32)
+
+  def built(*bindings):
+    ginconf.parse(TINY_GIN, (*MICRO, *bindings))
+    lm = ginconf.model(300, 'eval')
+    lm.init(tl.ShapeDtype((1, 128), np.int32), rng=jax.random.PRNGKey(0))
+    return lm
+
+  context = built(CONTEXT, 'ContextLSHSelfAttention.query_span = 4')
+  layer = reformer.branch_outputs(context)[0][1]
+  assert attention.weight_roles(layer)[-2:] == ('c', 'r')
+  assert not np.any(np.asarray(layer.weight(layer.weights, 'c')))
+  assert not np.any(np.asarray(layer.weight(layer.weights, 'r')))
+  started = np.asarray(context(x))
+  np.testing.assert_allclose(np.asarray(built(SMEARED)(x)), started, atol=1e-5)
+  heads = layer.weights
+  w_c = jax.random.normal(jax.random.PRNGKey(1), np.shape(heads[-2]))
+  layer.weights = (*heads[:-2], w_c, heads[-1])
+  read = np.asarray(context(x))
+  assert np.abs(read - started).max() > 1e-2  # The sums are read.
+
+  rows = np.random.default_rng(1).normal(size=(10, 3)).astype(np.float32)
+  sums = decode_state.window_sums(None, rows, 0, 4, inclusive=True)
+  np.testing.assert_allclose(sums[6], rows[3:7].sum(0) / 2, rtol=1e-6)
+  before = decode_state.window_sums(rows[None, :6], rows[None, 6:], 6, 4, False)
+  np.testing.assert_allclose(before[0, 0], rows[2:6].sum(0) / 2, rtol=1e-6)
+  with pytest.raises(UserError, match='ContextLSHSelfAttention.key_span = 0'):
+    built(CONTEXT, 'ContextLSHSelfAttention.key_span = 0')
 
 
 def test_training_starts_positions_at_the_token_scale(tiny_run):

@@ -165,19 +165,20 @@ def test_classes_built_with_few_positional_arguments():
 
 
 def test_our_attention_classes_are_named_alike_everywhere():
-  """The attention classes of src/model/attention.py are listed in three
-  places that cannot import each other's list (safegin sits below the
-  model): each must name every one of them."""
+  """The attention classes of src/model/attention.py and smeared.py are
+  listed in three places that cannot import each other's list (safegin
+  sits below the model): each must name every one of them."""
   import inspect
 
   import gin
   from src.config import safegin
-  from src.model import attention, ginconf, settings
+  from src.model import attention, ginconf, settings, smeared
 
   del ginconf  # Imported for its registrations.
   ours = {
     name
-    for name, cls in inspect.getmembers(attention, inspect.isclass)
+    for module in (attention, smeared)
+    for name, cls in inspect.getmembers(module, inspect.isclass)
     if issubclass(cls, attention._Ours) and not name.startswith('_')
   }
   assert ours == safegin._OUR_ATTENTION

@@ -28,14 +28,15 @@ import tokenize
 from src.core.errors import UserError
 
 _ATTENTION = {'LSHSelfAttention', 'SelfAttention', 'PureLSHSelfAttention'}
-# Jade V8's attention classes (src/model/attention.py): referenced, never
-# bound (their settings keep Trax's names).
+# Our attention classes (src/model/attention.py, smeared.py): referenced;
+# their settings keep Trax's names (ContextLSHSelfAttention adds its spans).
 _OUR_ATTENTION = {
   'LocalSelfAttention',
   'FastLSHSelfAttention',
   'DirectedLSHSelfAttention',
   'SmearedLocalSelfAttention',
   'SmearedDirectedLSHSelfAttention',
+  'ContextLSHSelfAttention',
 }
 _OPTIMIZERS = {'Adam', 'Adafactor', 'SGD', 'Momentum', 'RMSProp', 'SM3'}
 ACTIVATIONS = frozenset(
@@ -63,6 +64,7 @@ CONFIGURABLES = frozenset(
     'lsh',  # lsh.directed: model.gin files saved before the classes.
     'residual',
     'smear',
+    'ContextLSHSelfAttention',  # query_span, key_span: its own settings.
   }
   | _ATTENTION
   | _OPTIMIZERS

@@ -17,6 +17,10 @@ classes from `ReformerLM.attention_type`, and gin/*.gin name these:
   head): LSH that can find the different thing it needs, not only what
   resembles its query (BENCHMARKS.md, "Why LSH did not learn").
 
+The smeared classes (keys and values that see the positions before) are
+`src.model.smeared`'s, subclasses of these; `key_context` and
+`query_rows` are what they widen.
+
 Each reads its settings from Trax's gin names (`SelfAttention.chunk_len`,
 `LSHSelfAttention.n_hashes`, ...), as a subclass of the registered class.
 Any of them starts with its output projections at zero where
@@ -34,7 +38,13 @@ from trax import fastmath
 from trax import layers as tl
 from trax.layers.research import efficient_attention as ea
 
-from src.model import decode_block, decode_cache, decode_index, lsh_hash
+from src.model import (
+  decode_block,
+  decode_cache,
+  decode_index,
+  decode_state,
+  lsh_hash,
+)
 from src.model.decode_state import shifted, unwrap
 
 
@@ -104,6 +114,28 @@ class _Ours:
   def weight(self, weights, role: str):
     """One head's weight of `role` (see `weight_roles`)."""
     return weights[weight_roles(self).index(role)]
+
+  def key_context(self, mem, x, start):
+    """What the keys of the rows `x` (at positions `start`...) read of the
+    positions before them (`_key_parts`' `x_before`): the row before each
+    (from the memory of inputs `mem`; None: nothing stands before `x`). A
+    class whose keys read more widens it (`smeared.ContextLSHSelfAttention`)."""
+    if mem is None:
+      return shifted(x)
+    return decode_state.rows_before(mem, x, start)
+
+  def selected_context(self, x, kv_indices):
+    """`key_context` of the memory rows `kv_indices` of `x` (`[mem, d]`,
+    one head; a memory that may roll, where index 0 has nothing before)."""
+    return jnp.where(
+      (kv_indices > 0)[:, None], x[jnp.maximum(kv_indices - 1, 0)], 0
+    )
+
+  def query_rows(self, mem, x, start):
+    """What the queries of the rows `x` read (`x_q` of `_cached_qkv`,
+    `_block_scores`, `_memory_row`): the rows themselves here."""
+    del mem, start
+    return x
 
   def _values(self, x, weights, x_before):
     """One head's values of the rows `x`: `x w_v`, plus their
@@ -313,7 +345,7 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
   def _cached_qkv(self, q, parts, x_q, weights):
     q, k_unit, v = super()._cached_qkv(q, parts, x_q, weights)
     b = parts[..., self._d_qk + self._d_v :]
-    a = jnp.matmul(x_q, self.weight(weights, 'a'))
+    a = self._directed_queries(x_q, weights)
     q, k = directed_qk(q, k_unit, a, b)
     return q, k, v
 
@@ -321,18 +353,23 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
     # `directed_qk`'s keys are scaled by sqrt(2) and `attend` divides by
     # sqrt(2 d): the score is (q . k + a . b) / sqrt(d).
     d = self._d_qk
-    a = jnp.matmul(x_q, self.weight(weights, 'a'))
+    a = self._directed_queries(x_q, weights)
     dots = jnp.sum(q[:, None, :] * parts[..., :d], -1)
     dots += jnp.sum(a[:, None, :] * parts[..., d + self._d_v :], -1)
     return dots / jnp.sqrt(jnp.asarray(d, dots.dtype))
 
   def _memory_row(self, q, x_q, weights):
-    a = jnp.matmul(x_q, self.weight(weights, 'a'))  # Against `b`.
+    a = self._directed_queries(x_q, weights)  # Against `b`.
     return jnp.concatenate([super()._memory_row(q, x_q, weights), a], -1)
 
+  def _directed_queries(self, x_q, weights):
+    """`a = x w_a`: the directed score's queries of the rows `x_q`
+    (`query_rows`)."""
+    return jnp.matmul(x_q, self.weight(weights, 'a'))
+
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
-    a = jnp.matmul(x, self.weight(weights, 'a'))
-    b = self._directed_keys(x, weights, shifted(x))
+    a = self._directed_queries(self.query_rows(None, x, 0), weights)
+    b = self._directed_keys(x, weights, self.key_context(None, x, 0))
 
     def directed_attend(q, k=None, v=None, **kw):
       at = kw['q_info']  # The positions of `q`'s rows, as sorted.
@@ -345,108 +382,6 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
     return lsh_forward(
       self, x, mask, weights=weights, attend=directed_attend, **kwargs
     )
-
-
-class _Smeared:
-  """What the `Smeared...` classes add to their base: `_smeared` (read
-  by `_values`, `decode_block.local_keys` and the decoders) and the two
-  projections of the position before, `w_s` and `w_u`, after the base's
-  weights (their `EXTRA_ROLES` end with 's', 'u')."""
-
-  _smeared = True
-  _aligned = False  # `w_s` starts as the query projection (`start_aligned`).
-
-  def start_aligned(self):
-    """`w_s` starts equal to the head's query projection when the layer is
-    initialized (`w_a`, the directed query, in LSH; `w_q` in a local
-    layer): a query's score then favours, from the first step, the
-    positions that follow an earlier occurrence of its own token (an
-    induction head), which the lookup of something said once builds on
-    (`model.reformer_lm` asks; `smear.aligned`)."""
-    self._aligned = True
-
-  def query_role(self) -> str:
-    """The query projection `w_s` aligns to: `a` (LSH) or `q` (local)."""
-    return 'a' if 'a' in weight_roles(self) else 'q'
-
-  def create_weights_unbatched(self, input_signature, rng):
-    """The base's weights of one head, plus `w_s` and `w_u`."""
-    weights = super().create_weights_unbatched(input_signature, rng)
-    w_s, w_u = smear_weights(self, input_signature, rng)
-    if self._aligned:
-      w_s = weights[weight_roles(self).index(self.query_role())]
-    return (*weights, w_s, w_u)
-
-
-class SmearedLocalSelfAttention(_Smeared, LocalSelfAttention):
-  """A local attention whose keys and values see the position before too
-  (smeared): `k_t = x_t w_k + x_(t-1) w_s`, `v_t = x_t w_v + x_(t-1) w_u`.
-
-  A query then finds "what came after X" in one layer, by matching the
-  key of the position whose predecessor is X (the induction head that
-  copying needs), and a position found reads out what came before it
-  (a value stated before its key), without a previous-token head in a
-  layer below (which absolute positions make slow to learn: the copy
-  task is learned ~3x sooner, BENCHMARKS.md "Smeared keys and values").
-  Its own keys (`share_qk` off), no bias.
-  """
-
-  EXTRA_ROLES = ('s', 'u')
-
-  def forward_unbatched(self, x, mask=None, *, weights, state, rng, **_):
-    """Trax 1.4.1's `SelfAttention.forward_unbatched` with smeared keys."""
-    attend_rng, output_rng = fastmath.random.split(rng)
-    q = jnp.matmul(x, self.weight(weights, 'q'))
-    before = shifted(x)
-    k = decode_block.local_keys(self, x, weights, before)
-    v = self._values(x, weights, before)
-    info = jnp.arange(q.shape[-2], dtype=jnp.int32)
-    kv_info = info
-    if self._masked:  # `mask` is True on valid tokens.
-      kv_info = info * jnp.where(mask, 1, -1).astype(jnp.int32)
-    mask_fn = functools.partial(
-      ea.mask_self_attention,
-      causal=self._causal,
-      exclude_self=False,
-      masked=self._masked,
-    )
-    o, _ = ea.attend(
-      q, k, v, q_chunk_len=self._chunk_len, kv_chunk_len=self._chunk_len,
-      n_chunks_before=self._n_chunks_before,
-      n_chunks_after=self._n_chunks_after, mask_fn=mask_fn, q_info=info,
-      kv_info=kv_info, dropout=self._attention_dropout, rng=attend_rng,
-    )  # fmt: skip
-    out = jnp.matmul(o, self.weight(weights, 'o'))
-    out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
-    return out, state
-
-
-class SmearedDirectedLSHSelfAttention(_Smeared, DirectedLSHSelfAttention):
-  """Directed LSH whose directed keys and values see the position before
-  too: `b_t = x_t w_b + x_(t-1) w_s`, `v_t = x_t w_v + x_(t-1) w_u` (see
-  `SmearedLocalSelfAttention`): a query's `a` finds, in its buckets, the
-  position that followed what it looks for, and reads what preceded
-  what it found."""
-
-  EXTRA_ROLES = ('a', 'b', 's', 'u')
-
-  def _directed_keys(self, x, weights, x_before):
-    b = jnp.matmul(x, self.weight(weights, 'b'))
-    return b + jnp.matmul(x_before, self.weight(weights, 's'))
-
-
-def smear_weights(layer, input_signature, rng):
-  """`(w_s, w_u)`: the projections of the position before into the keys
-  (`[d_model, d_qk]`) and the values (`[d_model, d_v]`), drawn as the
-  layer's other projections are."""
-  if isinstance(input_signature, (tuple, list)):
-    input_signature = input_signature[0]
-  d_model = input_signature.shape[-1]
-  rng_s, rng_u = fastmath.random.split(fastmath.random.split(rng, 7)[6])
-  return (
-    layer._kernel_initializer((d_model, layer._d_qk), rng_s),
-    layer._kernel_initializer((d_model, layer._d_v), rng_u),
-  )
 
 
 def _buckets(self, q, x, mask, state, update_state):
@@ -540,7 +475,7 @@ def lsh_forward(
   attend = attend or ea.attend
   attend_rng, output_rng = fastmath.random.split(rng)
   q = jnp.matmul(x, self.weight(weights, 'q'))
-  v = self._values(x, weights, shifted(x))
+  v = self._values(x, weights, self.key_context(None, x, 0))
 
   buckets, state = _buckets(self, q, x, mask, state, update_state)
   seqlen = x.shape[0]

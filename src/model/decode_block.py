@@ -81,7 +81,7 @@ def lsh_block(self, x, weights, state, rng, n):
   s = LSHState.of(memory.heads)
   batch, length = x.shape[:2]
   q_start = memory.mem_end
-  before = decode_state.rows_before(memory.mem[0], x, q_start)
+  before = self.key_context(memory.mem[0], x, q_start)
   q, qb, parts = decode_state.each_head(
     functools.partial(_project, self),
     (x, before),
@@ -95,9 +95,10 @@ def lsh_block(self, x, weights, state, rng, n):
     self, s.buckets, decode_state.flat(qb), q_start
   )
   own = decode_index.own_buckets(self, decode_state.flat(qb))
+  x_q = self.query_rows(memory.mem[0], x, q_start)
   out = _attend_all(
-    self, x, weights, q, qb, s.ring, own, buckets, keys, q_start
-  )
+    self, x_q, weights, q, qb, s.ring, own, buckets, keys, q_start
+  ).astype(x.dtype)
 
   def write(i, index):
     return decode_index.write_index(*index, own[:, i], q_start + i)
@@ -310,7 +311,7 @@ def windowed_step(
 def local_keys(self, x, weights, x_before=None):
   """A local layer's keys of the rows `x`: its queries' (as Trax makes
   shared ones) or its own, smeared with their predecessors' `x_before`
-  where the layer smears them (`attention.SmearedLocalSelfAttention`)."""
+  where the layer smears them (`smeared.SmearedLocalSelfAttention`)."""
   if self._share_qk:
     return ea.length_normalized(jnp.matmul(x, self.weight(weights, 'q')))
   k = jnp.matmul(x, self.weight(weights, 'k'))

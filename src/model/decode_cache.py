@@ -170,7 +170,7 @@ def incremental_forward(
   keys = full.keys
   if self._never_rolls:  # Its keys: `x` holds the block from position 0.
     rows = x[:q_len]
-    parts = self._key_parts(rows, weights, decode_state.shifted(rows))
+    parts = self._key_parts(rows, weights, self.key_context(None, rows, 0))
     keys = decode_keys.write_keys(keys, parts, 0)
   return out, new._replace(ring=ring, counts=counts, keys=keys).plain()
 
@@ -213,7 +213,7 @@ def _token_queries(self, x, weights, appended, rotations):
     return q, qb, self._key_parts(x_b, w_h, before)
 
   # Its predecessor: the memory's row before it.
-  before = decode_state.rows_before(appended.inputs[0], x, appended.q_start)
+  before = self.key_context(appended.inputs[0], x, appended.q_start)
   return decode_state.each_head(query, (x, before), weights, rotations)
 
 
@@ -261,7 +261,8 @@ def indexed_layer_step(self, x, weights, state, rng):
   lists = example(decode_index.bucket_lists(ring, own))
   per = dict(q=q, qb=qb, buckets=example(s.buckets), lists=lists,
              keys=example(keys))  # fmt: skip
-  out = decode_state.each_head(attend, x, weights, per)
+  x_q = self.query_rows(appended.inputs[0], x, q_start)
+  out = decode_state.each_head(attend, x_q, weights, per)
   out = jnp.sum(out, axis=1).astype(x.dtype)  # Over heads: [batch, 1, d].
   new = s._replace(
     buckets=decode_index.write_buckets(

@@ -77,11 +77,10 @@ def attend_memory(self, x_rows, q, positions, keep, keys, weights):
 def attend_selected(self, x, q, q_start, kv_indices, weights, rng):
   """`attend_parts` for a memory without a key cache: the candidates'
   keys and values projected from the memory `x` (`[mem, d]`)."""
-  x_q = x[q_start + jnp.arange(1, dtype=jnp.int32)]
-  before = jnp.where(
-    (kv_indices > 0)[:, None], x[jnp.maximum(kv_indices - 1, 0)], 0
+  x_q = self.query_rows(x, x[q_start + jnp.arange(1, dtype=jnp.int32)], q_start)
+  parts = self._key_parts(
+    x[kv_indices], weights, self.selected_context(x, kv_indices)
   )
-  parts = self._key_parts(x[kv_indices], weights, before)
   return attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng)
 
 

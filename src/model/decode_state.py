@@ -182,3 +182,26 @@ def rows_before(mem_inputs, x, start):
   first = jax.lax.dynamic_slice_in_dim(mem_inputs, at, 1, axis=rows)
   first = jnp.where(start > 0, first, jnp.zeros_like(first)).astype(x.dtype)
   return shifted(x, first)
+
+
+def window_sums(mem_inputs, x, start, k: int, inclusive: bool):
+  """Each row of `x`'s (`[..., n, d]`, at positions `start`...) sum of the
+  `k` rows before it (`inclusive`: the `k` rows ending with itself),
+  divided by `sqrt(k)`: the rows of the layer's memory of inputs
+  (`mem_inputs`, `[..., mem, d]`) before `start`, zeros before position 0,
+  then `x`'s own (None: nothing stands before `x`). A sum of `k` shifted
+  copies, not a running sum: the same additions in the same order at any
+  position, so a chat's block or token gets what training computed."""
+  n = x.shape[-2]
+  if mem_inputs is None:
+    before = jnp.zeros(x.shape[:-2] + (k, x.shape[-1]), x.dtype)
+  else:
+    at = start - k + jnp.arange(k)
+    before = jnp.take(mem_inputs, jnp.maximum(at, 0), axis=-2)
+    before = jnp.where((at >= 0)[:, None], before, 0).astype(x.dtype)
+  rows = jnp.concatenate([before, x], axis=-2)  # Row t of `x` at t + k.
+  first = 1 if inclusive else 0
+  total = rows[..., first : first + n, :]
+  for j in range(first + 1, first + k):
+    total = total + rows[..., j : j + n, :]
+  return total / jnp.sqrt(jnp.asarray(k, x.dtype))

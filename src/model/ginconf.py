@@ -5,8 +5,10 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
 
 - the attention classes of `src.model.attention` (`@LocalSelfAttention`,
   `@DirectedLSHSelfAttention`, `@FastLSHSelfAttention` in
-  `ReformerLM.attention_type`); their settings keep Trax's names
-  (`SelfAttention.chunk_len`, `LSHSelfAttention.n_hashes`).
+  `ReformerLM.attention_type`) and `src.model.smeared`; their settings
+  keep Trax's names (`SelfAttention.chunk_len`,
+  `LSHSelfAttention.n_hashes`), and `ContextLSHSelfAttention` adds its own
+  (`query_span`, `key_span`).
 
 - `lr_schedule`: warmup then rsqrt / cosine / linear / constant decay
   (`src.model.optim.lr_schedule`; `total_steps` comes from the run settings).
@@ -43,7 +45,7 @@ import gin
 from src.config import safegin
 from src.core import files, rundir
 from src.core.errors import UserError
-from src.model import attention, losses, optim, reformer, settings
+from src.model import attention, losses, optim, reformer, settings, smeared
 
 lr_schedule = gin.external_configurable(
   optim.lr_schedule, module='jade', denylist=['total_steps']
@@ -55,8 +57,9 @@ for _cls in (
   attention.LocalSelfAttention,
   attention.FastLSHSelfAttention,
   attention.DirectedLSHSelfAttention,
-  attention.SmearedLocalSelfAttention,
-  attention.SmearedDirectedLSHSelfAttention,
+  smeared.SmearedLocalSelfAttention,
+  smeared.SmearedDirectedLSHSelfAttention,
+  smeared.ContextLSHSelfAttention,
 ):
   gin.external_configurable(_cls, module='jade', denylist=['mode'])
 residual = gin.external_configurable(reformer.residual, module='jade')

@@ -120,6 +120,7 @@ _ATTENTION_CLASSES = {
   'DirectedLSHSelfAttention',
   'SmearedLocalSelfAttention',
   'SmearedDirectedLSHSelfAttention',
+  'ContextLSHSelfAttention',
 }
 
 

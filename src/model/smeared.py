@@ -1,0 +1,209 @@
+"""The smeared attention layers: keys and values that see the positions
+before them.
+
+- `SmearedLocalSelfAttention`, `SmearedDirectedLSHSelfAttention`: a key
+  and a value read the position before too (`k_t = x_t w_k + x_(t-1)
+  w_s`), so one layer finds "what came after X" (an induction head)
+  without a previous-token head below it (BENCHMARKS.md, "Smeared keys
+  and values").
+- `ContextLSHSelfAttention`: that LSH layer whose directed query and key
+  also read a sum of the last few positions (the recent context): a
+  question and the statement it asks about share the thing named ("the
+  word", "my cat") a few tokens before, which one token before does not
+  hold (BENCHMARKS.md, "A query that reads the recent context").
+
+Each is a subclass of its base in `src.model.attention` and reads the
+base's gin settings; `smear.aligned` starts them as induction heads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jax import numpy as jnp
+from trax import fastmath
+from trax.layers.research import efficient_attention as ea
+
+from src.core.errors import UserError
+from src.model import decode_block, decode_state
+from src.model.attention import (
+  DirectedLSHSelfAttention,
+  LocalSelfAttention,
+  weight_roles,
+)
+from src.model.decode_state import shifted
+
+
+class _Smeared:
+  """What the `Smeared...` classes add to their base: `_smeared` (read
+  by `_values`, `decode_block.local_keys` and the decoders) and the two
+  projections of the position before, `w_s` and `w_u`, after the base's
+  weights (their `EXTRA_ROLES` end with 's', 'u')."""
+
+  _smeared = True
+  _aligned = False  # `w_s` starts as the query projection (`start_aligned`).
+
+  def start_aligned(self):
+    """`w_s` starts equal to the head's query projection when the layer is
+    initialized (`w_a`, the directed query, in LSH; `w_q` in a local
+    layer): a query's score then favours, from the first step, the
+    positions that follow an earlier occurrence of its own token (an
+    induction head), which the lookup of something said once builds on
+    (`model.reformer_lm` asks; `smear.aligned`)."""
+    self._aligned = True
+
+  def query_role(self) -> str:
+    """The query projection `w_s` aligns to: `a` (LSH) or `q` (local)."""
+    return 'a' if 'a' in weight_roles(self) else 'q'
+
+  def create_weights_unbatched(self, input_signature, rng):
+    """The base's weights of one head, plus `w_s` and `w_u`."""
+    weights = super().create_weights_unbatched(input_signature, rng)
+    w_s, w_u = smear_weights(self, input_signature, rng)
+    if self._aligned:
+      w_s = weights[weight_roles(self).index(self.query_role())]
+    return (*weights, w_s, w_u)
+
+
+class SmearedLocalSelfAttention(_Smeared, LocalSelfAttention):
+  """A local attention whose keys and values see the position before too
+  (smeared): `k_t = x_t w_k + x_(t-1) w_s`, `v_t = x_t w_v + x_(t-1) w_u`.
+
+  A query then finds "what came after X" in one layer, by matching the
+  key of the position whose predecessor is X (the induction head that
+  copying needs), and a position found reads out what came before it
+  (a value stated before its key), without a previous-token head in a
+  layer below (which absolute positions make slow to learn: the copy
+  task is learned ~3x sooner, BENCHMARKS.md "Smeared keys and values").
+  Its own keys (`share_qk` off), no bias.
+  """
+
+  EXTRA_ROLES = ('s', 'u')
+
+  def forward_unbatched(self, x, mask=None, *, weights, state, rng, **_):
+    """Trax 1.4.1's `SelfAttention.forward_unbatched` with smeared keys."""
+    attend_rng, output_rng = fastmath.random.split(rng)
+    q = jnp.matmul(x, self.weight(weights, 'q'))
+    before = shifted(x)
+    k = decode_block.local_keys(self, x, weights, before)
+    v = self._values(x, weights, before)
+    info = jnp.arange(q.shape[-2], dtype=jnp.int32)
+    kv_info = info
+    if self._masked:  # `mask` is True on valid tokens.
+      kv_info = info * jnp.where(mask, 1, -1).astype(jnp.int32)
+    mask_fn = functools.partial(
+      ea.mask_self_attention,
+      causal=self._causal,
+      exclude_self=False,
+      masked=self._masked,
+    )
+    o, _ = ea.attend(
+      q, k, v, q_chunk_len=self._chunk_len, kv_chunk_len=self._chunk_len,
+      n_chunks_before=self._n_chunks_before,
+      n_chunks_after=self._n_chunks_after, mask_fn=mask_fn, q_info=info,
+      kv_info=kv_info, dropout=self._attention_dropout, rng=attend_rng,
+    )  # fmt: skip
+    out = jnp.matmul(o, self.weight(weights, 'o'))
+    out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+    return out, state
+
+
+class SmearedDirectedLSHSelfAttention(_Smeared, DirectedLSHSelfAttention):
+  """Directed LSH whose directed keys and values see the position before
+  too: `b_t = x_t w_b + x_(t-1) w_s`, `v_t = x_t w_v + x_(t-1) w_u` (see
+  `SmearedLocalSelfAttention`): a query's `a` finds, in its buckets, the
+  position that followed what it looks for, and reads what preceded
+  what it found."""
+
+  EXTRA_ROLES = ('a', 'b', 's', 'u')
+
+  def _directed_keys(self, x, weights, x_before):
+    b = jnp.matmul(x, self.weight(weights, 'b'))
+    return b + jnp.matmul(x_before, self.weight(weights, 's'))
+
+
+def smear_weights(layer, input_signature, rng):
+  """`(w_s, w_u)`: the projections of the position before into the keys
+  (`[d_model, d_qk]`) and the values (`[d_model, d_v]`), drawn as the
+  layer's other projections are."""
+  if isinstance(input_signature, (tuple, list)):
+    input_signature = input_signature[0]
+  d_model = input_signature.shape[-1]
+  rng_s, rng_u = fastmath.random.split(fastmath.random.split(rng, 7)[6])
+  return (
+    layer._kernel_initializer((d_model, layer._d_qk), rng_s),
+    layer._kernel_initializer((d_model, layer._d_v), rng_u),
+  )
+
+
+class ContextLSHSelfAttention(SmearedDirectedLSHSelfAttention):
+  """`SmearedDirectedLSHSelfAttention` whose directed query and key also
+  read the recent context:
+
+    a_t = x_t w_a + Q_t w_c,   Q_t = (x_(t-q+1) + ... + x_t) / sqrt(q)
+    b_t = x_t w_b + x_(t-1) w_s + K_t w_r,
+                               K_t = (x_(t-k) + ... + x_(t-1)) / sqrt(k)
+
+  with `q = query_span`, `k = key_span`. A question ("what was the word
+  I asked you to remember?") and the statement it asks about ("remember
+  this word: X") share the thing named some tokens before the answer and
+  before X: the sums hold it, one position before does not. `w_c` and
+  `w_r` start at zero, so the layer starts as its base and learns to read
+  the context (BENCHMARKS.md, "A query that reads the recent context").
+  A chat reads the sums from the layer's memory of inputs
+  (`decode_state.window_sums`): the same additions as training.
+  """
+
+  EXTRA_ROLES = ('a', 'b', 's', 'u', 'c', 'r')
+
+  def __init__(self, *args, query_span: int = 12, key_span: int = 8, **kw):
+    super().__init__(*args, **kw)
+    for name, span in (('query_span', query_span), ('key_span', key_span)):
+      if not isinstance(span, int) or isinstance(span, bool) or span < 1:
+        raise UserError(
+          f'ContextLSHSelfAttention.{name} = {span!r} must be a whole '
+          'number of positions, at least 1; fix it in the gin file '
+          '(12 and 8: BENCHMARKS.md, "A query that reads the recent '
+          'context")'
+        )
+    self._query_span, self._key_span = query_span, key_span
+
+  def create_weights_unbatched(self, input_signature, rng):
+    """The base's weights of one head, plus `w_c` and `w_r` (zeros)."""
+    weights = super().create_weights_unbatched(input_signature, rng)
+    if isinstance(input_signature, (tuple, list)):
+      input_signature = input_signature[0]
+    shape = (input_signature.shape[-1], self._d_qk)
+    zeros = jnp.zeros(shape, weights[0].dtype)
+    return (*weights, zeros, zeros)
+
+  def key_context(self, mem, x, start):
+    """The row before each of `x` and the sum of the `key_span` before it,
+    side by side (`[..., n, 2 d]`)."""
+    before = super().key_context(mem, x, start)
+    span = self._key_span
+    recent = decode_state.window_sums(mem, x, start, span, inclusive=False)
+    return jnp.concatenate([before, recent], -1)
+
+  def selected_context(self, x, kv_indices):
+    return self.key_context(None, x, 0)[kv_indices]
+
+  def query_rows(self, mem, x, start):
+    """The rows `x` and the sum of the `query_span` ending with each, side
+    by side (`[..., n, 2 d]`)."""
+    span = self._query_span
+    recent = decode_state.window_sums(mem, x, start, span, inclusive=True)
+    return jnp.concatenate([x, recent], -1)
+
+  def _values(self, x, weights, x_before):
+    return super()._values(x, weights, x_before[..., : x.shape[-1]])
+
+  def _directed_keys(self, x, weights, x_before):
+    d = x.shape[-1]
+    b = super()._directed_keys(x, weights, x_before[..., :d])
+    return b + jnp.matmul(x_before[..., d:], self.weight(weights, 'r'))
+
+  def _directed_queries(self, x_q, weights):
+    d = x_q.shape[-1] // 2
+    a = super()._directed_queries(x_q[..., :d], weights)
+    return a + jnp.matmul(x_q[..., d:], self.weight(weights, 'c'))
