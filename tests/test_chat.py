@@ -632,6 +632,7 @@ def _random_context_weights(model, rng):
       (
         'ContextLSHSelfAttention.query_span = 6',
         'ContextLSHSelfAttention.key_span = 5',
+        'ContextLSHSelfAttention.context_scale = 0.5',
       ),
     ),
   ],

@@ -144,7 +144,9 @@ class ContextLSHSelfAttention(SmearedDirectedLSHSelfAttention):
     b_t = x_t w_b + x_(t-1) w_s + K_t w_r,
                                K_t = (x_(t-k) + ... + x_(t-1)) / sqrt(k)
 
-  with `q = query_span`, `k = key_span`. A question ("what was the word
+  with `q = query_span`, `k = key_span`, both sums times `context_scale`
+  (below 1 their weights change the score more slowly at first; Adam
+  moves every weight at the same rate). A question ("what was the word
   I asked you to remember?") and the statement it asks about ("remember
   this word: X") share the thing named some tokens before the answer and
   before X: the sums hold it, one position before does not. `w_c` and
@@ -156,7 +158,14 @@ class ContextLSHSelfAttention(SmearedDirectedLSHSelfAttention):
 
   EXTRA_ROLES = ('a', 'b', 's', 'u', 'c', 'r')
 
-  def __init__(self, *args, query_span: int = 12, key_span: int = 8, **kw):
+  def __init__(
+    self,
+    *args,
+    query_span: int = 12,
+    key_span: int = 8,
+    context_scale: float = 1.0,
+    **kw,
+  ):
     super().__init__(*args, **kw)
     for name, span in (('query_span', query_span), ('key_span', key_span)):
       if not isinstance(span, int) or isinstance(span, bool) or span < 1:
@@ -166,7 +175,17 @@ class ContextLSHSelfAttention(SmearedDirectedLSHSelfAttention):
           '(12 and 8: BENCHMARKS.md, "A query that reads the recent '
           'context")'
         )
+    scale = context_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+      scale = float('nan')
+    if not 0 < scale <= 1:
+      raise UserError(
+        f'ContextLSHSelfAttention.context_scale = {context_scale!r} must '
+        'be above 0 and at most 1; fix it in the gin file (1.0: the sums '
+        'as they are)'
+      )
     self._query_span, self._key_span = query_span, key_span
+    self._scale = float(scale)
 
   def create_weights_unbatched(self, input_signature, rng):
     """The base's weights of one head, plus `w_c` and `w_r` (zeros)."""
@@ -183,7 +202,7 @@ class ContextLSHSelfAttention(SmearedDirectedLSHSelfAttention):
     before = super().key_context(mem, x, start)
     span = self._key_span
     recent = decode_state.window_sums(mem, x, start, span, inclusive=False)
-    return jnp.concatenate([before, recent], -1)
+    return jnp.concatenate([before, self._scale * recent], -1)
 
   def selected_context(self, x, kv_indices):
     return self.key_context(None, x, 0)[kv_indices]
@@ -193,7 +212,7 @@ class ContextLSHSelfAttention(SmearedDirectedLSHSelfAttention):
     by side (`[..., n, 2 d]`)."""
     span = self._query_span
     recent = decode_state.window_sums(mem, x, start, span, inclusive=True)
-    return jnp.concatenate([x, recent], -1)
+    return jnp.concatenate([x, self._scale * recent], -1)
 
   def _values(self, x, weights, x_before):
     return super()._values(x, weights, x_before[..., : x.shape[-1]])
