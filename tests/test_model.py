@@ -245,7 +245,7 @@ def test_the_context_layer_starts_as_its_base_and_reads_the_recent_rows():
   once `w_c` is not zero the output changes. `window_sums` sums the
   `query_span` rows ending with each (or the `key_span` before it, from
   the memory's rows); a span below 1 is refused with the binding's
-  name (and a `context_scale` outside (0, 1])."""
+  name, as is one above 256 (and a `context_scale` outside (0, 1])."""
   from src.model import attention, decode_state
 
   x = np.random.default_rng(0).integers(3, 300, (1, 128)).astype(np.int32)
@@ -276,6 +276,8 @@ def test_the_context_layer_starts_as_its_base_and_reads_the_recent_rows():
   np.testing.assert_allclose(before[0, 0], rows[2:6].sum(0) / 2, rtol=1e-6)
   with pytest.raises(UserError, match='ContextLSHSelfAttention.key_span = 0'):
     built(CONTEXT, 'ContextLSHSelfAttention.key_span = 0')
+  with pytest.raises(UserError, match='query_span = 100000 must be a whole'):
+    built(CONTEXT, 'ContextLSHSelfAttention.query_span = 100000')
   with pytest.raises(UserError, match='context_scale = 0 must be above 0'):
     built(CONTEXT, 'ContextLSHSelfAttention.context_scale = 0')
 

@@ -136,6 +136,10 @@ def smear_weights(layer, input_signature, rng):
   )
 
 
+# A sum is `span` additions when traced: bounded (a model.gin is input).
+MOST_SPAN = 256
+
+
 class ContextLSHSelfAttention(SmearedDirectedLSHSelfAttention):
   """`SmearedDirectedLSHSelfAttention` whose directed query and key also
   read the recent context:
@@ -168,10 +172,12 @@ class ContextLSHSelfAttention(SmearedDirectedLSHSelfAttention):
   ):
     super().__init__(*args, **kw)
     for name, span in (('query_span', query_span), ('key_span', key_span)):
-      if not isinstance(span, int) or isinstance(span, bool) or span < 1:
+      whole = isinstance(span, int) and not isinstance(span, bool)
+      if not whole or not 1 <= span <= MOST_SPAN:
         raise UserError(
           f'ContextLSHSelfAttention.{name} = {span!r} must be a whole '
-          'number of positions, at least 1; fix it in the gin file '
+          f'number of positions from 1 to {MOST_SPAN}; fix it in the gin '
+          'file '
           '(12 and 8: BENCHMARKS.md, "A query that reads the recent '
           'context")'
         )
