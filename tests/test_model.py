@@ -282,6 +282,20 @@ def test_the_context_layer_starts_as_its_base_and_reads_the_recent_rows():
     built(CONTEXT, 'ContextLSHSelfAttention.context_scale = 0')
 
 
+def test_the_context_layer_reads_the_lsh_settings_trax_defaults_too():
+  """`ContextLSHSelfAttention.__init__` passes Trax's settings on in
+  `**kwargs`: its settings are Trax's defaults and bindings, as the
+  smeared class's are, plus its own three (not only those three: an
+  unbound `LSHSelfAttention.n_buckets` is then the one line that says to
+  set it, not a KeyError)."""
+  smeared_setup = ginconf.parse(TINY_GIN, (*MICRO, SMEARED))
+  context_setup = ginconf.parse(TINY_GIN, (*MICRO, CONTEXT))
+  added = {'query_span': 12, 'key_span': 8, 'context_scale': 1.0}
+  assert context_setup.attention == {**smeared_setup.attention, **added}
+  with pytest.raises(UserError, match='set "LSHSelfAttention.n_buckets"'):
+    ginconf.parse(TINY_GIN, (CONTEXT, 'LSHSelfAttention.n_buckets = None'))
+
+
 def test_training_starts_positions_at_the_token_scale(tiny_run):
   """The training path uses the setting: after a few steps the shared run's
   axial embeddings are still near the tokens' scale, far from Trax's 1.0."""

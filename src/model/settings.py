@@ -13,13 +13,28 @@ from src.core.errors import UserError
 
 
 def _defaults(fn) -> dict:
-  """Keyword defaults of a function, or of a class's `__init__`."""
-  fn = fn.__init__ if inspect.isclass(fn) else getattr(fn, '__wrapped__', fn)
-  return {
-    k: p.default
-    for k, p in inspect.signature(fn).parameters.items()
-    if p.default is not inspect.Parameter.empty
-  }
+  """Keyword defaults of a function, or of a class's `__init__`: and where
+  that `__init__` passes `**kwargs` on to its base's, the base's too (the
+  nearer class's default wins)."""
+  if not inspect.isclass(fn):
+    return _signature_defaults(getattr(fn, '__wrapped__', fn))[0]
+  found = {}
+  for cls in fn.__mro__:
+    if '__init__' not in vars(cls):
+      continue
+    own, passes_on = _signature_defaults(vars(cls)['__init__'])
+    found = {**own, **found}
+    if not passes_on:
+      break
+  return found
+
+
+def _signature_defaults(fn) -> tuple[dict, bool]:
+  """`fn`'s keyword defaults, and whether it takes `**kwargs`."""
+  params = inspect.signature(fn).parameters.values()
+  empty, var = inspect.Parameter.empty, inspect.Parameter.VAR_KEYWORD
+  defaults = {p.name: p.default for p in params if p.default is not empty}
+  return defaults, any(p.kind is var for p in params)
 
 
 def attention_kinds(model: dict, where: str) -> list:
