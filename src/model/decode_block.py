@@ -98,7 +98,7 @@ def lsh_block(self, x, weights, state, rng, n):
   x_q = self.query_rows(memory.mem[0], x, q_start)
   out = _attend_all(
     self, x_q, weights, q, qb, s.ring, own, buckets, keys, q_start
-  ).astype(x.dtype)
+  )
 
   def write(i, index):
     return decode_index.write_index(*index, own[:, i], q_start + i)

@@ -177,11 +177,16 @@ def rows_before(mem_inputs, x, start):
   layer's memory of inputs (`[..., mem, d]`) from `start` (or are about
   to be written there): the memory's row before `start` (zeros at 0),
   then `x`'s own."""
-  at = jnp.maximum(start - 1, 0)
-  rows = mem_inputs.ndim - 2
-  first = jax.lax.dynamic_slice_in_dim(mem_inputs, at, 1, axis=rows)
-  first = jnp.where(start > 0, first, jnp.zeros_like(first)).astype(x.dtype)
-  return shifted(x, first)
+  return shifted(x, memory_rows_before(mem_inputs, start, 1, x.dtype))
+
+
+def memory_rows_before(mem_inputs, start, k: int, dtype):
+  """The `k` rows of a layer's memory of inputs (`[..., mem, d]`) before
+  position `start` (`[..., k, d]`, in `dtype`), zeros where before
+  position 0."""
+  at = start - k + jnp.arange(k)
+  rows = jnp.take(mem_inputs, jnp.maximum(at, 0), axis=-2)
+  return jnp.where((at >= 0)[:, None], rows, 0).astype(dtype)
 
 
 def window_sums(mem_inputs, x, start, k: int, inclusive: bool):
@@ -196,9 +201,7 @@ def window_sums(mem_inputs, x, start, k: int, inclusive: bool):
   if mem_inputs is None:
     before = jnp.zeros(x.shape[:-2] + (k, x.shape[-1]), x.dtype)
   else:
-    at = start - k + jnp.arange(k)
-    before = jnp.take(mem_inputs, jnp.maximum(at, 0), axis=-2)
-    before = jnp.where((at >= 0)[:, None], before, 0).astype(x.dtype)
+    before = memory_rows_before(mem_inputs, start, k, x.dtype)
   rows = jnp.concatenate([before, x], axis=-2)  # Row t of `x` at t + k.
   first = 1 if inclusive else 0
   total = rows[..., first : first + n, :]
