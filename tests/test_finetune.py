@@ -21,9 +21,11 @@ from src.training import finetune, trainer
 
 from .conftest import (
   DATA,
+  MICRO,
   ROOT,
   finetune_settings,
   reseal_export,
+  train_settings,
 )
 
 
@@ -260,6 +262,60 @@ def test_a_finetune_may_read_the_attention_otherwise(exported, tmp_path):
   assert 'LSHSelfAttention.n_hashes = 2' in saved
   decoder = decoding.Decoder.load(out)
   assert decoder.block == 32 and np.isfinite(decoder.feed([5, 6])).all()
+
+
+GROWN = (
+  'ReformerLM.n_layers = 4',
+  'ReformerLM.attention_type = [@SmearedLocalSelfAttention, '
+  '@SmearedDirectedLSHSelfAttention]',
+)
+
+
+def test_a_finetune_grows_smeared_lsh_into_context_lsh(tmp_path):
+  """A model trained with `SmearedDirectedLSHSelfAttention` fine-tunes as
+  `ContextLSHSelfAttention` (bound in its place): the trained weights, the
+  two new projections of each grown block (blocks 1 and 3: the list
+  cycles) at zero, the same function at its first step; the run says so.
+  Another change of class is refused as any model setting is."""
+  source, out = str(tmp_path / 'src'), str(tmp_path / 'ft')
+  trainer.train(
+    train_settings(source, steps=1), MICRO + GROWN, log=lambda line: None
+  )
+  settings = finetune_settings(out, source, steps=1)
+  settings = settings.__class__(
+    settings.values, settings.source, settings.given - {'vocab-size'}
+  )
+  context = GROWN[1].replace('@SmearedDirected', '@Context')
+  wrong = (
+    GROWN[1]
+    .replace('@SmearedLocal', '@ContextLSH')
+    .replace('LocalSelfAttention', 'SelfAttention')
+  )
+  with pytest.raises(UserError, match=r'sets ReformerLM.attention_type'):
+    trainer.train(settings, MICRO + (GROWN[0], wrong), log=lambda x: None)
+  lines = []
+  bindings = (*MICRO, GROWN[0], context, 'lr_schedule.peak = 0.0')
+  loop = trainer.train(settings, bindings, log=lines.append)
+  said = [line for line in lines if 'attention' in line]
+  assert said == [
+    "grows the pretrained model's attention (its weights, the new ones at "
+    'zero): SmearedDirectedLSHSelfAttention -> ContextLSHSelfAttention'
+  ]
+  before = modelfolder.read_weights(source)[0]
+  after = flat_weights(loop.model)
+  assert len(after) == len(before) + 4
+  zeros = [i for i, w in enumerate(after) if not np.any(w)]
+  kept = [w for i, w in enumerate(after) if i not in zeros]
+  assert len(zeros) == 4 and len(kept) == len(before)
+  assert all(np.array_equal(a, b) for a, b in zip(kept, before))
+  tokens = [5, 6, 7, 8, 9, 10, 11]
+  grown_logits = decoding.Decoder.load(out).feed(tokens)
+  np.testing.assert_allclose(
+    grown_logits, decoding.Decoder.load(source).feed(tokens), atol=2e-5
+  )
+  assert (
+    'ContextLSHSelfAttention' in open(os.path.join(out, 'model.gin')).read()
+  )
 
 
 def test_unknown_pieces_are_counted():

@@ -161,6 +161,14 @@ class ContextLSHSelfAttention(SmearedDirectedLSHSelfAttention):
   """
 
   EXTRA_ROLES = ('a', 'b', 's', 'u', 'c', 'r')
+  # A fine-tune may grow a trained model's `GROWS_FROM` layers into this
+  # class (`train.py --init-from` with this class bound in their place,
+  # `src.training.finetune.grown_blocks`): the trained weights, then
+  # `w_c` and `w_r` (the last `GROWN_WEIGHTS`) at zero: the same function
+  # at its first step, and the settings `GROWN_SETTINGS` are new.
+  GROWS_FROM = SmearedDirectedLSHSelfAttention
+  GROWN_WEIGHTS = 2
+  GROWN_SETTINGS = ('query_span', 'key_span', 'context_scale')
 
   def __init__(
     self,

@@ -159,16 +159,67 @@ def tokenizer_settings(settings, info: dict, where: str) -> dict:
   return values
 
 
+GROWS = 'grows '  # Starts check_settings' entry of a grown class.
+
+
+def _classes(setup) -> list:
+  kinds = setup.model.get('attention_type')
+  return list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
+
+
+def grown_blocks(setup, source_setup) -> tuple[bool, ...] | None:
+  """Which entries of `ReformerLM.attention_type` a fine-tune grows (a
+  class bound where the pretrained model has the class it `GROWS_FROM`,
+  e.g. `ContextLSHSelfAttention` for `SmearedDirectedLSHSelfAttention`);
+  None when the lists differ otherwise (or not at all)."""
+  mine, theirs = _classes(setup), _classes(source_setup)
+  if len(mine) != len(theirs) or mine == theirs:
+    return None
+  grown = []
+  for new, old in zip(mine, theirs):
+    # Gin binds its own subclass of each class: compare them by name.
+    grows = _name(new) != _name(old)
+    if grows and _name(getattr(new, 'GROWS_FROM', None)) != _name(old):
+      return None
+    grown.append(grows)
+  return tuple(grown)
+
+
+def _name(kind) -> str:
+  return f'{kind.__module__}.{kind.__qualname__}' if kind else ''
+
+
+def _new_settings(setup, grown) -> set:
+  """The settings a grown class adds (`GROWN_SETTINGS`)."""
+  return {
+    name
+    for new, is_grown in zip(_classes(setup), grown or ())
+    if is_grown
+    for name in new.GROWN_SETTINGS
+  }
+
+
 def check_settings(
   setup: ginconf.GinSetup, source: modelfolder.ModelFolder, gin_path: str
 ) -> list[str]:
   """The gin file may not change the pretrained model's settings but
-  dropout and how the attention reads (`READING`).
+  dropout, how the attention reads (`READING`) and a grown attention
+  class (`grown_blocks`) with its new settings.
 
   Returns:
-    The reading settings that differ, as `name old -> new`.
+    What differs, as `name old -> new` (`GROWS` and `old -> new` for a
+    grown class).
   """
   changed = []
+  grown = grown_blocks(setup, source.setup)
+  if grown:
+    names = [c.__name__ for c in _classes(setup)]
+    changed += [
+      f'{GROWS}{_classes(source.setup)[i].__name__} -> {names[i]}'
+      for i in range(len(names))
+      if grown[i]
+    ]
+  added = _new_settings(setup, grown)
   for group, mine, theirs in (
     ('ReformerLM', setup.model, source.setup.model),
     (source.setup.attention_name, setup.attention, source.setup.attention),
@@ -178,6 +229,10 @@ def check_settings(
       if key.startswith('_') or any(d in key for d in MAY_DIFFER):
         continue
       if mine.get(key) == theirs.get(key):
+        continue
+      if group == 'ReformerLM' and key == 'attention_type' and grown:
+        continue
+      if key in added and key not in theirs:
         continue
       if group != 'ReformerLM' and key in READING:
         changed.append(f'{group}.{key} {theirs.get(key)} -> {mine.get(key)}')
@@ -190,6 +245,43 @@ def check_settings(
         'gin file (gin/finetune.gin binds none)'
       )
   return changed
+
+
+def grow_weights(model, flat: list, setup, grown: tuple[bool, ...]) -> list:
+  """The pretrained `flat` weights laid out for `model` (initialized; the
+  run's settings `setup`), whose attention classes grow where `grown`
+  says (`grown_blocks`): a grown layer's new weights, its last
+  `GROWN_WEIGHTS`, are zeros. Block `i` has entry `i % len(grown)`, as
+  Trax cycles `ReformerLM.attention_type` through the blocks."""
+  import jax
+
+  kinds = {_name(c) for c in _classes(setup)}
+  out, taken, seen = [], 0, 0
+
+  def walk(layer):
+    nonlocal taken, seen
+    if _name(type(layer)) in kinds:
+      extra = layer.GROWN_WEIGHTS if grown[seen % len(grown)] else 0
+      seen += 1
+    elif layer.sublayers:
+      for sub in layer.sublayers:
+        walk(sub)
+      return
+    else:
+      extra = 0
+    leaves = jax.tree_util.tree_leaves(layer.weights)
+    keep = len(leaves) - extra
+    out.extend(flat[taken : taken + keep])
+    out.extend(np.zeros(w.shape, w.dtype) for w in leaves[keep:])
+    taken += keep
+
+  walk(model)
+  if taken != len(flat):
+    raise UserError(
+      f'the pretrained model has {len(flat)} weight arrays, its grown '
+      f'attention takes {taken}; the model folder does not fit its model.gin'
+    )
+  return out
 
 
 def unknown_share(tokens) -> float:

@@ -33,19 +33,21 @@ def _write_text(path: str, text: str):
   files.write_atomic(path, text.encode('utf-8'))
 
 
-def _start_from(loop: JadeLoop, source: modelfolder.ModelFolder):
-  """Puts the pretrained weights into a fresh Loop (step 0)."""
+def _start_from(loop: JadeLoop, source: modelfolder.ModelFolder, setup):
+  """Puts the pretrained weights into a fresh Loop (step 0); attention
+  that the run grows (`finetune.grown_blocks`) gets its new weights at
+  zero."""
   treedef = jax.tree_util.tree_structure(loop.model.weights)
   mine = jax.tree_util.tree_leaves(loop.model.weights)
+  flat = source.flat
+  grown = finetune.grown_blocks(setup, source.setup)
+  if grown:
+    flat = finetune.grow_weights(loop.model, flat, setup, grown)
   checkpoints.check_fit(
-    f'init-from {source.path!r}',
-    source.flat,
-    mine,
-    'copy the model folder again',
+    f'init-from {source.path!r}', flat, mine, 'copy the model folder again'
   )
   weights = jax.tree_util.tree_unflatten(
-    treedef,
-    [jax.numpy.asarray(w, a.dtype) for w, a in zip(source.flat, mine)],
+    treedef, [jax.numpy.asarray(w, a.dtype) for w, a in zip(flat, mine)]
   )
   loop.update_weights_and_state(weights=weights)
 
@@ -289,7 +291,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
     )
   fine = plan.finetune
   if fine is not None and fine.source is not None:
-    _start_from(loop, fine.source)
+    _start_from(loop, fine.source, plan.gin)
   # The others take the chief's step, weights and optimizer slots.
   distributed.share_loop_state(cluster, loop)
   if loop.step != start:
