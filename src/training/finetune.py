@@ -22,6 +22,7 @@ from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
 from src.model import ginconf
+from src.model import settings as settings_table
 from src.storage import checkpoints, modelfolder, snapshots
 
 INIT_FILE = rundir.INIT
@@ -159,12 +160,8 @@ def tokenizer_settings(settings, info: dict, where: str) -> dict:
   return values
 
 
-GROWS = 'grows '  # Starts check_settings' entry of a grown class.
-
-
 def _classes(setup) -> list:
-  kinds = setup.model.get('attention_type')
-  return list(kinds) if isinstance(kinds, (list, tuple)) else [kinds]
+  return settings_table.attention_kinds(setup.model, setup.path)
 
 
 def grown_blocks(setup, source_setup) -> tuple[bool, ...] | None:
@@ -189,6 +186,13 @@ def _name(kind) -> str:
   return f'{kind.__module__}.{kind.__qualname__}' if kind else ''
 
 
+def growth(setup, source_setup) -> list[str]:
+  """The grown classes (`grown_blocks`), as `old -> new`."""
+  grown = grown_blocks(setup, source_setup) or ()
+  pairs = zip(_classes(source_setup), _classes(setup), grown)
+  return [f'{old.__name__} -> {new.__name__}' for old, new, g in pairs if g]
+
+
 def _new_settings(setup, grown) -> set:
   """The settings a grown class adds (`GROWN_SETTINGS`)."""
   return {
@@ -204,21 +208,13 @@ def check_settings(
 ) -> list[str]:
   """The gin file may not change the pretrained model's settings but
   dropout, how the attention reads (`READING`) and a grown attention
-  class (`grown_blocks`) with its new settings.
+  class (`grown_blocks`, said by `growth`) with its new settings.
 
   Returns:
-    What differs, as `name old -> new` (`GROWS` and `old -> new` for a
-    grown class).
+    The reading settings that differ, as `name old -> new`.
   """
   changed = []
   grown = grown_blocks(setup, source.setup)
-  if grown:
-    names = [c.__name__ for c in _classes(setup)]
-    changed += [
-      f'{GROWS}{_classes(source.setup)[i].__name__} -> {names[i]}'
-      for i in range(len(names))
-      if grown[i]
-    ]
   added = _new_settings(setup, grown)
   for group, mine, theirs in (
     ('ReformerLM', setup.model, source.setup.model),

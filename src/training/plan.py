@@ -125,19 +125,16 @@ def _setup(s, gin_bindings, base, fine, log=print) -> ginconf.GinSetup:
   setup = ginconf.parse(s['gin'], bindings, base=base)
   if fine is not None and fine.source is not None:
     changed = finetune.check_settings(setup, fine.source, s['gin'])
-    grows = [
-      c[len(finetune.GROWS) :] for c in changed if c.startswith(finetune.GROWS)
-    ]
-    reads = [c for c in changed if not c.startswith(finetune.GROWS)]
+    grows = finetune.growth(setup, fine.source.setup)
     if grows:
       log(
         "grows the pretrained model's attention (its weights, the new "
         f'ones at zero): {", ".join(grows)}'
       )
-    if reads:
+    if changed:
       log(
         'reads its attention otherwise than the pretrained model (same '
-        f'weights): {", ".join(reads)}'
+        f'weights): {", ".join(changed)}'
       )
   return setup
 
