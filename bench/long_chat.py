@@ -2,6 +2,7 @@
 conversation, and the first reply token of a follow-up once it was read.
 
   python bench/long_chat.py MODEL_DIR [--lengths 4000 24000] [--data DIR]
+      [--n-hashes H]
 
 For each length, a conversation of about that many tokens is built from
 the turns of the line-format files in `--data` (repeated in order), then
@@ -70,8 +71,11 @@ def main(argv=None):
   parser.add_argument('model_dir')
   parser.add_argument('--lengths', type=int, nargs='+', default=[4000, 24000])
   parser.add_argument('--data', default=os.path.join(ROOT, 'data', 'examples'))
+  parser.add_argument(
+    '--n-hashes', type=int, help='LSH hash rounds (evaluate.py --n-hashes)'
+  )
   args = parser.parse_args(argv)
-  decoder = decoding.Decoder.load(args.model_dir)
+  decoder = decoding.Decoder.load(args.model_dir, n_hashes=args.n_hashes)
   tok = decoder.tokenizer
   turns = [
     (t.role, t.text) for c in chatformat.read_data(args.data) for t in c.turns
@@ -79,7 +83,8 @@ def main(argv=None):
   settings = sampling.SamplingSettings(max_new_tokens=8)
   print(
     f'model {args.model_dir}: context {decoder.max_len}, step '
-    f'{decoder.step}; {os.cpu_count()} cores'
+    f'{decoder.step}; hash rounds {args.n_hashes or "as trained"}; '
+    f'{os.cpu_count()} cores'
   )
   print(
     '| conversation | first read, to the first reply token | '

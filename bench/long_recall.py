@@ -7,7 +7,7 @@ once (a word, a number, a name), small talk, then the question.
       [--distances 1000,4000,12000,24000] [--samples 6] [--n-hashes H]
       [--json FILE]
   python bench/long_recall.py run WORK --from data/smalltalk [--seeds 0,1,2]
-      [--config configs/long-conversations.json] [--data DIR]
+      [--config PRESET ...] [--data DIR] [--n-hashes H]
   python bench/long_recall.py probe RUN --from data/smalltalk
       [--chars 100,600] [--samples 40] [--seen | --invented] [--distractor]
       [--bind GIN]
@@ -33,7 +33,9 @@ a local port, `/v1/chat/completions`, temperature 0, as a client would):
 for each distance, `--samples` conversations whose word (held out of
 training) was stated about that many tokens (the run's tokenizer) before
 the question, and the same number with nothing stated (the control: what
-guessing scores). A reply is right when it contains the word.
+guessing scores). A reply is right when it names the word as a word of
+its own: "statement" does not name "state" (until 2026-11-28 the score
+counted the word inside a longer one).
 
 `probe` looks inside instead of asking: the teacher-forced
 log-probability (nats) of the last AI turn ("The word was X.") of
@@ -54,8 +56,11 @@ where the asked value is the likelier: a model that finds the statement
 the question asks about gets all of them, one that copies whatever
 unusual word was said about half.
 
-`run` trains one run per seed with the walkthrough's settings
-(`train.py --config ... --data ... --seed S`, timed), then scores each.
+`run` trains the README's long-conversation recipe per seed (its four
+presets, `RECIPE`, each `train.py --config PRESET --data ... --seed S
+--init-from` the one before, timed; `--config` given once or more
+trains those instead), then scores each with the recipe's 8 hash rounds
+(`--n-hashes`).
 Results go to `WORK/long_recall.json` (`score --json FILE` for one run;
 nothing is written into the run's folder); a markdown table is printed
 for BENCHMARKS.md.
@@ -67,6 +72,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -85,6 +91,12 @@ from src.analysis import recall  # noqa: E402
 from src.data import chatformat  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# README "Long conversations": the four runs, each from the one before.
+RECIPE = tuple(
+  f'configs/{name}.json'
+  for name in ('long-1-copy', 'long-2-lookup', 'long-3-1k', 'long-4-4k')
+)
+CHAT_N_HASHES = 8  # Its hash rounds at chat time (`evaluate.py --n-hashes`).
 
 
 def _talk(source: str):
@@ -168,7 +180,7 @@ def score(
           reply = (
             data['choices'][0]['message']['content'] if status == 200 else ''
           )
-          right += conv.value.lower() in reply.lower()
+          right += said(conv.value, reply)
           measured.append(count)
           replies.append((conv.value, reply, round(took, 2)))
         rows.append(
@@ -192,24 +204,38 @@ def score(
   return rows
 
 
-def train(work: str, config: str, data: str, seed: int, extra) -> tuple:
-  out = os.path.join(work, f'seed{seed}')
-  cmd = [
-    sys.executable,
-    os.path.join(ROOT, 'train.py'),
-    '--config',
-    config,
-    '--data',
-    data,
-    '--out-dir',
-    out,
-    '--seed',
-    str(seed),
-    *extra,
-  ]
-  t0 = time.perf_counter()
-  subprocess.run(cmd, check=True)
-  return out, time.perf_counter() - t0
+def train(work: str, configs, data: str, seed: int, extra) -> tuple:
+  """The README's recipe for one seed: each preset a run into
+  `WORK/seedS/NAME`, fine-tuned (`--init-from`) from the one before.
+  Returns the last run and the seconds of each."""
+  out, seconds = None, []
+  for config in configs:
+    name = os.path.splitext(os.path.basename(config))[0]
+    cmd = [
+      sys.executable,
+      os.path.join(ROOT, 'train.py'),
+      '--config',
+      config,
+      '--data',
+      data,
+      *(['--init-from', out] if out else []),
+      '--out-dir',
+      os.path.join(work, f'seed{seed}', name),
+      '--seed',
+      str(seed),
+      *extra,
+    ]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    seconds.append(round(time.perf_counter() - t0, 1))
+    out = cmd[cmd.index('--out-dir') + 1]
+  return out, seconds
+
+
+def said(value: str, reply: str) -> bool:
+  """Whether the reply names the value as a word of its own ("statement"
+  does not name "state")."""
+  return re.search(rf'(?<!\w){re.escape(value)}(?!\w)', reply, re.I) is not None
 
 
 def _value_pieces(tok, text: str, value: str) -> list[int]:
@@ -404,7 +430,7 @@ def table(results) -> str:
           control[0] += r['right']
           control[1] += r['samples']
     lines.append(
-      f'| {res["seed"]} | {res["seconds"] / 60:.1f} min | '
+      f'| {res["seed"]} | {sum(res["seconds"]) / 60:.1f} min | '
       + ' | '.join(cells)
       + f' | {control[0]}/{control[1]} |'
     )
@@ -454,7 +480,12 @@ def main(argv=None):
     help="probe: a gin binding over the run's model.gin, as it is read",
   )
   parser.add_argument('--json', help='score: also write the rows here')
-  parser.add_argument('--config', default='configs/long-conversations.json')
+  parser.add_argument(
+    '--config',
+    action='append',
+    help='run: the presets trained in turn, each from the one before '
+    '(default: the README recipe, ' + ', '.join(RECIPE) + ')',
+  )
   parser.add_argument('--data', default=None)
   args, extra = parser.parse_known_args(argv)
   distances = [int(d) for d in args.distances.split(',')]
@@ -502,8 +533,10 @@ def main(argv=None):
     write_data(data, args.source, n, args.most_chars, 0)
   results = []
   for seed in [int(s) for s in args.seeds.split(',')]:
-    out, seconds = train(args.path, args.config, data, seed, extra)
-    rows = score(out, args.source, distances, args.samples, args.n_hashes)
+    configs = args.config or RECIPE
+    out, seconds = train(args.path, configs, data, seed, extra)
+    n_hashes = args.n_hashes or CHAT_N_HASHES
+    rows = score(out, args.source, distances, args.samples, n_hashes)
     results.append({'seed': seed, 'seconds': seconds, 'rows': rows})
     with open(os.path.join(args.path, 'long_recall.json'), 'w') as f:
       json.dump(results, f, indent=1)

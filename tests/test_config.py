@@ -1,5 +1,6 @@
 """Config strictness, and every bad input: one line, exit 2, out-dir kept."""
 
+import glob
 import hashlib
 import json
 import os
@@ -11,7 +12,7 @@ from src.apps.cli import run_main
 from src.config import jsonconfig
 from src.core.errors import UserError
 
-from .conftest import DATA, MICRO, TINY_GIN, train_settings
+from .conftest import DATA, MICRO, ROOT, TINY_GIN, train_settings
 
 S, E = '|aigenerationstart|', '|endofgeneration|'
 
@@ -228,3 +229,49 @@ def test_empty_gin_seed_and_tokenizer_damage(tmp_path, tiny_run, copy_of):
   os.remove(os.path.join(folder, tokenizer.INFO_FILE))
   with pytest.raises(UserError, match='tokenizer.json: missing'):
     tokenizer.load(folder)
+
+
+LONG_RECIPE = (
+  'long-1-copy.json',
+  'long-2-lookup.json',
+  'long-3-1k.json',
+  'long-4-4k.json',
+)
+
+
+def test_every_preset_reads_strictly_and_its_model_parses():
+  """Each preset is read as train.py reads it; a preset that trains from
+  scratch names a gin file whose model parses with its bindings."""
+  from src.model import ginconf
+
+  presets = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.json')))
+  assert len(presets) >= 8
+  for path in presets:
+    s = jsonconfig.read_section(path, 'train', {})
+    jsonconfig.read_section(path, 'eval', {})
+    gin = os.path.join(ROOT, s['gin'])
+    assert os.path.isfile(gin), path
+    if not s['init-from']:
+      ginconf.parse(gin, tuple(s['gin-bindings']))
+
+
+def test_the_long_recipe_presets_chain():
+  """README's long-conversation block: each run fine-tunes the one before
+  on the same data and practice, and the last is the one it chats with."""
+  sections = [
+    jsonconfig.read_section(os.path.join(ROOT, 'configs', name), 'train', {})
+    for name in LONG_RECIPE
+  ]
+  assert not sections[0]['init-from']
+  for before, after in zip(sections, sections[1:]):
+    assert after['init-from'] == before['out-dir']
+    assert after['window'] >= before['window']
+  shared = {(s['data'], s['replay'], s['replay-share']) for s in sections}
+  assert len(shared) == 1
+  assert sections[0]['replay'] and sections[0]['replay-share'] == 0.5
+  last = os.path.join(ROOT, 'configs', LONG_RECIPE[-1])
+  assert jsonconfig.read_section(last, 'eval', {})['model-dir'] == 'runs/long'
+  assert sections[-1]['out-dir'] == 'runs/long'
+  readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
+  for name in LONG_RECIPE:
+    assert f'python train.py --config configs/{name} --data' in readme

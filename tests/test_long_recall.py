@@ -131,3 +131,38 @@ def test_lookup_practice_says_several_ordinary_words_and_asks_for_each():
       values.append(set(said))
   assert sum(bool(v & set(words)) for v in values) > 0.8 * len(values)
   assert several > 190
+
+
+def test_the_score_counts_the_word_said_as_a_word_of_its_own():
+  """`score`'s hit: the asked word in the reply, not inside a longer one
+  ("statement" does not name "state"); any case, any punctuation."""
+  from bench import long_recall as bench
+
+  assert bench.said('state', 'It was State.')
+  assert bench.said('state', 'state, you told me')
+  assert bench.said('c++', 'It was c++!')
+  assert not bench.said('state', 'You told me statement.')
+  assert not bench.said('rest', 'It was restried.')
+  assert not bench.said('rest', 'forest')
+
+
+def test_run_trains_the_readme_recipe_each_run_from_the_one_before(
+  tmp_path, monkeypatch
+):
+  """`run`'s training: the README's presets in turn, each `--init-from`
+  the run before, into WORK/seedS/NAME."""
+  from bench import long_recall as bench
+
+  calls = []
+  monkeypatch.setattr(
+    bench.subprocess, 'run', lambda cmd, check: calls.append(cmd)
+  )
+  out, seconds = bench.train(str(tmp_path), bench.RECIPE, 'd', 3, ['--x'])
+  assert [c[c.index('--config') + 1] for c in calls] == list(bench.RECIPE)
+  outs = [c[c.index('--out-dir') + 1] for c in calls]
+  assert out == outs[-1] == str(tmp_path / 'seed3' / 'long-4-4k')
+  assert '--init-from' not in calls[0]
+  for before, cmd in zip(outs, calls[1:]):
+    assert cmd[cmd.index('--init-from') + 1] == before
+  assert all(c[-3:] == ['--seed', '3', '--x'] for c in calls)
+  assert len(seconds) == 4
