@@ -34,8 +34,9 @@ for each distance, `--samples` conversations whose word (held out of
 training) was stated about that many tokens (the run's tokenizer) before
 the question, and the same number with nothing stated (the control: what
 guessing scores). A reply is right when it names the word as a word of
-its own: "statement" does not name "state" (until 2026-11-28 the score
-counted the word inside a longer one).
+its own: "statement" does not name "state" (up to the thirteenth round
+of BENCHMARKS.md's recall sections the score counted the word inside a
+longer one).
 
 `probe` looks inside instead of asking: the teacher-forced
 log-probability (nats) of the last AI turn ("The word was X.") of

@@ -125,6 +125,23 @@ def test_time_preflight_counts_flops_and_warns_past_a_day():
   assert len(progress.time_lines(0.05, 0, 1500)) == 1
 
 
+def test_the_time_estimate_weighs_long_attention_chunks(monkeypatch):
+  """The attention's products run at a smaller share of the matrix rate
+  than the dense ones: the walkthrough's run on one window of 4,096 with
+  chunks of 2,048 took 3.7x the step of 16 windows of 256 with chunks of
+  256 (2.38 s against 0.64), which one share for both called 2.4x."""
+  monkeypatch.setattr(preflight, 'device_flops_per_second', lambda: 9e10)
+  gin = os.path.join(ROOT, 'gin', 'long_memory.gin')
+  short = ginconf.parse(gin)
+  long = ginconf.parse(gin, ('LSHSelfAttention.chunk_len = 2048',))
+  first = preflight.step_seconds(short, 1000, 16, 256)
+  last = preflight.step_seconds(long, 1000, 1, 4096)
+  assert 3.3 < last / first < 4.2
+  dense, attention = preflight.step_parts(long, 1000, 1, 4096)
+  assert dense + attention == preflight.step_flops(long, 1000, 1, 4096)
+  assert attention > dense  # 8,192 keys a query in the LSH block.
+
+
 def test_attention_text_names_each_class_as_bound():
   """The pre-flight line and the model card name the classes the gin binds
   (a smeared model is not called `LSHSelfAttention (directed)`)."""

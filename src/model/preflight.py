@@ -263,15 +263,23 @@ def predict_memory(setup) -> float:
 # ---- Time ----------------------------------------------------------------
 #
 # Seconds per step from the step's floating-point operations and the rate
-# this device multiplies matrices at (measured at start, ~0.2 s), divided
-# by `EFFICIENCY`: the share of that rate a whole training step reaches
-# (attention, layer norms, the optimizer and data movement run slower than
-# a large matrix product). Fitted on a 2-core AVX2 CPU against measured
-# steps: the tiny 512-token model reaches 0.27 of the rate, the 8k bench
-# model 0.66, so the estimate is within a factor of about 1.6 either way;
-# the progress line's ETA replaces it once steps are timed.
+# this device multiplies matrices at (measured at start, ~0.2 s), each
+# part divided by the share of that rate it reaches: the dense products
+# (projections, feed-forwards, the output layer) `DENSE_EFFICIENCY`, the
+# attention's score and value products `ATTENTION_EFFICIENCY` (small
+# batched products, masks, the LSH sort and gathers run far below a large
+# matrix product). Fitted on a 2-core AVX2 Zen 3 against the
+# long-conversation walkthrough's four runs (BENCHMARKS.md "The
+# long-conversation walkthrough, four runs"): 16 windows of 256 with
+# chunks of 256 took 0.64 s a step, one window of 4,096 with chunks of
+# 2,048 2.38 s. With each run's measured rate these give 0.92-1.15x the
+# measured step in all four (one share for the whole step, 0.4, gave
+# 0.47-0.90x: 1.11 s for the 2.38 s step) and 0.49 s for
+# gin/long_chat.gin's 0.47. The progress line's ETA replaces the
+# estimate once steps are timed.
 
-EFFICIENCY = 0.4
+DENSE_EFFICIENCY = 0.46
+ATTENTION_EFFICIENCY = 0.14
 DAY = 86400.0
 
 
@@ -280,6 +288,14 @@ def step_flops(
 ) -> float:
   """Floating-point operations of one training step on one device
   (forward + backward = 3 x forward) on windows of `length` tokens."""
+  return sum(step_parts(setup, vocab_size, batch_per_device, length))
+
+
+def step_parts(
+  setup, vocab_size: int, batch_per_device: int, length: int | None = None
+) -> tuple[float, float]:
+  """`step_flops` as `(dense, attention)`: the products with weights, and
+  the attention's scores and weighted values."""
   m, a = setup.model, setup.attention
   length = length or setup.max_len
   tokens = batch_per_device * length
@@ -296,7 +312,7 @@ def step_flops(
     else:
       keys += length / 2  # Causal full attention: half the scores on average.
   attention = heads * keys * 2 * (dk + dv)
-  return 3.0 * tokens * (2.0 * dense + attention)
+  return 3.0 * tokens * 2.0 * dense, 3.0 * tokens * attention
 
 
 def device_flops_per_second(
@@ -321,5 +337,8 @@ def step_seconds(
   setup, vocab_size: int, batch_per_device: int, length: int | None = None
 ) -> float:
   """Estimated seconds per training step on this device."""
-  flops = step_flops(setup, vocab_size, batch_per_device, length)
-  return flops / (device_flops_per_second() * EFFICIENCY)
+  dense, attention = step_parts(setup, vocab_size, batch_per_device, length)
+  rate = device_flops_per_second()
+  return dense / (rate * DENSE_EFFICIENCY) + attention / (
+    rate * ATTENTION_EFFICIENCY
+  )
