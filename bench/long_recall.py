@@ -212,6 +212,7 @@ def train(work: str, configs, data: str, seed: int, extra) -> tuple:
   out, seconds = None, []
   for config in configs:
     name = os.path.splitext(os.path.basename(config))[0]
+    run = os.path.join(work, f'seed{seed}', name)
     cmd = [
       sys.executable,
       os.path.join(ROOT, 'train.py'),
@@ -221,7 +222,7 @@ def train(work: str, configs, data: str, seed: int, extra) -> tuple:
       data,
       *(['--init-from', out] if out else []),
       '--out-dir',
-      os.path.join(work, f'seed{seed}', name),
+      run,
       '--seed',
       str(seed),
       *extra,
@@ -229,7 +230,7 @@ def train(work: str, configs, data: str, seed: int, extra) -> tuple:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     seconds.append(round(time.perf_counter() - t0, 1))
-    out = cmd[cmd.index('--out-dir') + 1]
+    out = run
   return out, seconds
 
 
@@ -533,10 +534,10 @@ def main(argv=None):
   if args.data is None and not os.path.isdir(data):
     write_data(data, args.source, n, args.most_chars, 0)
   results = []
+  configs = args.config or RECIPE
+  n_hashes = args.n_hashes or CHAT_N_HASHES
   for seed in [int(s) for s in args.seeds.split(',')]:
-    configs = args.config or RECIPE
     out, seconds = train(args.path, configs, data, seed, extra)
-    n_hashes = args.n_hashes or CHAT_N_HASHES
     rows = score(out, args.source, distances, args.samples, n_hashes)
     results.append({'seed': seed, 'seconds': seconds, 'rows': rows})
     with open(os.path.join(args.path, 'long_recall.json'), 'w') as f:

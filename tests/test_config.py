@@ -231,14 +231,6 @@ def test_empty_gin_seed_and_tokenizer_damage(tmp_path, tiny_run, copy_of):
     tokenizer.load(folder)
 
 
-LONG_RECIPE = (
-  'long-1-copy.json',
-  'long-2-lookup.json',
-  'long-3-1k.json',
-  'long-4-4k.json',
-)
-
-
 def test_every_preset_reads_strictly_and_its_model_parses():
   """Each preset is read as train.py reads it; a preset that trains from
   scratch names a gin file whose model parses with its bindings."""
@@ -258,9 +250,11 @@ def test_every_preset_reads_strictly_and_its_model_parses():
 def test_the_long_recipe_presets_chain():
   """README's long-conversation block: each run fine-tunes the one before
   on the same data and practice, and the last is the one it chats with."""
+  from bench.long_recall import RECIPE  # The README's presets, in order.
+
   sections = [
-    jsonconfig.read_section(os.path.join(ROOT, 'configs', name), 'train', {})
-    for name in LONG_RECIPE
+    jsonconfig.read_section(os.path.join(ROOT, path), 'train', {})
+    for path in RECIPE
   ]
   assert not sections[0]['init-from']
   for before, after in zip(sections, sections[1:]):
@@ -269,9 +263,9 @@ def test_the_long_recipe_presets_chain():
   shared = {(s['data'], s['replay'], s['replay-share']) for s in sections}
   assert len(shared) == 1
   assert sections[0]['replay'] and sections[0]['replay-share'] == 0.5
-  last = os.path.join(ROOT, 'configs', LONG_RECIPE[-1])
+  last = os.path.join(ROOT, RECIPE[-1])
   assert jsonconfig.read_section(last, 'eval', {})['model-dir'] == 'runs/long'
   assert sections[-1]['out-dir'] == 'runs/long'
   readme = open(os.path.join(ROOT, 'README.md'), encoding='utf-8').read()
-  for name in LONG_RECIPE:
-    assert f'python train.py --config configs/{name} --data' in readme
+  for path in RECIPE:
+    assert f'python train.py --config {path} --data' in readme
