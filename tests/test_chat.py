@@ -548,6 +548,76 @@ def test_full_attention_model_trains_samples_and_chats(tmp_path, capsys):
   assert isinstance(s.reply('Hello there'), str)
 
 
+def test_a_tied_model_trains_and_chats_through_its_embedding(tmp_path):
+  """`output_layer.tied = True`: the output layer also scores tokens
+  through the token embedding (a learned map of the halves against each
+  token's vector); a run trains it, saves it with the model, and the chat
+  reads it: token by token and as a block = the eval forward pass; an
+  export of it gives the run's logits."""
+  from src.model import preflight, tied
+  from src.training import trainer
+
+  from .conftest import MICRO, train_settings
+
+  tie = ('output_layer.tied = True',)
+  out = tmp_path / 'tied'
+  trainer.train(
+    train_settings(out, steps=3, **{'eval-every': 3}),
+    gin_bindings=MICRO + tie,
+    log=lambda line: None,
+  )
+  assert 'output_layer.tied = True' in (out / 'model.gin').read_text()
+  setup = ginconf.parse(
+    os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
+    MICRO + tie + EXACT_LSH,
+  )
+  flat = modelfolder.read_weights(str(out))[0]
+  # The copy map, open (3 steps barely move it).
+  flat[-1] = np.random.default_rng(4).normal(size=flat[-1].shape) * 0.1
+  full_model = ginconf.model(300, 'eval')
+  signature = trax.shapes.ShapeDtype((1, 128), np.int32)
+  checkpoints.set_weights(str(out), full_model, signature, flat)
+  assert isinstance(full_model.sublayers[-1], tied.TiedOutput)
+  exact = reformer.count_params(full_model)
+  assert abs(preflight.count_weights(setup, 300) - exact) < 0.01 * exact
+  ids = [int(i) for i in np.random.default_rng(3).integers(3, 300, 60)]
+  x = np.zeros((1, 128), np.int32)
+  x[0, :60] = ids
+  w, st = full_model.weights, full_model.state
+  whole = np.asarray(full_model.pure_fn(x, w, st, jax.random.PRNGKey(0))[0])
+  # The logits: h against the kernel, plus h's copy map against each
+  # token's embedding vector.
+  *body, head = full_model.sublayers
+  h, matrix = trax.layers.Serial(*body).pure_fn(
+    x, tuple(w[:-1]), tuple(st[:-1]), jax.random.PRNGKey(0)
+  )[0]
+  kernel, bias, copy = w[-1]
+  want = h[0] @ kernel + bias + (h[0] @ copy) @ matrix.T
+  np.testing.assert_allclose(whole[0], want, atol=1e-4, rtol=1e-4)
+  predict = ginconf.model(300, 'predict')
+  one = trax.shapes.ShapeDtype((1, 1), np.int32)
+  checkpoints.set_weights(str(out), predict, one, flat)
+  d = decoding.Decoder(predict, 128)
+  d.block = 10**9  # Token by token.
+  by_token = [d.feed(ids[:1])] + [d.feed([t]) for t in ids[1:]]
+  np.testing.assert_allclose(
+    np.stack(by_token), whole[0, 1:61], atol=2e-4, rtol=1e-4
+  )
+  d.reset()
+  d.block = 16
+  block = d.feed(ids)  # Blocks: the body, then the head on the last row.
+  np.testing.assert_allclose(block, whole[0, 60], atol=2e-4, rtol=1e-4)
+  # Shared as an export, it gives the run's logits.
+  from src.storage import export
+
+  export.export(str(out), str(tmp_path / 'shared'))
+  logits = [
+    np.asarray(decoding.load_run(folder, 'eval')[2](x))
+    for folder in (str(out), str(tmp_path / 'shared'))
+  ]
+  np.testing.assert_array_equal(*logits)
+
+
 def test_load_refuses_a_file_larger_than_a_context_could_use(decoder, tmp_path):
   big = tmp_path / 'big.txt'
   with open(big, 'wb') as f:

@@ -296,10 +296,10 @@ def test_a_finetune_grows_smeared_lsh_into_context_lsh(tmp_path):
   lines = []
   bindings = (*MICRO, GROWN[0], context, 'lr_schedule.peak = 0.0')
   loop = trainer.train(settings, bindings, log=lines.append)
-  said = [line for line in lines if 'attention' in line]
+  said = [line for line in lines if line.startswith('grows')]
   assert said == [
-    "grows the pretrained model's attention (its weights, the new ones at "
-    'zero): SmearedDirectedLSHSelfAttention -> ContextLSHSelfAttention'
+    'grows the pretrained model (its weights, the new ones at zero): '
+    'SmearedDirectedLSHSelfAttention -> ContextLSHSelfAttention'
   ]
   before = modelfolder.read_weights(source)[0]
   after = flat_weights(loop.model)
@@ -316,6 +316,41 @@ def test_a_finetune_grows_smeared_lsh_into_context_lsh(tmp_path):
   assert (
     'ContextLSHSelfAttention' in open(os.path.join(out, 'model.gin')).read()
   )
+
+
+def test_a_finetune_grows_the_output_layer_into_a_tied_one(tmp_path):
+  """`output_layer.tied = True` on a model trained without it: the trained
+  weights, the copy map at zero (the same function at the first step),
+  said in one line; its model.gin keeps it, and a tuned tied model then
+  scores through it. Another change of the output layer is refused."""
+  source, out = str(tmp_path / 'src'), str(tmp_path / 'ft')
+  trainer.train(train_settings(source, steps=1), MICRO, log=lambda x: None)
+  settings = finetune_settings(out, source, steps=1)
+  settings = settings.__class__(
+    settings.values, settings.source, settings.given - {'vocab-size'}
+  )
+  mean = "output_layer.halves = 'mean'"
+  with pytest.raises(UserError, match=r'sets output_layer .*remove the'):
+    trainer.train(settings, (*MICRO, mean), log=lambda x: None)
+  lines = []
+  bindings = (*MICRO, 'output_layer.tied = True', 'lr_schedule.peak = 0.0')
+  loop = trainer.train(settings, bindings, log=lines.append)
+  assert [line for line in lines if line.startswith('grows')] == [
+    'grows the pretrained model (its weights, the new ones at zero): '
+    'output layer -> tied (output_layer.tied)'
+  ]
+  before = modelfolder.read_weights(source)[0]
+  after = flat_weights(loop.model)
+  assert len(after) == len(before) + 1 and not np.any(after[-1])
+  assert after[-1].shape == (64, 32)  # Both halves x d_model.
+  assert all(np.array_equal(a, b) for a, b in zip(after, before))
+  tokens = [5, 6, 7, 8, 9, 10, 11]
+  np.testing.assert_allclose(
+    decoding.Decoder.load(out).feed(tokens),
+    decoding.Decoder.load(source).feed(tokens),
+    atol=2e-5,
+  )
+  assert 'output_layer.tied = True' in open(f'{out}/model.gin').read()
 
 
 def test_unknown_pieces_are_counted():

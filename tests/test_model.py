@@ -478,6 +478,48 @@ def test_chunked_model_shares_the_models_weights():
   assert losses.chunked_model(m, 0) is None
 
 
+def test_a_tied_models_chunked_loss_and_gradients_are_its_logits():
+  """`output_layer.tied`: the training loss (the chunked one, fed the
+  kernel with the embedding's part) and its gradient equal Trax's loss on
+  the full logits; the gate starts at 0 and has a gradient there (it can
+  grow); once open, the matrix's gradient sums both of its uses (every
+  token's row: the tokens read in, and all scored out)."""
+  import jax
+
+  setup = ginconf.parse(TINY_GIN, ('output_layer.tied = True',))
+  m = ginconf.init_model(40, 'eval', 64)
+  assert setup.output.tied and not np.any(m.weights[-1][2])
+  rng = np.random.default_rng(2)
+  x = np.asarray(rng.integers(1, 20, (2, 64)), np.int32)  # Not 20-39.
+  mask = np.asarray(rng.integers(0, 2, (2, 64)), np.float32)
+  fused = losses.chunked_model(m, 16)
+  full = tl.Serial(m, tl.WeightedCategoryCrossEntropy())
+  key = jax.random.PRNGKey(0)
+
+  def loss_of(layer, w, st):
+    return layer.pure_fn((x, x, mask), w, st, key)[0]
+
+  for gate in (0.0, 0.5):
+    kernel, bias, copy = m.weights[-1]
+    copy = np.float32(gate) * rng.normal(size=copy.shape).astype(np.float32)
+    m.weights = (*m.weights[:-1], (kernel, bias, copy))
+    want, g_want = jax.value_and_grad(loss_of, 1)(
+      full, (m.weights, ()), (m.state, ())
+    )
+    got, g_got = jax.value_and_grad(loss_of, 1)(
+      fused, fused.weights, fused.state
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    g_want, g_got = jax_tree_leaves(g_want[0]), jax_tree_leaves(g_got[0])
+    assert [g.shape for g in g_got] == [g.shape for g in g_want]
+    for g, gw in zip(g_got, g_want):
+      np.testing.assert_allclose(g, gw, rtol=1e-4, atol=1e-6)
+    assert np.any(g_got[-1])  # The copy map's gradient.
+    (embedding,) = [g for g in g_got if g.shape == (40, 128)]
+    scored_out = np.abs(embedding[20:]).sum(-1) > 0  # Never read in.
+    assert scored_out.all() if gate else not scored_out.any()
+
+
 def jax_tree_map(fn, tree):
   import jax
 
@@ -675,8 +717,8 @@ def test_the_lsh_block_learns_to_find_a_far_copy():
 
 
 def test_the_output_layers_reading_is_a_model_setting():
-  """`output_layer.halves` belongs to the model: kept with its settings
-  (model.gin, exports, a fine-tune's base), checked when parsed."""
+  """`output_layer.halves` and `.tied` belong to the model: kept with its
+  settings (model.gin, exports, a fine-tune's base), checked when parsed."""
   text = (
     "output_layer.halves = 'mean'\n"
     'ReformerLM.d_model = 32\n'
@@ -685,6 +727,11 @@ def test_the_output_layers_reading_is_a_model_setting():
   kept = ginconf.model_bindings(text, 'model.gin')
   assert "output_layer.halves = 'mean'" in kept
   assert 'lr_schedule' not in kept
-  assert ginconf.parse(TINY_GIN).halves == 'concat'  # Trax's, by default.
+  default = ginconf.parse(TINY_GIN).output  # Trax's.
+  assert (default.halves, default.tied) == ('concat', False)
   with pytest.raises(UserError, match="tiny.gin: output_layer.halves = 'sum'"):
     ginconf.parse(TINY_GIN, ("output_layer.halves = 'sum'",))
+  text += 'output_layer.tied = True\n'
+  assert 'output_layer.tied = True' in ginconf.model_bindings(text, 'model.gin')
+  with pytest.raises(UserError, match='tiny.gin: output_layer.tied = 1'):
+    ginconf.parse(TINY_GIN, ('output_layer.tied = 1',))

@@ -349,9 +349,15 @@ class Decoder:
     x, body_state = self._body.pure_fn(
       tokens, tuple(body_weights), body_state, rng, use_cache=True
     )
+    # A tied model's body also passes the embedding's matrix on.
+    x, *passed = x if isinstance(x, tuple) else (x,)
     last = jax.lax.dynamic_slice_in_dim(x, n - 1, 1, axis=1)
     logits, head_state = self._head.pure_fn(
-      last, head_weights, head_state, rng, use_cache=True
+      (last, *passed) if passed else last,
+      head_weights,
+      head_state,
+      rng,
+      use_cache=True,
     )
     return logits[0, -1], (*body_state, head_state)
 

@@ -14,9 +14,10 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
   (`src.model.optim.lr_schedule`; `total_steps` comes from the run settings).
 - `optimizer.kind`: which Trax optimizer class to use.
 - `output_loss.chunk_size`: positions whose logits exist at once.
-- `output_layer.halves`: what the output layer reads of the two
-  reversible halves, 'concat' (Trax) or 'mean' (`src.model.reformer`):
-  part of the model, saved with it.
+- `output_layer.halves`, `output_layer.tied`: what the output layer reads
+  of the two reversible halves, 'concat' (Trax) or 'mean', and whether it
+  scores tokens through the token embedding (`src.model.reformer`): part
+  of the model, saved with it.
 - `positions.axial_init_scale`: how large the axial position embeddings
   start, relative to the token embeddings.
 - `lsh.directed` is gone: a model.gin saved before the classes is read
@@ -88,8 +89,8 @@ class GinSetup:
       of local and LSH attention), else None.
     directed: the LSH layers have a directed score term (and its weights:
       `DirectedLSHSelfAttention`).
-    halves: what the output layer reads of the reversible halves
-      (`output_layer.halves`: 'concat' or 'mean').
+    output: what the output layer reads (`output_layer`: `halves`,
+      'concat' or 'mean', and `tied`).
     block_classes: Each decoder block's attention class as bound
       (`SmearedDirectedLSHSelfAttention`, where `layer_attention` names
       the Trax class whose settings it reads), for logs and model cards.
@@ -103,7 +104,7 @@ class GinSetup:
   layer_attention: tuple = ()
   local: dict | None = None
   directed: bool = False
-  halves: str = 'concat'
+  output: reformer.Output = reformer.Output()
   block_classes: tuple = ()
 
   @property
@@ -388,7 +389,7 @@ def model(vocab_size: int, mode: str):
   """The parsed config's model (Trax's `ReformerLM` with this project's
   layers and `output_layer`), not initialized: the one builder every
   mode and tool uses."""
-  return reformer.reformer_lm(vocab_size, mode, halves=output_layer())
+  return reformer.reformer_lm(vocab_size, mode, output=output_layer())
 
 
 def fresh_model(vocab_size: int, offset: str = 'zero'):
@@ -403,7 +404,7 @@ def fresh_model(vocab_size: int, offset: str = 'zero'):
     positions(),
     zero_outputs=residual(),
     offset=offset,
-    halves=output_layer(),
+    output=output_layer(),
     aligned=smear(),
   )
 

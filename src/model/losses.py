@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from trax import layers as tl
 
 from src.core.errors import UserError
+from src.model import tied
 
 
 def loss_layer():
@@ -239,26 +240,32 @@ class OutputWeights(_Wraps):
   bias, so `ChunkedOutput` can apply them chunk by chunk. Its weights *are*
   the output layer's (read and written through), so the training model has
   exactly the model's weight structure: checkpoints and the eval and
-  predict models are unchanged.
+  predict models are unchanged. A tied output layer (`tied.TiedOutput`)
+  also reads the embedding's matrix from the stack, into its kernel.
   """
 
   def __init__(self, head, dense_index: int | None):
-    """Args: `head` is a Dense, or a Serial with one Dense at `dense_index`
-    (Trax wraps it in shape checks)."""
-    super().__init__(n_in=1, n_out=3, name='OutputWeights')
+    """Args: `head` is a Dense or a `TiedOutput`, or a Serial with one
+    Dense at `dense_index` (Trax wraps it in shape checks)."""
+    n_in = 2 if isinstance(head, tied.TiedOutput) else 1
+    super().__init__(n_in=n_in, n_out=3, name='OutputWeights')
     self._wrapped = head
     self._index = dense_index
 
   def forward(self, x):
+    if isinstance(self._wrapped, tied.TiedOutput):
+      h, matrix = x  # The embedding's, read by the kernel.
+      return (h, *self._wrapped.kernel_and_bias(matrix))
     weights = self.weights
     kernel, bias = weights if self._index is None else weights[self._index]
     return x, kernel, bias
 
 
 def _dense_position(head):
-  """None if `head` is a Dense; the index of the only weighted sublayer if
-  it is a Dense inside weightless layers; else raises ValueError."""
-  if type(head).__name__ == 'Dense':
+  """None if `head` is a Dense (or a tied output layer); the index of the
+  only weighted sublayer if it is a Dense inside weightless layers; else
+  raises ValueError."""
+  if type(head).__name__ == 'Dense' or isinstance(head, tied.TiedOutput):
     return None
   names = [type(layer).__name__ for layer in head.sublayers]
   if names.count('Dense') == 1 and all(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 
 import jax
 
@@ -79,7 +80,8 @@ def count_weights(setup, vocab_size: int) -> int:
   Embedding, axial positions, per layer the LSH attention (shared
   query/key, value and output projections), feed-forward and layer norms,
   and the output layer (over the concatenated halves, `2 d_model`, or
-  their mean, `d_model`: `output_layer.halves`).
+  their mean, `d_model`: `output_layer.halves`; a tied one also has its
+  copy map, features x `d_model`: `output_layer.tied`).
   Within 20% of Trax's count (tested); building the model to count
   exactly would cost seconds at every start.
   """
@@ -104,7 +106,8 @@ def count_weights(setup, vocab_size: int) -> int:
   # layer norm and output layer: both read 2 x d_model features (d_model
   # with output_layer.halves = 'mean').
   features = output_features(setup)
-  output = 2 * features + features * vocab_size + vocab_size
+  copy = features * d if _output(setup).tied else 0
+  output = 2 * features + features * vocab_size + vocab_size + copy
   return vocab_size * d + positions + layers + output
 
 
@@ -112,7 +115,16 @@ def output_features(setup) -> int:
   """What the output layer reads: `2 d_model` (the halves concatenated)
   or `d_model` (their mean)."""
   d = setup.model['d_model']
-  return d if getattr(setup, 'halves', 'concat') == 'mean' else 2 * d
+  return d if _output(setup).halves == 'mean' else 2 * d
+
+
+def _output(setup):
+  """The setup's `reformer.Output` (Trax's concatenation, untied, where a
+  setup made by hand has none)."""
+  return getattr(setup, 'output', None) or _TRAX_OUTPUT
+
+
+_TRAX_OUTPUT = types.SimpleNamespace(halves='concat', tied=False)
 
 
 def optimizer_name() -> str:

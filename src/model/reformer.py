@@ -11,6 +11,7 @@ The settings' checks are `src.model.settings`, the loss and metrics
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from trax.layers.research import efficient_attention as ea
 
 from src.core.errors import UserError
 from src.model import positions as axial
+from src.model import tied
 
 
 def positions(axial_init_scale: float = 1.0) -> float:
@@ -118,16 +120,27 @@ def branch_outputs(lm) -> tuple[list, list]:
 HALVES = ('concat', 'mean')
 
 
-def output_layer(halves: str = 'concat') -> str:
-  """What the output layer reads of the two reversible halves (gin:
-  output_layer).
+@dataclasses.dataclass(frozen=True)
+class Output:
+  """What the output layer reads (gin: `output_layer`)."""
+
+  halves: str = 'concat'  # 'concat' (Trax's) or 'mean' of the two halves.
+  tied: bool = False  # Also scores tokens through the token embedding.
+
+
+def output_layer(halves: str = 'concat', tied: bool = False) -> Output:
+  """What the output layer reads (gin: output_layer).
 
   Args:
-    halves: 'concat' (Trax's ReformerLM: both, `2 d_model` features, so
-      the output layer has `2 d_model x vocab` weights) or 'mean' (their
-      mean, `d_model` features, as reformer-pytorch does: half the output
-      layer's weights and work, which dominate a step at a vocabulary of
-      thousands of pieces).
+    halves: 'concat' (Trax's ReformerLM: both reversible halves, `2
+      d_model` features, so the output layer has `2 d_model x vocab`
+      weights) or 'mean' (their mean, `d_model` features, as
+      reformer-pytorch does: half the output layer's weights and work,
+      which dominate a step at a vocabulary of thousands of pieces).
+    tied: True also scores each token through its embedding's vector
+      (`src.model.tied`: a learned map of `h`, starting at 0, against the
+      embedding): what a layer copies scores its token whether or not
+      the token was often a training target.
 
   Returns:
     The choice.
@@ -137,7 +150,11 @@ def output_layer(halves: str = 'concat') -> str:
       f"output_layer.halves = {halves!r}: write 'concat' or 'mean' in the "
       'gin file'
     )
-  return halves
+  if not isinstance(tied, bool):
+    raise UserError(
+      f'output_layer.tied = {tied!r}: write True or False in the gin file'
+    )
+  return Output(halves, bool(tied))
 
 
 def _mean_of_halves(a, b):
@@ -150,7 +167,7 @@ def reformer_lm(
   axial_init_scale: float | None = None,
   zero_outputs: tuple[bool, bool] = (False, False),
   offset: str = 'zero',
-  halves: str = 'concat',
+  output: Output = Output(),
   aligned: bool = False,
 ):
   """`trax.models.ReformerLM` with the gin-bound settings.
@@ -165,14 +182,13 @@ def reformer_lm(
   layers, start at zero when the model is initialized. Its axial
   positions are `positions.AxialPositions` (any window of the grid);
   `offset` is where a training window starts on it ('zero' or 'random').
-  `halves` (see `output_layer`): 'mean' puts the mean of the reversible
-  halves where Trax concatenates them. `aligned` (see `smear`): the
+  `output` (see `output_layer`): halves 'mean' puts the mean of the
+  reversible halves where Trax concatenates them; `tied` also scores
+  tokens through the token embedding. `aligned` (see `smear`): the
   smeared layers' `w_s` start as their query projections.
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
-  if output_layer(halves) == 'mean':
-    (join,) = [s for s in lm.sublayers if isinstance(s, tl.Concatenate)]
-    _replace(lm, join, tl.Fn('MeanOfHalves', _mean_of_halves))
+  _read_output(lm, output)
   if any(zero_outputs):
     attention, dense = branch_outputs(lm)
     if not attention or len(attention) != len(dense):
@@ -218,6 +234,25 @@ def _start_aligned(lm):
     )
   for layer in found:
     layer.start_aligned()
+
+
+def _read_output(lm, output: Output):
+  """Builds `lm`'s output layer as `output` says (see `output_layer`)."""
+  if output.halves == 'mean':
+    (join,) = [s for s in lm.sublayers if isinstance(s, tl.Concatenate)]
+    _replace(lm, join, tl.Fn('MeanOfHalves', _mean_of_halves))
+  if output.tied:
+    _tie(lm)
+
+
+def _tie(lm):
+  """Makes `lm` also score tokens through its token embedding
+  (`src.model.tied`): its embedding passes its matrix on, its output
+  layer reads it."""
+  (embedding,) = [s for s in lm.sublayers if type(s) is tl.Embedding]
+  vocab_size = embedding._vocab_size
+  _replace(lm, embedding, tied.TiedEmbedding(vocab_size, embedding._d_feature))
+  _replace(lm, lm.sublayers[-1], tied.TiedOutput(vocab_size))
 
 
 def _zero_dense(layer):

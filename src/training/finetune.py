@@ -21,7 +21,7 @@ import numpy as np
 from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import tokenizer
-from src.model import ginconf
+from src.model import ginconf, tied
 from src.model import settings as settings_table
 from src.storage import checkpoints, modelfolder, snapshots
 
@@ -186,11 +186,23 @@ def _name(kind) -> str:
   return f'{kind.__module__}.{kind.__qualname__}' if kind else ''
 
 
+def grown_output(setup, source_setup) -> bool:
+  """Whether a fine-tune grows the pretrained output layer into a tied
+  one (`output_layer.tied = True` on a model trained without it; the
+  copy map starts at zero: `src.model.tied`)."""
+  mine, theirs = setup.output, source_setup.output
+  return mine.tied and not theirs.tied and mine.halves == theirs.halves
+
+
 def growth(setup, source_setup) -> list[str]:
-  """The grown classes (`grown_blocks`), as `old -> new`."""
+  """What the fine-tune grows (`grown_blocks`, `grown_output`), as
+  `old -> new`."""
   grown = grown_blocks(setup, source_setup) or ()
   pairs = zip(_classes(source_setup), _classes(setup), grown)
-  return [f'{old.__name__} -> {new.__name__}' for old, new, g in pairs if g]
+  said = [f'{old.__name__} -> {new.__name__}' for old, new, g in pairs if g]
+  if grown_output(setup, source_setup):
+    said.append('output layer -> tied (output_layer.tied)')
+  return said
 
 
 def _new_settings(setup, grown) -> set:
@@ -216,6 +228,15 @@ def check_settings(
   changed = []
   grown = grown_blocks(setup, source.setup)
   added = _new_settings(setup, grown)
+  mine, theirs = setup.output, source.setup.output
+  if mine != theirs and not grown_output(setup, source.setup):
+    raise UserError(
+      f'{gin_path}: sets output_layer (halves {mine.halves!r}, tied '
+      f'{mine.tied}), but the pretrained model ({source.gin_path}) has '
+      f'halves {theirs.halves!r}, tied {theirs.tied}; a fine-tune keeps '
+      'the output layer (it may only grow a tied one: output_layer.tied = '
+      'True): remove the binding'
+    )
   for group, mine, theirs in (
     ('ReformerLM', setup.model, source.setup.model),
     (source.setup.attention_name, setup.attention, source.setup.attention),
@@ -243,10 +264,13 @@ def check_settings(
   return changed
 
 
-def grow_weights(model, flat: list, setup, grown: tuple[bool, ...]) -> list:
+def grow_weights(
+  model, flat: list, setup, grown: tuple[bool, ...] | None, output=False
+) -> list:
   """The pretrained `flat` weights laid out for `model` (initialized; the
   run's settings `setup`), whose attention classes grow where `grown`
-  says (`grown_blocks`): a grown layer's new weights, its last
+  says (`grown_blocks`; None: none), and whose output layer grows where
+  `output` (`grown_output`): a grown layer's new weights, its last
   `GROWN_WEIGHTS`, are zeros. Block `i` has entry `i % len(grown)`, as
   Trax cycles `ReformerLM.attention_type` through the blocks."""
   import jax
@@ -257,8 +281,10 @@ def grow_weights(model, flat: list, setup, grown: tuple[bool, ...]) -> list:
   def walk(layer):
     nonlocal taken, seen
     if _name(type(layer)) in kinds:
-      extra = layer.GROWN_WEIGHTS if grown[seen % len(grown)] else 0
+      extra = layer.GROWN_WEIGHTS if grown and grown[seen % len(grown)] else 0
       seen += 1
+    elif isinstance(layer, tied.TiedOutput):
+      extra = layer.GROWN_WEIGHTS if output else 0
     elif layer.sublayers:
       for sub in layer.sublayers:
         walk(sub)
@@ -275,7 +301,7 @@ def grow_weights(model, flat: list, setup, grown: tuple[bool, ...]) -> list:
   if taken != len(flat):
     raise UserError(
       f'the pretrained model has {len(flat)} weight arrays, its grown '
-      f'attention takes {taken}; the model folder does not fit its model.gin'
+      f'model takes {taken}; the model folder does not fit its model.gin'
     )
   return out
 

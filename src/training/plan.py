@@ -128,8 +128,8 @@ def _setup(s, gin_bindings, base, fine, log=print) -> ginconf.GinSetup:
     grows = finetune.growth(setup, fine.source.setup)
     if grows:
       log(
-        "grows the pretrained model's attention (its weights, the new "
-        f'ones at zero): {", ".join(grows)}'
+        'grows the pretrained model (its weights, the new ones at zero): '
+        f'{", ".join(grows)}'
       )
     if changed:
       log(

@@ -35,14 +35,15 @@ def _write_text(path: str, text: str):
 
 def _start_from(loop: JadeLoop, source: modelfolder.ModelFolder, setup):
   """Puts the pretrained weights into a fresh Loop (step 0); attention
-  that the run grows (`finetune.grown_blocks`) gets its new weights at
-  zero."""
+  or an output layer that the run grows (`finetune.grown_blocks`,
+  `grown_output`) gets its new weights at zero."""
   treedef = jax.tree_util.tree_structure(loop.model.weights)
   mine = jax.tree_util.tree_leaves(loop.model.weights)
   flat = source.flat
   grown = finetune.grown_blocks(setup, source.setup)
-  if grown:
-    flat = finetune.grow_weights(loop.model, flat, setup, grown)
+  output = finetune.grown_output(setup, source.setup)
+  if grown or output:
+    flat = finetune.grow_weights(loop.model, flat, setup, grown, output)
   checkpoints.check_fit(
     f'init-from {source.path!r}', flat, mine, 'copy the model folder again'
   )

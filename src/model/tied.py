@@ -1,0 +1,85 @@
+"""The output layer that also scores tokens through the token embedding
+(`output_layer.tied`).
+
+Trax's output layer is a `Dense`: token `t` gets `h . w_t + b_t`, with a
+column `w_t` of its own, which a token seen a few times in training
+barely learns. What a layer copies from an earlier position is that
+token's embedding vector (carried by the attention's values), so the
+copy of a rare token reaches the output as a vector its column has
+hardly met: a model that found the word stated earlier still names its
+first, rare piece 11 times in 37 (BENCHMARKS.md, "The long-conversation
+walkthrough, four runs"). A tied output layer adds a term read through
+the embedding itself:
+
+  logits_t = h . w_t + b_t + (h C) . e_t
+
+with `C` (`[features, d_model]`) a learned map that starts at zero (the
+model starts as Trax's, and learns what of `h` to read as an embedding).
+`C` is one map for every token, so what it learns on common tokens
+scores a copied rare token through that token's own embedding vector.
+Since it starts at zero, a trained model's output layer can grow into
+this one at `--init-from` (`GROWS_FROM`, `src.training.finetune`).
+
+The matrix reaches the output layer the way Trax passes values, on the
+stack: `TiedEmbedding` puts it under the embedded tokens, every layer
+between leaves it there, and `TiedOutput` (the model's last layer) reads
+both. The gradient of both uses sums into the matrix.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from trax import layers as tl
+from trax.layers import initializers as init
+
+
+class TiedEmbedding(tl.Embedding):
+  """Trax's `Embedding`, which also passes its matrix on, under the
+  embedded tokens (two outputs)."""
+
+  def __init__(self, vocab_size: int, d_feature: int):
+    super().__init__(vocab_size, d_feature)
+    self._n_out = 2
+
+  def forward(self, x):
+    return super().forward(x), self.weights
+
+
+class TiedOutput(tl.Layer):
+  """`(h, matrix)` -> logits `h @ kernel(matrix) + bias`; weights
+  `(kernel, bias, copy)`, the first two drawn as Trax's `Dense` draws
+  them, `copy` (`C`, `[features, d_model]`) zeros."""
+
+  # A fine-tune may grow a trained model's Trax output layer (a `Dense`)
+  # into this one: its kernel and bias, then `copy` at zero
+  # (`src.training.finetune.grown_output`).
+  GROWS_FROM = 'Dense'
+  GROWN_WEIGHTS = 1
+
+  def __init__(self, vocab_size: int):
+    super().__init__(n_in=2, n_out=1, name=f'TiedOutput_{vocab_size}')
+    self._vocab_size = vocab_size
+
+  def forward(self, inputs):
+    h, matrix = inputs
+    kernel, bias = self.kernel_and_bias(matrix)
+    return jnp.matmul(h, kernel) + bias
+
+  def kernel_and_bias(self, matrix):
+    """The kernel (`[features, vocab]`: the own one plus `copy` against
+    the embedding's matrix, `[vocab, d_model]`) and the bias."""
+    kernel, bias, copy = self.weights
+    return kernel + copy @ matrix.T, bias
+
+  def init_weights_and_state(self, input_signature):
+    features = input_signature[0].shape[-1]
+    rng_kernel, rng_bias = jax.random.split(self.rng)
+    kernel = init.GlorotUniformInitializer()(
+      (features, self._vocab_size), rng_kernel
+    )
+    bias = init.RandomNormalInitializer(1e-6)((self._vocab_size,), rng_bias)
+    d_model = input_signature[1].shape[-1]
+    copy = jnp.zeros((features, d_model), np.float32)
+    self.weights = (kernel, bias, copy)
