@@ -63,9 +63,13 @@ class TiedOutput(tl.Layer):
     self._vocab_size = vocab_size
 
   def forward(self, inputs):
+    # `h C` first: a reply token's logits then cost `features x d_model +
+    # d_model x vocab` products, not the merged kernel's
+    # `features x d_model x vocab` (`kernel_and_bias`, for training,
+    # which scores many rows with one kernel).
     h, matrix = inputs
-    kernel, bias = self.kernel_and_bias(matrix)
-    return jnp.matmul(h, kernel) + bias
+    kernel, bias, copy = self.weights
+    return jnp.matmul(h, kernel) + jnp.matmul(h @ copy, matrix.T) + bias
 
   def kernel_and_bias(self, matrix):
     """The kernel (`[features, vocab]`: the own one plus `copy` against
