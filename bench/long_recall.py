@@ -97,7 +97,6 @@ RECIPE = tuple(
   f'configs/{name}.json'
   for name in ('long-1-copy', 'long-2-lookup', 'long-3-1k', 'long-4-4k')
 )
-CHAT_N_HASHES = 8  # Its hash rounds at chat time (`evaluate.py --n-hashes`).
 
 
 def _talk(source: str):
@@ -535,7 +534,7 @@ def main(argv=None):
     write_data(data, args.source, n, args.most_chars, 0)
   results = []
   configs = args.config or RECIPE
-  n_hashes = args.n_hashes or CHAT_N_HASHES
+  n_hashes = args.n_hashes  # None: the model's own (`chat.n_hashes`).
   for seed in [int(s) for s in args.seeds.split(',')]:
     out, seconds = train(args.path, configs, data, seed, extra)
     rows = score(out, args.source, distances, args.samples, n_hashes)

@@ -776,3 +776,34 @@ def test_blocks_read_a_model_whose_feed_forward_runs_in_chunks():
   d.reset()
   by_block = d.feed(ids, blocks=True)
   np.testing.assert_allclose(by_block, by_token, atol=2e-4, rtol=1e-4)
+
+
+def test_a_model_carries_the_hash_rounds_its_chat_reads_with(tmp_path):
+  """`chat.n_hashes` is kept with the model (model.gin) and read by the
+  chat (`Decoder.load`): its LSH layers sample with that many hash rounds,
+  training with its own; `--n-hashes` (the argument) overrides it; a
+  wrong value is one line naming the binding."""
+  from src.training import trainer
+
+  from .conftest import MICRO, train_settings
+
+  out = tmp_path / 'run'
+  lines = []
+  trainer.train(
+    train_settings(out, steps=1), MICRO + ('chat.n_hashes = 3',), lines.append
+  )
+  assert 'chat.n_hashes = 3' in (out / 'model.gin').read_text()
+
+  def rounds(decoder):
+    return {
+      layer._n_hashes
+      for layer in reformer.all_layers(decoder.model)
+      if isinstance(layer, attention.ea.LSHSelfAttention)
+    }
+
+  assert rounds(decoding.Decoder.load(str(out))) == {3}
+  assert rounds(decoding.Decoder.load(str(out), n_hashes=2)) == {2}
+  gin = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
+  assert ginconf.parse(gin, MICRO).chat_hashes == 0  # As trained.
+  with pytest.raises(UserError, match='chat.n_hashes = -1: write a whole'):
+    ginconf.parse(gin, MICRO + ('chat.n_hashes = -1',))

@@ -96,7 +96,8 @@ def parse_args(argv=None):
     '--n-hashes',
     type=int,
     default=None,
-    help='LSH hash rounds while sampling (default: as trained)',
+    help="LSH hash rounds while sampling (default: the model's "
+    'chat.n_hashes, else as trained)',
   )
   for f in dataclasses.fields(defaults):
     parser.add_argument(

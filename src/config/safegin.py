@@ -64,6 +64,7 @@ CONFIGURABLES = frozenset(
     'lsh',  # lsh.directed: model.gin files saved before the classes.
     'residual',
     'smear',
+    'chat',  # chat.n_hashes: how a finished model reads a conversation.
     'ContextLSHSelfAttention',  # query_span, key_span: its own settings.
   }
   | _ATTENTION

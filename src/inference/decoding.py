@@ -96,6 +96,9 @@ def load_model(model_dir: str, mode: str, bindings=()):
     ginconf.add_bindings(
       predict_bindings(setup.model['n_heads']) + attention_bindings(setup)
     )
+  if setup.chat_hashes and not any('.n_hashes' in b for b in bindings):
+    # The model's own chat reading (`chat.n_hashes`), unless the caller's.
+    ginconf.add_bindings([f'LSHSelfAttention.n_hashes = {setup.chat_hashes}'])
   layer = ginconf.model(model.tok.vocab_size, mode)
   length = 1 if mode == 'predict' else setup.max_len
   signature = trax.shapes.ShapeDtype((1, length), np.int32)

@@ -66,6 +66,7 @@ for _cls in (
 residual = gin.external_configurable(reformer.residual, module='jade')
 smear = gin.external_configurable(reformer.smear, module='jade')
 output_layer = gin.external_configurable(reformer.output_layer, module='jade')
+chat = gin.external_configurable(reformer.chat, module='jade')
 
 MODEL_GIN = rundir.MODEL_GIN  # The run's bindings, saved in out-dir.
 OPERATIVE_GIN = rundir.OPERATIVE_GIN  # What the run actually used.
@@ -94,6 +95,8 @@ class GinSetup:
     block_classes: Each decoder block's attention class as bound
       (`SmearedDirectedLSHSelfAttention`, where `layer_attention` names
       the Trax class whose settings it reads), for logs and model cards.
+    chat_hashes: the hash rounds a finished model's chat reads with
+      (`chat.n_hashes`; 0: as trained).
   """
 
   path: str
@@ -106,6 +109,7 @@ class GinSetup:
   directed: bool = False
   output: reformer.Output = reformer.Output()
   block_classes: tuple = ()
+  chat_hashes: int = 0
 
   @property
   def max_len(self) -> int:
@@ -162,10 +166,10 @@ def _parse(text: str, where: str, line_numbers: bool = True):
 
 
 # Configurables that define the model's weights and computation (a
-# pretrained model's settings); the rest (optimizer, schedule, chunked
-# loss) belong to a training run.
+# pretrained model's settings) and how its chat reads (`chat`); the rest
+# (optimizer, schedule, chunked loss) belong to a training run.
 MODEL_CONFIGURABLES = frozenset(
-  {'ReformerLM', 'output_layer'} | safegin._ATTENTION
+  {'ReformerLM', 'output_layer', 'chat'} | safegin._ATTENTION
 )
 
 _LEGACY_DIRECTED = re.compile(
@@ -276,14 +280,10 @@ def _class_settings(kinds, model_settings: dict, path: str) -> dict:
   return per_class
 
 
-def parse_text(
-  text: str,
-  path: str,
-  bindings: tuple[str, ...] = (),
-  base: tuple[str, str] = None,
-) -> GinSetup:
-  """`parse` for gin text already read (`path` names it in messages)."""
-  # Read as data first: no import, include or call ever reaches gin.
+def _parse_checked(text: str, path: str, bindings, base) -> None:
+  """Gin parses the base's, the file's and the command line's bindings in
+  turn, each read as data first: no import, include or call ever reaches
+  gin."""
   safegin.check(text, path)
   for binding in bindings:
     safegin.check(binding, '--bind')
@@ -300,6 +300,16 @@ def parse_text(
   _parse(text, path)
   for binding in bindings:
     _parse(binding, f'--bind "{binding}"', line_numbers=False)
+
+
+def parse_text(
+  text: str,
+  path: str,
+  bindings: tuple[str, ...] = (),
+  base: tuple[str, str] = None,
+) -> GinSetup:
+  """`parse` for gin text already read (`path` names it in messages)."""
+  _parse_checked(text, path, bindings, base)
   try:
     bound = gin.get_bindings('trax.models.ReformerLM')
   except ValueError:
@@ -335,6 +345,7 @@ def parse_text(
     any(issubclass(c, attention.DirectedLSHSelfAttention) for c in kinds),
     _checked(output_layer, path),
     tuple(c.__name__ for c in blocks),
+    _checked(chat, path),
   )
 
 

@@ -74,6 +74,34 @@ def residual(
   return bool(zero_attention), bool(zero_feed_forward)
 
 
+def chat(n_hashes: int = 0) -> int:
+  """How a finished model reads a conversation (gin: chat): kept with the
+  model (model.gin, exports), read by the chat and the server
+  (`src.inference.decoding.load_model`), never by training.
+
+  Args:
+    n_hashes: LSH hash rounds the chat reads with; 0 reads as trained
+      (`LSHSelfAttention.n_hashes`). A layer trained with few buckets
+      keeps `n_hashes x` its chunks of candidates a token, so more rounds
+      reach further back in a long conversation, at more cost (the
+      long-conversation walkthrough's model: 3 of 6 words ~28k tokens
+      back with 8, 0 with the 2 it trained with; BENCHMARKS.md "The
+      long-conversation walkthrough, four runs"). `evaluate.py
+      --n-hashes` overrides it.
+
+  Returns:
+    The hash rounds (0: as trained).
+  """
+  if (
+    isinstance(n_hashes, bool) or not isinstance(n_hashes, int) or n_hashes < 0
+  ):
+    raise UserError(
+      f'chat.n_hashes = {n_hashes!r}: write a whole number of hash rounds '
+      '(0: as trained) in the gin file'
+    )
+  return n_hashes
+
+
 def smear(aligned: bool = False) -> bool:
   """How the smeared attention layers start (gin: smear).
 
