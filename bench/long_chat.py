@@ -83,7 +83,7 @@ def main(argv=None):
   settings = sampling.SamplingSettings(max_new_tokens=8)
   print(
     f'model {args.model_dir}: context {decoder.max_len}, step '
-    f'{decoder.step}; hash rounds {args.n_hashes or "as trained"}; '
+    f'{decoder.step}; hash rounds {args.n_hashes or "chat.n_hashes"}; '
     f'{os.cpu_count()} cores'
   )
   print(
