@@ -473,24 +473,33 @@ def test_local_blocks_read_their_training_window_while_chatting():
   )
 
 
+def _trained_with(out, binding: str, steps: int):
+  """`out`, a micro run of `steps` steps trained with `binding`, which its
+  model.gin keeps."""
+  from src.training import trainer
+
+  from .conftest import MICRO, train_settings
+
+  trainer.train(
+    train_settings(out, steps=steps, **{'eval-every': steps}),
+    gin_bindings=(*MICRO, binding),
+    log=lambda line: None,
+  )
+  assert binding in (out / 'model.gin').read_text()
+  return out
+
+
 def test_a_model_reading_the_mean_of_its_halves_chats_what_it_trains(tmp_path):
   """`output_layer.halves = 'mean'` (the output layer reads d_model
   features, not 2 d_model): a run trains with it, saves it with the model
   and the chat reads the model it trained (token by token = the eval
   forward pass; the output kernel is [d_model, vocab])."""
   from src.model import preflight
-  from src.training import trainer
 
-  from .conftest import MICRO, train_settings
+  from .conftest import MICRO
 
   mean = ("output_layer.halves = 'mean'",)
-  out = tmp_path / 'mean'
-  trainer.train(
-    train_settings(out, steps=2, **{'eval-every': 2}),
-    gin_bindings=MICRO + mean,
-    log=lambda line: None,
-  )
-  assert "output_layer.halves = 'mean'" in (out / 'model.gin').read_text()
+  out = _trained_with(tmp_path / 'mean', mean[0], steps=2)
   d = decoding.Decoder.load(str(out))
   kernels = [
     w.shape for w in jax.tree_util.tree_leaves(d.model.weights) if w.ndim == 2
@@ -555,18 +564,11 @@ def test_a_tied_model_trains_and_chats_through_its_embedding(tmp_path):
   reads it: token by token and as a block = the eval forward pass; an
   export of it gives the run's logits."""
   from src.model import preflight, tied
-  from src.training import trainer
 
-  from .conftest import MICRO, train_settings
+  from .conftest import MICRO
 
   tie = ('output_layer.tied = True',)
-  out = tmp_path / 'tied'
-  trainer.train(
-    train_settings(out, steps=3, **{'eval-every': 3}),
-    gin_bindings=MICRO + tie,
-    log=lambda line: None,
-  )
-  assert 'output_layer.tied = True' in (out / 'model.gin').read_text()
+  out = _trained_with(tmp_path / 'tied', tie[0], steps=3)
   setup = ginconf.parse(
     os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
     MICRO + tie + EXACT_LSH,
@@ -783,16 +785,9 @@ def test_a_model_carries_the_hash_rounds_its_chat_reads_with(tmp_path):
   chat (`Decoder.load`): its LSH layers sample with that many hash rounds,
   training with its own; `--n-hashes` (the argument) overrides it; a
   wrong value is one line naming the binding."""
-  from src.training import trainer
+  from .conftest import MICRO
 
-  from .conftest import MICRO, train_settings
-
-  out = tmp_path / 'run'
-  lines = []
-  trainer.train(
-    train_settings(out, steps=1), MICRO + ('chat.n_hashes = 3',), lines.append
-  )
-  assert 'chat.n_hashes = 3' in (out / 'model.gin').read_text()
+  out = _trained_with(tmp_path / 'run', 'chat.n_hashes = 3', steps=1)
 
   def rounds(decoder):
     return {

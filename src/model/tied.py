@@ -18,7 +18,7 @@ model starts as Trax's, and learns what of `h` to read as an embedding).
 `C` is one map for every token, so what it learns on common tokens
 scores a copied rare token through that token's own embedding vector.
 Since it starts at zero, a trained model's output layer can grow into
-this one at `--init-from` (`GROWS_FROM`, `src.training.finetune`).
+this one at `--init-from` (`src.training.finetune.grown_output`).
 
 The matrix reaches the output layer the way Trax passes values, on the
 stack: `TiedEmbedding` puts it under the embedded tokens, every layer
@@ -53,9 +53,8 @@ class TiedOutput(tl.Layer):
   them, `copy` (`C`, `[features, d_model]`) zeros."""
 
   # A fine-tune may grow a trained model's Trax output layer (a `Dense`)
-  # into this one: its kernel and bias, then `copy` at zero
-  # (`src.training.finetune.grown_output`).
-  GROWS_FROM = 'Dense'
+  # into this one: its kernel and bias, then its last `GROWN_WEIGHTS`
+  # (`copy`) at zero (`src.training.finetune.grown_output`).
   GROWN_WEIGHTS = 1
 
   def __init__(self, vocab_size: int):
