@@ -478,7 +478,8 @@ def main(argv=None):
     action='append',
     default=[],
     metavar='GIN',
-    help="probe: a gin binding over the run's model.gin, as it is read",
+    help="probe: a gin binding over the run's model.gin, as it is read; "
+    'run: a binding every train.py of the recipe gets',
   )
   parser.add_argument('--json', help='score: also write the rows here')
   parser.add_argument(
@@ -536,7 +537,8 @@ def main(argv=None):
   configs = args.config or RECIPE
   n_hashes = args.n_hashes  # None: the model's own (`chat.n_hashes`).
   for seed in [int(s) for s in args.seeds.split(',')]:
-    out, seconds = train(args.path, configs, data, seed, extra)
+    binds = [part for b in args.bind for part in ('--bind', b)]
+    out, seconds = train(args.path, configs, data, seed, [*binds, *extra])
     rows = score(out, args.source, distances, args.samples, n_hashes)
     results.append({'seed': seed, 'seconds': seconds, 'rows': rows})
     with open(os.path.join(args.path, 'long_recall.json'), 'w') as f:

@@ -166,3 +166,24 @@ def test_run_trains_the_readme_recipe_each_run_from_the_one_before(
     assert cmd[cmd.index('--init-from') + 1] == before
   assert all(c[-3:] == ['--seed', '3', '--x'] for c in calls)
   assert len(seconds) == 4
+
+
+def test_run_passes_each_bind_to_every_training_run(tmp_path, monkeypatch):
+  """`run --bind GIN` trains the recipe with the binding (it is `probe`'s
+  option too, so it must not be swallowed by the parser)."""
+  from bench import long_recall as bench
+
+  seen = []
+
+  def train(work, configs, data, seed, extra):
+    seen.append(extra)
+    return 'out', [1.0]
+
+  monkeypatch.setattr(bench, 'train', train)
+  monkeypatch.setattr(bench, 'score', lambda *a, **k: [])
+  monkeypatch.setattr(bench, 'table', lambda results: '')
+  (tmp_path / 'data').mkdir()
+  bench.main(
+    ['run', str(tmp_path), '--bind', 'A.b = 1', '--bind', 'C.d = 2', '--x']
+  )
+  assert seen == [['--bind', 'A.b = 1', '--bind', 'C.d = 2', '--x']]
