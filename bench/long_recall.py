@@ -7,7 +7,7 @@ once (a word, a number, a name), small talk, then the question.
       [--distances 1000,4000,12000,24000] [--samples 6] [--n-hashes H]
       [--json FILE]
   python bench/long_recall.py run WORK --from data/smalltalk [--seeds 0,1,2]
-      [--config PRESET ...] [--data DIR] [--n-hashes H]
+      [--config PRESET ...] [--data DIR] [--n-hashes H] [--bind GIN ...]
   python bench/long_recall.py probe RUN --from data/smalltalk
       [--chars 100,600] [--samples 40] [--seen | --invented] [--distractor]
       [--bind GIN]
@@ -536,8 +536,8 @@ def main(argv=None):
   results = []
   configs = args.config or RECIPE
   n_hashes = args.n_hashes  # None: the model's own (`chat.n_hashes`).
+  binds = [part for b in args.bind for part in ('--bind', b)]
   for seed in [int(s) for s in args.seeds.split(',')]:
-    binds = [part for b in args.bind for part in ('--bind', b)]
     out, seconds = train(args.path, configs, data, seed, [*binds, *extra])
     rows = score(out, args.source, distances, args.samples, n_hashes)
     results.append({'seed': seed, 'seconds': seconds, 'rows': rows})

@@ -295,10 +295,10 @@ def _cpu_numbers():
 
 
 def cpu_name():
-  """The CPU's model name, family and model numbers and vector family (the
-  lines of /proc/cpuinfo the compilation cache's key is made of): under a
-  hypervisor the name alone ("AMD EPYC") does not tell a Zen 3 (family 25,
-  model 1) from a Zen 4 (model 17)."""
+  """The CPU's model name and vector family (the lines of /proc/cpuinfo
+  the compilation cache's key is made of), with its family and model
+  numbers: under a hypervisor the name alone ("AMD EPYC") does not tell a
+  Zen 3 (family 25, model 1) from a Zen 4 (model 17)."""
   from src.runtime import compile_cache
 
   lines = [*compile_cache.cpu_lines(), *_cpu_numbers()]
