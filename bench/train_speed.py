@@ -282,26 +282,18 @@ def blas_peak():
   return 2 * 4096**3 / best / 1e9
 
 
-def _cpu_numbers():
-  """The first CPU's `cpu family` and `model` lines of /proc/cpuinfo
-  (none where there is no such file)."""
-  try:
-    with open('/proc/cpuinfo', encoding='utf-8', errors='replace') as f:
-      head = f.read(4096).splitlines()
-  except OSError:
-    return []
-  keys = ('cpu family', 'model')
-  return [line for line in head if line.split(':', 1)[0].strip() in keys]
-
-
 def cpu_name():
   """The CPU's model name and vector family (the lines of /proc/cpuinfo
   the compilation cache's key is made of), with its family and model
-  numbers: under a hypervisor the name alone ("AMD EPYC") does not tell a
-  Zen 3 (family 25, model 1) from a Zen 4 (model 17)."""
+  numbers (`model` also starts `model name`: the fields are told apart
+  by their whole names below): under a hypervisor the name alone ("AMD
+  EPYC") does not tell a Zen 3 (family 25, model 1) from a Zen 4 (model
+  17)."""
   from src.runtime import compile_cache
 
-  lines = [*compile_cache.cpu_lines(), *_cpu_numbers()]
+  lines = compile_cache.cpu_lines(
+    (*compile_cache.KEY_LINES, 'cpu family', 'model')
+  )
   pairs = (line.split(':', 1) for line in lines)
   fields = {p[0].strip(): p[1].strip() for p in pairs if len(p) == 2}
   flags = set(fields.get('flags', '').split())

@@ -126,14 +126,19 @@ def machine_key() -> str:
   return f'jaxlib-{jaxlib}-{hashlib.sha256(cpu.encode()).hexdigest()[:12]}'
 
 
-def cpu_lines() -> list[str]:
-  """The first processor's `model name`, `flags` and `Features` lines of
-  /proc/cpuinfo, as read (none where there is no such file)."""
+# The lines of /proc/cpuinfo the cache's key is made of.
+KEY_LINES = ('model name', 'flags', 'Features')
+
+
+def cpu_lines(prefixes: tuple[str, ...] = KEY_LINES) -> list[str]:
+  """The first processor's lines of /proc/cpuinfo that start with one of
+  `prefixes` (the key's: `model name`, `flags` and `Features`), as read
+  (none where there is no such file)."""
   found = []
   try:
     with open('/proc/cpuinfo', encoding='utf-8', errors='replace') as f:
       for line in f:
-        if line.startswith(('model name', 'flags', 'Features')):
+        if line.startswith(prefixes):
           found.append(line)
         if line.strip() == '':
           break  # The first processor says it all.
