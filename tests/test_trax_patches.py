@@ -5,6 +5,7 @@ Every test here exercises the broken path directly, so it fails if its fix
 is removed from `src.runtime.trax_patches.install()`.
 """
 
+import functools
 import importlib
 import inspect
 import os
@@ -248,6 +249,60 @@ def test_training_and_chat_never_load_tensorflow(tmp_path):
   gin_text = train.Tensors('gin_config')[0].tensor_proto.string_val[0]
   assert b'ReformerLM.n_layers' in gin_text
   assert _events(os.path.join(out, 'eval')).Scalars('metrics/loss')
+
+
+NO_TENSORFLOW = """
+import importlib.abc, runpy, sys
+ABSENT = ('tensorflow', 'tensorflow_datasets', 'tensorflow_text')
+class Absent(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name.split('.')[0] in ABSENT:  # As if never installed.
+      raise ModuleNotFoundError(f'No module named {name!r}', name=name)
+sys.meta_path.insert(0, Absent())
+sys.argv = sys.argv[1:]
+try:
+  runpy.run_path(sys.argv[0], run_name='__main__')
+except SystemExit as exit:
+  if exit.code:
+    raise
+from src.runtime.trax_patches import lazy_tensorflow
+try:
+  lazy_tensorflow.load_on_demand('tensorflow')
+except ModuleNotFoundError as e:
+  print('on use:', e)
+"""
+
+
+def test_training_and_chat_run_where_tensorflow_is_not_installed(tmp_path):
+  # A GPU box may hold JAX's CUDA wheels and no TensorFlow (the README
+  # block ran so on an H200; BENCHMARKS.md "The walkthrough on a GPU").
+  out = str(tmp_path / 'run')
+  args = ['train.py', '--data', DATA, '--gin', TINY_GIN, '--out-dir', out]
+  args += ['--steps', '2', '--eval-every', '2', '--vocab-size', '300']
+  for b in MICRO:
+    args += ['--bind', b]
+  command = [sys.executable, '-c', NO_TENSORFLOW]
+  run = functools.partial(
+    subprocess.run, cwd=ROOT, capture_output=True, text=True, timeout=300
+  )
+  result = run([*command, *args])
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'done: step 2' in result.stdout
+  assert 'on use: tensorflow is not installed' in result.stdout
+  chat = run(
+    [
+      *command,
+      'evaluate.py',
+      '--model-dir',
+      out,
+      '--prompt',
+      'Hi',
+      '--max-new-tokens',
+      '3',
+    ]
+  )
+  assert chat.returncode == 0, chat.stderr[-2000:]
+  assert _events(os.path.join(out, 'train')).Scalars('metrics/loss')
 
 
 USE_TENSORFLOW = """

@@ -18,7 +18,9 @@
    and `tf.DType` for isinstance checks (no TensorFlow object exists yet),
    and a `jaxboard.SummaryWriter` that writes scalars and text with
    TensorBoard's own event writer. Nothing is lost: anything else loads
-   TensorFlow and works as before.
+   TensorFlow and works as before. Where TensorFlow is not installed at all
+   (a GPU box with JAX's CUDA wheels alone), training, evaluation and chat
+   run the same, and what needs it raises one line that says to install it.
 """
 
 from __future__ import annotations
@@ -85,7 +87,16 @@ def load_on_demand(name: str) -> types.ModuleType:
     sys.modules.pop(n, None)
   with quiet.native_stderr_muted():
     for n in names:  # In `_STAND_INS` order: a package before its modules.
-      real = importlib.import_module(n)
+      try:
+        real = importlib.import_module(n)
+      except ModuleNotFoundError as e:
+        if e.name is None or e.name.split('.')[0] != n.split('.')[0]:
+          raise
+        raise ModuleNotFoundError(
+          f'{n} is not installed and this needs it (training, evaluation '
+          'and chat do not): pip install -r requirements.txt',
+          name=e.name,
+        ) from None
       if n == 'tensorflow':
         _hide_accelerators_from_tensorflow(real)
       _STAND_INS.pop(n).__dict__.update(real.__dict__)
@@ -179,10 +190,21 @@ class _NoTensorFlowType:
   """A TensorFlow type before TensorFlow is loaded: nothing is one."""
 
 
+def _installed(name: str):
+  """The module's import spec, or None where it is not installed: training,
+  evaluation and chat run without TensorFlow (a GPU box with only JAX's
+  CUDA wheels, say); what needs it says so when first used."""
+  try:
+    return importlib.util.find_spec(name)
+  except (ImportError, ValueError):
+    return None
+
+
 def _tensorflow_stand_ins() -> list[_OnDemand]:
   """`tensorflow` and `tensorflow.compat.v2` (which Trax imports as `tf`)."""
-  spec = importlib.util.find_spec('tensorflow')
-  root = os.path.dirname(spec.origin)
+  spec = _installed('tensorflow')
+  origin = spec.origin if spec else None
+  root = os.path.dirname(origin) if origin else os.path.join(os.sep, 'no-tf')
   tf_like = {
     'io': types.SimpleNamespace(gfile=_LocalGFile),
     'random': types.SimpleNamespace(set_seed=_set_seed_if_loaded),
@@ -191,7 +213,7 @@ def _tensorflow_stand_ins() -> list[_OnDemand]:
   }
   v2 = _stand_in('tensorflow.compat.v2', root, 'compat', 'v2', **tf_like)
   compat = _stand_in('tensorflow.compat', root, 'compat', v2=v2)
-  tf = _OnDemand('tensorflow', spec.origin, __spec__=spec, compat=compat)
+  tf = _OnDemand('tensorflow', origin, __spec__=spec, compat=compat)
   tf.__dict__.update(tf_like)
   return [tf, compat, v2]
 
@@ -351,8 +373,8 @@ def install():
     return  # Already imported by someone else: nothing left to save.
   stand_ins = _tensorflow_stand_ins()
   for name in ('tensorflow_datasets', 'tensorflow_text'):
-    spec = importlib.util.find_spec(name)
-    stand_ins.append(_OnDemand(name, spec.origin, __spec__=spec))
+    spec = _installed(name)
+    stand_ins.append(_OnDemand(name, spec and spec.origin, __spec__=spec))
   trax_dir = importlib.util.find_spec('trax').submodule_search_locations[0]
   stand_ins.append(
     _stand_in(
