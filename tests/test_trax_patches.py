@@ -289,18 +289,8 @@ def test_training_and_chat_run_where_tensorflow_is_not_installed(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   assert 'done: step 2' in result.stdout
   assert 'on use: tensorflow is not installed' in result.stdout
-  chat = run(
-    [
-      *command,
-      'evaluate.py',
-      '--model-dir',
-      out,
-      '--prompt',
-      'Hi',
-      '--max-new-tokens',
-      '3',
-    ]
-  )
+  chat_args = ['evaluate.py', '--model-dir', out, '--prompt', 'Hi']
+  chat = run([*command, *chat_args, '--max-new-tokens', '3'])
   assert chat.returncode == 0, chat.stderr[-2000:]
   assert _events(os.path.join(out, 'train')).Scalars('metrics/loss')
 
