@@ -5,7 +5,6 @@ Every test here exercises the broken path directly, so it fails if its fix
 is removed from `src.runtime.trax_patches.install()`.
 """
 
-import functools
 import importlib
 import inspect
 import os
@@ -210,9 +209,9 @@ print('tensorflow loaded:', lazy_tensorflow.tensorflow_loaded())
 """
 
 
-def _run_then_report(*args):
+def _run_then_report(*args, code=RUN_THEN_REPORT):
   return subprocess.run(
-    [sys.executable, '-c', RUN_THEN_REPORT, *args],
+    [sys.executable, '-c', code, *args],
     cwd=ROOT,
     capture_output=True,
     text=True,
@@ -228,13 +227,19 @@ def _events(folder):
   return acc
 
 
-def test_training_and_chat_never_load_tensorflow(tmp_path):
-  out = str(tmp_path / 'run')
+def _two_steps(out: str, eval_every: int) -> list[str]:
+  """`train.py`'s arguments for two steps of the tiny model into `out`."""
   args = ['train.py', '--data', DATA, '--gin', TINY_GIN, '--out-dir', out]
-  args += ['--steps', '2', '--eval-every', '1', '--vocab-size', '300']
+  args += ['--steps', '2', '--eval-every', str(eval_every)]
+  args += ['--vocab-size', '300']
   for b in MICRO:
     args += ['--bind', b]
-  result = _run_then_report(*args)
+  return args
+
+
+def test_training_and_chat_never_load_tensorflow(tmp_path):
+  out = str(tmp_path / 'run')
+  result = _run_then_report(*_two_steps(out, eval_every=1))
   assert result.returncode == 0, result.stderr[-2000:]
   assert 'tensorflow loaded: False' in result.stdout
   chat = _run_then_report(
@@ -251,46 +256,38 @@ def test_training_and_chat_never_load_tensorflow(tmp_path):
   assert _events(os.path.join(out, 'eval')).Scalars('metrics/loss')
 
 
-NO_TENSORFLOW = """
-import importlib.abc, runpy, sys
+NO_TENSORFLOW = (
+  """
+import importlib.abc, sys
 ABSENT = ('tensorflow', 'tensorflow_datasets', 'tensorflow_text')
 class Absent(importlib.abc.MetaPathFinder):
   def find_spec(self, name, path=None, target=None):
     if name.split('.')[0] in ABSENT:  # As if never installed.
       raise ModuleNotFoundError(f'No module named {name!r}', name=name)
 sys.meta_path.insert(0, Absent())
-sys.argv = sys.argv[1:]
-try:
-  runpy.run_path(sys.argv[0], run_name='__main__')
-except SystemExit as exit:
-  if exit.code:
-    raise
-from src.runtime.trax_patches import lazy_tensorflow
+"""
+  + RUN_THEN_REPORT
+  + """
 try:
   lazy_tensorflow.load_on_demand('tensorflow')
 except ModuleNotFoundError as e:
   print('on use:', e)
 """
+)
 
 
 def test_training_and_chat_run_where_tensorflow_is_not_installed(tmp_path):
   # A GPU box may hold JAX's CUDA wheels and no TensorFlow (the README
   # block ran so on an H200; BENCHMARKS.md "The walkthrough on a GPU").
   out = str(tmp_path / 'run')
-  args = ['train.py', '--data', DATA, '--gin', TINY_GIN, '--out-dir', out]
-  args += ['--steps', '2', '--eval-every', '2', '--vocab-size', '300']
-  for b in MICRO:
-    args += ['--bind', b]
-  command = [sys.executable, '-c', NO_TENSORFLOW]
-  run = functools.partial(
-    subprocess.run, cwd=ROOT, capture_output=True, text=True, timeout=300
-  )
-  result = run([*command, *args])
+  args = _two_steps(out, eval_every=2)
+  result = _run_then_report(*args, code=NO_TENSORFLOW)
   assert result.returncode == 0, result.stderr[-2000:]
   assert 'done: step 2' in result.stdout
   assert 'on use: tensorflow is not installed' in result.stdout
   chat_args = ['evaluate.py', '--model-dir', out, '--prompt', 'Hi']
-  chat = run([*command, *chat_args, '--max-new-tokens', '3'])
+  chat_args += ['--max-new-tokens', '3']
+  chat = _run_then_report(*chat_args, code=NO_TENSORFLOW)
   assert chat.returncode == 0, chat.stderr[-2000:]
   assert _events(os.path.join(out, 'train')).Scalars('metrics/loss')
 
