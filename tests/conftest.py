@@ -200,3 +200,21 @@ def run_script(args, env=None, **kwargs):
     text=True,
     **kwargs,
   )
+
+
+@pytest.fixture
+def safe_dir():
+  """A folder under the home folder (the test's own, 0700): /tmp, where
+  pytest's folders are, is writable by everyone, so no cache goes there."""
+  import tempfile
+
+  from src.runtime import compile_cache
+
+  home = os.path.expanduser('~')
+  try:
+    os.close(compile_cache.open_chain(home, []))
+  except compile_cache.Unsafe as e:
+    pytest.skip(f'the home folder is not private here ({e})')
+  folder = tempfile.mkdtemp(dir=home, prefix='.jade-cache-test-')
+  yield folder
+  shutil.rmtree(folder, ignore_errors=True)

@@ -6,25 +6,9 @@ import shutil
 import tempfile
 import time
 
-import pytest
-
 from src.runtime import compile_cache as cc
 
 from .conftest import run_script
-
-
-@pytest.fixture
-def safe_dir():
-  """A folder under the home folder (the test's own, 0700): /tmp, where
-  pytest's folders are, is writable by everyone, so no cache goes there."""
-  home = os.path.expanduser('~')
-  try:
-    os.close(cc.open_chain(home, []))
-  except cc.Unsafe as e:
-    pytest.skip(f'the home folder is not private here ({e})')
-  folder = tempfile.mkdtemp(dir=home, prefix='.jade-cache-test-')
-  yield folder
-  shutil.rmtree(folder, ignore_errors=True)
 
 
 def _opened(monkeypatch, **env):

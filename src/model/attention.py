@@ -39,6 +39,7 @@ from trax import layers as tl
 from trax.layers.research import efficient_attention as ea
 
 from src.model import (
+  chunk_attention,
   decode_block,
   decode_cache,
   decode_index,
@@ -198,6 +199,38 @@ class LocalSelfAttention(_Ours, tl.SelfAttention):
   `decode_block.windowed_step` (Trax's step with `window_mask`).
   Unchunked (full) attention is Trax's.
   """
+
+  def forward_unbatched(self, x, mask=None, *, weights, state, rng, **kw):
+    """Trax 1.4.1's `SelfAttention.forward_unbatched` (own keys, no bias;
+    smeared where the class smears) through `chunk_attention.attend`."""
+    if self._bias or self._share_qk:
+      return super().forward_unbatched(
+        x, mask, weights=weights, state=state, rng=rng, **kw
+      )
+    attend_rng, output_rng = fastmath.random.split(rng)
+    q = jnp.matmul(x, self.weight(weights, 'q'))
+    before = shifted(x)
+    k = decode_block.local_keys(self, x, weights, before)
+    v = self._values(x, weights, before)
+    info = jnp.arange(q.shape[-2], dtype=jnp.int32)
+    kv_info = info
+    if self._masked:  # `mask` is True on valid tokens.
+      kv_info = info * jnp.where(mask, 1, -1).astype(jnp.int32)
+    mask_fn = functools.partial(
+      ea.mask_self_attention,
+      causal=self._causal,
+      exclude_self=False,
+      masked=self._masked,
+    )
+    o, _ = chunk_attention.attend(
+      q, k, v, q_chunk_len=self._chunk_len, kv_chunk_len=self._chunk_len,
+      n_chunks_before=self._n_chunks_before,
+      n_chunks_after=self._n_chunks_after, mask_fn=mask_fn, q_info=info,
+      kv_info=kv_info, dropout=self._attention_dropout, rng=attend_rng,
+    )  # fmt: skip
+    out = jnp.matmul(o, self.weight(weights, 'o'))
+    out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+    return out, state
 
   def _incremental_forward_unbatched(self, x, mask=None, **kwargs):
     if not self._chunk_len:
@@ -377,7 +410,7 @@ class DirectedLSHSelfAttention(FastLSHSelfAttention):
       kw['kv_chunk_len'] = kw['q_chunk_len']
       if kw.get('kv_info') is None:
         kw['kv_info'] = at
-      return ea.attend(q, k, v, **kw)
+      return chunk_attention.attend(q, k, v, **kw)
 
     return lsh_forward(
       self, x, mask, weights=weights, attend=directed_attend, **kwargs
@@ -472,7 +505,7 @@ def lsh_forward(
   gather, as the outputs' are. `attend` replaces Trax's `attend` (the
   directed score).
   """
-  attend = attend or ea.attend
+  attend = attend or chunk_attention.attend
   attend_rng, output_rng = fastmath.random.split(rng)
   q = jnp.matmul(x, self.weight(weights, 'q'))
   v = self._values(x, weights, self.key_context(None, x, 0))

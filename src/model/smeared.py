@@ -18,20 +18,16 @@ base's gin settings; `smear.aligned` starts them as induction heads.
 
 from __future__ import annotations
 
-import functools
-
 from jax import numpy as jnp
 from trax import fastmath
-from trax.layers.research import efficient_attention as ea
 
 from src.core.errors import UserError
-from src.model import decode_block, decode_state
+from src.model import decode_state
 from src.model.attention import (
   DirectedLSHSelfAttention,
   LocalSelfAttention,
   weight_roles,
 )
-from src.model.decode_state import shifted
 
 
 class _Smeared:
@@ -79,33 +75,6 @@ class SmearedLocalSelfAttention(_Smeared, LocalSelfAttention):
   """
 
   EXTRA_ROLES = ('s', 'u')
-
-  def forward_unbatched(self, x, mask=None, *, weights, state, rng, **_):
-    """Trax 1.4.1's `SelfAttention.forward_unbatched` with smeared keys."""
-    attend_rng, output_rng = fastmath.random.split(rng)
-    q = jnp.matmul(x, self.weight(weights, 'q'))
-    before = shifted(x)
-    k = decode_block.local_keys(self, x, weights, before)
-    v = self._values(x, weights, before)
-    info = jnp.arange(q.shape[-2], dtype=jnp.int32)
-    kv_info = info
-    if self._masked:  # `mask` is True on valid tokens.
-      kv_info = info * jnp.where(mask, 1, -1).astype(jnp.int32)
-    mask_fn = functools.partial(
-      ea.mask_self_attention,
-      causal=self._causal,
-      exclude_self=False,
-      masked=self._masked,
-    )
-    o, _ = ea.attend(
-      q, k, v, q_chunk_len=self._chunk_len, kv_chunk_len=self._chunk_len,
-      n_chunks_before=self._n_chunks_before,
-      n_chunks_after=self._n_chunks_after, mask_fn=mask_fn, q_info=info,
-      kv_info=kv_info, dropout=self._attention_dropout, rng=attend_rng,
-    )  # fmt: skip
-    out = jnp.matmul(o, self.weight(weights, 'o'))
-    out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
-    return out, state
 
 
 class SmearedDirectedLSHSelfAttention(_Smeared, DirectedLSHSelfAttention):

@@ -147,18 +147,23 @@ def cpu_lines(prefixes: tuple[str, ...] = KEY_LINES) -> list[str]:
   return found
 
 
-def where() -> tuple[str, list[str]] | None:
-  """`(above, own names)` of the cache folder, or None when it is off."""
+def where(kind: str = 'jax') -> tuple[str, list[str]] | None:
+  """`(above, own names)` of the cache folder, or None when it is off;
+  `kind='kernels'`: the compiled kernels' folder beside it
+  (`src.model.chunk_attention`), `.../jade-v8/kernels/<jaxlib-cpu>` or
+  `JADE_COMPILE_CACHE/kernels/<jaxlib-cpu>`."""
   folder = os.environ.get('JADE_COMPILE_CACHE')
   if folder and folder.lower() == 'off':
     return None
+  inner = [] if kind == 'jax' else [kind]
   if folder:
     folder = os.path.abspath(folder)
-    return os.path.dirname(folder), [os.path.basename(folder), machine_key()]
+    own = [os.path.basename(folder), *inner, machine_key()]
+    return os.path.dirname(folder), own
   base = os.environ.get('XDG_CACHE_HOME') or os.path.join(
     os.path.expanduser('~'), '.cache'
   )
-  return base, ['jade-v8', 'jax', machine_key()]
+  return base, ['jade-v8', kind, machine_key()]
 
 
 def _entry_name(key: str) -> str:
@@ -279,10 +284,11 @@ def _unlink(name: str, dir_fd: int) -> bool:
 
 def prune(parent_fd: int, keep: str, days: float = PRUNE_DAYS):
   """Removes the subfolders of `parent_fd` but `keep` unused for `days`
-  (another jaxlib or CPU), and anything there that is not a folder."""
+  (another jaxlib or CPU), and anything there that is not a folder (the
+  compiled kernels' folder, `where('kernels')`, stays)."""
   now = time.time()
   for name in os.listdir(parent_fd):
-    if name == keep:
+    if name in (keep, 'kernels'):
       continue
     try:
       info = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)

@@ -1,0 +1,498 @@
+// Chunked attention for XLA's CPU backend, fused: Trax's
+// `efficient_attention.attend` (chunks of `chunk` queries, each reading its
+// own chunk and the `before` chunks ahead of it, wrapping around as Trax's
+// `look_adjacent` does; Trax's `mask_self_attention`), forward and backward,
+// a few query rows of a chunk at a time, their scores in cache. XLA runs the
+// same computation as whole-length passes (scores, masks, log-sum-exp,
+// exponentials, the adjacent-chunk copies), memory-bound at ~15% of the
+// matmul rate (BENCHMARKS.md).
+// Built and loaded by src/model/chunk_attention.py; never edited there.
+//
+// Inputs carry any leading dimensions (vmap's): [..., n, d]. Keys arrive
+// scaled as Trax scales them; positions (`qi`, `ki`) arrive as `attend`
+// masks them (one-based). The chunks of a call are spread over XLA's own
+// intra-op threads (the caller works too, so a busy pool never stalls it).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+
+// exp of 8 floats (Cephes' expf: ~1 ulp); 0 below -87.
+inline v8 vexp(v8 x) {
+  const v8i live = x > -87.f;
+  x = x < 88.f ? x : 88.f;
+  x = x > -87.f ? x : -87.f;
+  const v8 t = x * 1.44269504088896341f + 0.5f;
+  v8i n = __builtin_convertvector(t, v8i);
+  n += __builtin_convertvector(n, v8) > t;  // Floor: -1 where truncation rounded up.
+  const v8 fn = __builtin_convertvector(n, v8);
+  const v8 r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  v8 y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const v8i scale = (n + 127) << 23;
+  return reinterpret_cast<v8>(reinterpret_cast<v8i>(y * reinterpret_cast<v8>(scale)) & live);
+}
+
+// row[j] = exp(row[j] - shift) for j < width; returns their sum.
+inline float exp_row(float* row, int64_t width, float shift) {
+  v8 total{};
+  int64_t j = 0;
+  for (; j + 8 <= width; j += 8) {
+    v8 e = vexp(*reinterpret_cast<v8*>(row + j) - shift);
+    *reinterpret_cast<v8*>(row + j) = e;
+    total += e;
+  }
+  float sum = 0.f;
+  for (int h = 0; h < 8; ++h) sum += total[h];
+  for (; j < width; ++j) sum += (row[j] = std::exp(row[j] - shift));
+  return sum;
+}
+
+// C[r, c] (+)= sum_k A[r, k] B[k, c]: A's element (r, k) at a[r * ar + k *
+// ak] (ak = 1: row-major; ar = 1: A read transposed), B and C row-major.
+void gemm(int64_t rows, int64_t cols, int64_t depth, const float* a,
+          int64_t ar, int64_t ak, const float* b, int64_t ldb, float* c,
+          int64_t ldc, bool accumulate) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    int64_t j = 0;
+    for (; j + 16 <= cols; j += 16) {
+      v8 acc[4][2];
+      for (int i = 0; i < 4; ++i)
+        for (int h = 0; h < 2; ++h)
+          acc[i][h] = accumulate
+                          ? *reinterpret_cast<const v8*>(c + (r + i) * ldc +
+                                                         j + 8 * h)
+                          : v8{};
+      for (int64_t k = 0; k < depth; ++k) {
+        const v8 b0 = *reinterpret_cast<const v8*>(b + k * ldb + j);
+        const v8 b1 = *reinterpret_cast<const v8*>(b + k * ldb + j + 8);
+        for (int i = 0; i < 4; ++i) {
+          const float x = a[(r + i) * ar + k * ak];
+          acc[i][0] += x * b0;
+          acc[i][1] += x * b1;
+        }
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<v8*>(c + (r + i) * ldc + j + 8 * h) = acc[i][h];
+    }
+    for (; j < cols; ++j)
+      for (int i = 0; i < 4; ++i) {
+        float x = accumulate ? c[(r + i) * ldc + j] : 0.f;
+        for (int64_t k = 0; k < depth; ++k)
+          x += a[(r + i) * ar + k * ak] * b[k * ldb + j];
+        c[(r + i) * ldc + j] = x;
+      }
+  }
+  for (; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      float x = accumulate ? c[r * ldc + j] : 0.f;
+      for (int64_t k = 0; k < depth; ++k)
+        x += a[r * ar + k * ak] * b[k * ldb + j];
+      c[r * ldc + j] = x;
+    }
+}
+
+// out[j * ld_out + i] = in[i * ld + j] for an [rows, cols] block.
+void transpose(int64_t rows, int64_t cols, const float* in, int64_t ld,
+               float* out, int64_t ld_out) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[j * ld_out + i] = in[i * ld + j];
+}
+
+struct Shape {
+  int64_t batch, n, d, dv, chunk, before, chunks, width;  // width: keys a row.
+  int64_t rows;   // Query rows a pass takes at once (its scores in cache).
+  int64_t group;  // Chunks one backward task takes (see Backward).
+  bool causal, exclude_self, masked;
+
+  // The chunk whose keys fill slot `a` of chunk c's window (Trax's
+  // `look_adjacent`: the `before` chunks ahead of it, wrapped, then itself).
+  int64_t key_chunk(int64_t c, int64_t a) const {
+    int64_t k = (c - before + a) % chunks;
+    return k < 0 ? k + chunks : k;
+  }
+  int64_t row_blocks() const { return (chunk + rows - 1) / rows; }
+  // Row stride of a chunk's transposed keys: padded, so the rows of a
+  // power-of-two chunk do not all fall in the same cache sets.
+  int64_t ldt() const { return chunk + 16; }
+};
+
+// Trax's `mask_self_attention`, the same float operations.
+inline float masked(const Shape& s, float dot, int32_t qi, int32_t ki) {
+  if (s.causal && qi < ki) dot -= 1e9f;
+  if (s.exclude_self && qi == ki) dot -= 1e5f;
+  if (s.masked && ki < 0) dot -= 1e9f;
+  return dot;
+}
+
+// Trax's mask over the `chunk` scores of one query row against keys `ki`.
+inline void mask_row(const Shape& s, float* row, int32_t qi,
+                     const int32_t* ki) {
+  int64_t j = 0;
+  for (; j + 8 <= s.chunk; j += 8) {
+    v8 x = *reinterpret_cast<v8*>(row + j);
+    const v8i k = *reinterpret_cast<const v8i*>(ki + j);
+    if (s.causal) x = qi < k ? x - 1e9f : x;
+    if (s.exclude_self) x = qi == k ? x - 1e5f : x;
+    if (s.masked) x = k < 0 ? x - 1e9f : x;
+    *reinterpret_cast<v8*>(row + j) = x;
+  }
+  for (; j < s.chunk; ++j) row[j] = masked(s, row[j], qi, ki[j]);
+}
+
+// The largest of row[0 .. width).
+inline float row_max(const float* row, int64_t width) {
+  v8 top = v8{} - INFINITY;
+  int64_t j = 0;
+  for (; j + 8 <= width; j += 8) {
+    const v8 x = *reinterpret_cast<const v8*>(row + j);
+    top = x > top ? x : top;
+  }
+  float m = -INFINITY;
+  for (int h = 0; h < 8; ++h) m = std::max(m, top[h]);
+  for (; j < width; ++j) m = std::max(m, row[j]);
+  return m;
+}
+
+// A thread's working memory: scores, gradients, and the window's keys and
+// values transposed (`[before + 1, d, ldt]`: a row's scores are then
+// products over contiguous keys), kept while the thread stays in a chunk.
+struct Scratch {
+  std::vector<float> p, g, kt, vt;
+  int64_t kt_of = -1, vt_of = -1;  // The (batch, chunk) they hold.
+};
+
+// The inputs of one call.
+struct Call {
+  Shape s;
+  const float *q, *k, *v;
+  const int32_t *qi, *ki;
+
+  // `x`'s rows of chunk c's window (batch b), transposed into `out`.
+  void window(const float* x, int64_t dim, int64_t b, int64_t c,
+              std::vector<float>& out, int64_t& of) const {
+    if (of == b * s.chunks + c) return;
+    out.resize((s.before + 1) * dim * s.ldt());
+    for (int64_t a = 0; a <= s.before; ++a) {
+      const int64_t k0 = b * s.n + s.key_chunk(c, a) * s.chunk;
+      transpose(s.chunk, dim, x + k0 * dim, dim, out.data() + a * dim * s.ldt(),
+                s.ldt());
+    }
+    of = b * s.chunks + c;
+  }
+
+  // Masked scores of `m` query rows from `row0` (chunk c, batch b) into
+  // `w.p` ([m, width]).
+  void scores(int64_t b, int64_t c, int64_t row0, int64_t m,
+              Scratch& w) const {
+    window(k, s.d, b, c, w.kt, w.kt_of);
+    float* p = w.p.data();
+    for (int64_t a = 0; a <= s.before; ++a) {
+      const int64_t kc = s.key_chunk(c, a);
+      gemm(m, s.chunk, s.d, q + row0 * s.d, s.d, 1,
+           w.kt.data() + a * s.d * s.ldt(), s.ldt(), p + a * s.chunk, s.width,
+           false);
+      for (int64_t i = 0; i < m; ++i)
+        mask_row(s, p + i * s.width + a * s.chunk, qi[row0 + i],
+                 ki + b * s.n + kc * s.chunk);
+    }
+  }
+};
+
+struct Forward {
+  Call in;
+  float *o, *lse;
+
+  int64_t tasks() const {
+    return in.s.batch * in.s.chunks * in.s.row_blocks();
+  }
+
+  void operator()(int64_t task, Scratch& w) const {
+    const Shape& s = in.s;
+    const int64_t rb = task % s.row_blocks(), bc = task / s.row_blocks();
+    const int64_t b = bc / s.chunks, c = bc % s.chunks;
+    const int64_t i0 = rb * s.rows, m = std::min(s.rows, s.chunk - i0);
+    const int64_t row0 = b * s.n + c * s.chunk + i0;
+    w.p.resize(s.rows * s.width);
+    float* p = w.p.data();
+    in.scores(b, c, row0, m, w);
+    for (int64_t i = 0; i < m; ++i) {
+      float* row = p + i * s.width;
+      const float top = row_max(row, s.width);
+      const float sum = exp_row(row, s.width, top);
+      lse[row0 + i] = top + std::log(sum);
+      const float scale = 1.f / sum;
+      for (int64_t j = 0; j < s.width; ++j) row[j] *= scale;
+    }
+    for (int64_t a = 0; a <= s.before; ++a) {
+      const int64_t k0 = b * s.n + s.key_chunk(c, a) * s.chunk;
+      gemm(m, s.dv, s.chunk, p + a * s.chunk, s.width, 1, in.v + k0 * s.dv,
+           s.dv, o + row0 * s.dv, s.dv, a > 0);
+    }
+  }
+};
+
+// A backward task takes a group of `s.group` consecutive chunks: the key
+// gradients of a group are summed in place (a chunk's own rows first, then
+// what later chunks of the group read of it); what a group's first chunks
+// read of the chunks before it (or, wrapping, of the last) goes to `edge`,
+// added once every task is done (`fold_edges`).
+struct Backward {
+  Call in;
+  const float *o, *lse, *go, *glse;
+  float *gq, *gk, *gv;
+  float* edge;  // [batch, groups, before, chunk, d + dv].
+
+  int64_t groups() const { return (in.s.chunks + in.s.group - 1) / in.s.group; }
+  int64_t tasks() const { return in.s.batch * groups(); }
+
+  void operator()(int64_t task, Scratch& w) const {
+    const Shape& s = in.s;
+    const int64_t b = task / groups(), first = (task % groups()) * s.group;
+    const int64_t last = std::min(first + s.group, s.chunks);
+    w.p.resize(s.rows * s.width);
+    w.g.resize(s.rows * s.width);
+    for (int64_t c = first; c < last; ++c)
+      for (int64_t rb = 0; rb < s.row_blocks(); ++rb)
+        rows(b, c, rb, first, task, w);
+  }
+
+  void rows(int64_t b, int64_t c, int64_t rb, int64_t first, int64_t task,
+            Scratch& w) const {
+    const Shape& s = in.s;
+    const int64_t i0 = rb * s.rows, m = std::min(s.rows, s.chunk - i0);
+    const int64_t row0 = b * s.n + c * s.chunk + i0;
+    float *p = w.p.data(), *g = w.g.data();
+    in.scores(b, c, row0, m, w);
+    in.window(in.v, s.dv, b, c, w.vt, w.vt_of);
+    for (int64_t i = 0; i < m; ++i)
+      exp_row(p + i * s.width, s.width, lse[row0 + i]);
+    for (int64_t a = 0; a <= s.before; ++a) {  // g = dP = dO V^T.
+      gemm(m, s.chunk, s.dv, go + row0 * s.dv, s.dv, 1,
+           w.vt.data() + a * s.dv * s.ldt(), s.ldt(), g + a * s.chunk, s.width,
+           false);
+    }
+    for (int64_t i = 0; i < m; ++i) {  // dS = P (dP - <dO, O> + dlse).
+      float dot = 0.f;
+      for (int64_t u = 0; u < s.dv; ++u)
+        dot += go[(row0 + i) * s.dv + u] * o[(row0 + i) * s.dv + u];
+      const float shift = glse[row0 + i] - dot;
+      float *gi = g + i * s.width, *pi = p + i * s.width;
+      for (int64_t j = 0; j < s.width; ++j) gi[j] = pi[j] * (gi[j] + shift);
+    }
+    const int64_t edge_rows = s.chunk * (s.d + s.dv);
+    for (int64_t a = s.before; a >= 0; --a) {  // Own chunk first.
+      const int64_t k0 = b * s.n + s.key_chunk(c, a) * s.chunk;
+      gemm(m, s.d, s.chunk, g + a * s.chunk, s.width, 1, in.k + k0 * s.d,
+           s.d, gq + row0 * s.d, s.d, a < s.before);  // dQ = dS K.
+      // dK, dV of the keys read (dS^T Q, P^T dO), summed in place, or into
+      // the edge slot of the chunk `j` before the group.
+      float *to_k = gk + k0 * s.d, *to_v = gv + k0 * s.dv;
+      bool add = a < s.before || rb > 0;
+      const int64_t j = first - (c - s.before + a);
+      if (j > 0) {
+        to_k = edge + (task * s.before + j - 1) * edge_rows;
+        to_v = to_k + s.chunk * s.d;
+        add = c > first || rb > 0;
+      }
+      gemm(s.chunk, s.d, m, g + a * s.chunk, 1, s.width, in.q + row0 * s.d,
+           s.d, to_k, s.d, add);
+      gemm(s.chunk, s.dv, m, p + a * s.chunk, 1, s.width, go + row0 * s.dv,
+           s.dv, to_v, s.dv, add);
+    }
+  }
+
+  void fold_edges() const {
+    const Shape& s = in.s;
+    const int64_t edge_rows = s.chunk * (s.d + s.dv);
+    for (int64_t task = 0; task < tasks(); ++task) {
+      const int64_t b = task / groups(), first = (task % groups()) * s.group;
+      for (int64_t j = 1; j <= s.before; ++j) {
+        int64_t kc = (first - j) % s.chunks;
+        kc = kc < 0 ? kc + s.chunks : kc;
+        const float* e = edge + (task * s.before + j - 1) * edge_rows;
+        float* to_k = gk + (b * s.n + kc * s.chunk) * s.d;
+        float* to_v = gv + (b * s.n + kc * s.chunk) * s.dv;
+        for (int64_t i = 0; i < s.chunk * s.d; ++i) to_k[i] += e[i];
+        for (int64_t i = 0; i < s.chunk * s.dv; ++i)
+          to_v[i] += e[s.chunk * s.d + i];
+      }
+    }
+  }
+};
+
+// Runs body(task, scratch) for every task on XLA's pool and this thread.
+template <typename Body>
+void run_all(ffi::ThreadPool& pool, int64_t tasks, const Body& body) {
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  // A helper that starts after every task was taken returns at once,
+  // touching only `shared` (kept alive by its own reference).
+  auto drain = [shared, tasks, &body]() {
+    Scratch scratch;
+    int64_t mine = 0;
+    for (int64_t t; (t = shared->next.fetch_add(1)) < tasks; ++mine)
+      body(t, scratch);
+    shared->done.fetch_add(mine);
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([drain]() { drain(); });
+  drain();
+  while (shared->done.load() < tasks) std::this_thread::yield();
+}
+
+// The shape of a call, checked: any mismatch is the call's error.
+ffi::Error shape_of(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer qi, ffi::AnyBuffer ki, int64_t chunk,
+                    int64_t before, int64_t flags, int64_t threads, Shape* s) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const size_t rank = qd.size();
+  if (rank < 2 || kd.size() != rank || vd.size() != rank)
+    return ffi::Error::InvalidArgument("chunk attention: ranks differ");
+  for (auto* x : {&q, &k, &v})
+    if (x->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("chunk attention: float32 only");
+  for (auto* x : {&qi, &ki})
+    if (x->element_type() != ffi::DataType::S32)
+      return ffi::Error::InvalidArgument("chunk attention: int32 positions");
+  for (size_t i = 0; i + 1 < rank; ++i)
+    if (kd[i] != qd[i] || vd[i] != qd[i])
+      return ffi::Error::InvalidArgument("chunk attention: shapes differ");
+  if (kd[rank - 1] != qd[rank - 1])
+    return ffi::Error::InvalidArgument("chunk attention: key width");
+  s->n = qd[rank - 2];
+  s->d = qd[rank - 1];
+  s->dv = vd[rank - 1];
+  s->batch = 1;
+  for (size_t i = 0; i + 2 < rank; ++i) s->batch *= qd[i];
+  if (chunk <= 0 || before < 0 || s->n % chunk != 0 ||
+      qi.element_count() != size_t(s->batch * s->n) ||
+      ki.element_count() != size_t(s->batch * s->n))
+    return ffi::Error::InvalidArgument("chunk attention: bad chunking");
+  s->chunk = chunk;
+  s->before = before;
+  s->chunks = s->n / chunk;
+  s->width = (before + 1) * chunk;
+  s->rows = chunk <= 64 ? chunk : s->width > 2048 ? 16 : 32;
+  s->group = std::clamp<int64_t>(s->chunks / (4 * std::max<int64_t>(threads, 1)), 1, 16);
+  s->causal = flags & 1;
+  s->exclude_self = flags & 2;
+  s->masked = flags & 4;
+  return ffi::Error::Success();
+}
+
+// `in` for the call's inputs, its shape checked.
+ffi::Error call_of(ffi::ThreadPool& pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                   ffi::AnyBuffer v, ffi::AnyBuffer qi, ffi::AnyBuffer ki,
+                   int64_t chunk, int64_t before, int64_t flags, Call* in) {
+  if (auto e = shape_of(q, k, v, qi, ki, chunk, before, flags,
+                        pool.num_threads(), &in->s);
+      e.failure())
+    return e;
+  in->q = q.typed_data<float>();
+  in->k = k.typed_data<float>();
+  in->v = v.typed_data<float>();
+  in->qi = qi.typed_data<int32_t>();
+  in->ki = ki.typed_data<int32_t>();
+  return ffi::Error::Success();
+}
+
+ffi::Error forward_impl(ffi::ThreadPool pool, ffi::AnyBuffer q,
+                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer qi,
+                        ffi::AnyBuffer ki, ffi::Result<ffi::AnyBuffer> o,
+                        ffi::Result<ffi::AnyBuffer> lse, int64_t chunk,
+                        int64_t before, int64_t flags) {
+  Forward f;
+  if (auto e = call_of(pool, q, k, v, qi, ki, chunk, before, flags, &f.in);
+      e.failure())
+    return e;
+  f.o = o->typed_data<float>();
+  f.lse = lse->typed_data<float>();
+  run_all(pool, f.tasks(), f);
+  return ffi::Error::Success();
+}
+
+ffi::Error backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer q,
+                         ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                         ffi::AnyBuffer lse, ffi::AnyBuffer go,
+                         ffi::AnyBuffer glse, ffi::AnyBuffer qi,
+                         ffi::AnyBuffer ki, ffi::Result<ffi::AnyBuffer> gq,
+                         ffi::Result<ffi::AnyBuffer> gk,
+                         ffi::Result<ffi::AnyBuffer> gv, int64_t chunk,
+                         int64_t before, int64_t flags) {
+  Backward f;
+  if (auto e = call_of(pool, q, k, v, qi, ki, chunk, before, flags, &f.in);
+      e.failure())
+    return e;
+  f.o = o.typed_data<float>();
+  f.lse = lse.typed_data<float>();
+  f.go = go.typed_data<float>();
+  f.glse = glse.typed_data<float>();
+  f.gq = gq->typed_data<float>();
+  f.gk = gk->typed_data<float>();
+  f.gv = gv->typed_data<float>();
+  const Shape& s = f.in.s;
+  std::vector<float> edge(f.tasks() * s.before * s.chunk * (s.d + s.dv));
+  f.edge = edge.data();
+  run_all(pool, f.tasks(), f);
+  f.fold_edges();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeChunkAttentionForward, forward_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("chunk")
+                                  .Attr<int64_t>("before")
+                                  .Attr<int64_t>("flags"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeChunkAttentionBackward, backward_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("chunk")
+                                  .Attr<int64_t>("before")
+                                  .Attr<int64_t>("flags"));

@@ -1,0 +1,282 @@
+"""Chunked attention fused for the CPU: Trax's `efficient_attention.attend`
+(same arguments, same results within float tolerance), computed one chunk
+at a time in cache by a compiled XLA FFI kernel (`chunk_attention.cc`).
+
+XLA's CPU backend runs Trax's `attend` as whole-length passes: the chunk
+products (at ~15% of the matmul rate), then the masks, the log-sum-exp,
+the exponentials and the adjacent-chunk copies, each over arrays the size
+of every score of the layer (BENCHMARKS.md "A 32k step on an AVX-512 Zen
+4": 2.16 of a 7.45 s step). The kernel reads each chunk's queries, keys
+and values once, keeps its scores in cache, and spreads the chunks over
+XLA's own threads; its gradient is a second kernel that recomputes the
+scores (as a fused attention does) instead of keeping them.
+
+`attend` takes the kernel where it applies (XLA's CPU backend, float32,
+Trax's `mask_self_attention`, chunks with none after, no attention
+dropout) and Trax's own `attend` everywhere else (a GPU or TPU, dropout,
+a model built before the kernel), so a model's numbers never depend on
+which ran beyond float rounding. `JADE_CHUNK_KERNEL=off` keeps Trax's
+everywhere.
+
+The kernel is compiled once per source, jaxlib and CPU with the system's
+C++ compiler (`c++`, ~3 s) into the private cache folder the compilation
+cache uses (src/runtime/compile_cache.py: every folder checked, never
+through a link, this user's own, 0700); the library is loaded from the
+held folder. Without a compiler, or where no private folder exists, the
+build goes to a fresh private temporary folder, or, failing that, Trax's
+`attend` runs (one note line with JADE_VERBOSE=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from trax.layers.research import efficient_attention as ea
+
+SOURCE = Path(__file__).with_name('chunk_attention.cc')
+_OPTIONS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC', '-w')
+_TARGETS = {
+  'jade_chunk_attention_forward': 'JadeChunkAttentionForward',
+  'jade_chunk_attention_backward': 'JadeChunkAttentionBackward',
+}
+_CAUSAL, _EXCLUDE_SELF, _MASKED = 1, 2, 4
+# Scores of a call (queries x keys a query reads) below which Trax's
+# `attend` runs: they fit in cache, and XLA's passes are as fast.
+MIN_SCORES = 1 << 20
+
+
+def kernel_enabled() -> bool:
+  """Whether `attend` may take the fused kernel (`JADE_CHUNK_KERNEL=off`
+  keeps Trax's `attend` for a process)."""
+  return os.environ.get('JADE_CHUNK_KERNEL', '').lower() != 'off'
+
+
+def _note(text: str):
+  from src.runtime import quiet
+
+  if quiet.verbose():
+    print(f'note: {text}', file=sys.stderr)
+
+
+def _library_name() -> str:
+  from src.runtime import compile_cache
+
+  digest = hashlib.sha256(SOURCE.read_bytes())
+  digest.update(' '.join(_OPTIONS).encode())
+  digest.update(compile_cache.machine_key().encode())
+  return f'chunk_attention-{digest.hexdigest()[:16]}.so'
+
+
+def _build(folder_fd: int, name: str):
+  """Compiles the kernel into `name` in the held private folder (written
+  under a temporary name, then renamed: a half-written library is never
+  loaded)."""
+  compiler = shutil.which('c++') or shutil.which('g++')
+  if compiler is None:
+    raise OSError('no C++ compiler (c++) on PATH')
+  with tempfile.TemporaryDirectory(prefix='jade-kernel-') as scratch:
+    out = os.path.join(scratch, name)
+    command = [compiler, *_OPTIONS, f'-I{jax.ffi.include_dir()}']
+    done = subprocess.run(
+      [*command, str(SOURCE), '-o', out], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+      raise OSError(f'the compiler failed: {done.stderr.strip()[-400:]}')
+    data = Path(out).read_bytes()
+  tmp = f'.{name}.{os.getpid()}'
+  flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, 'O_NOFOLLOW', 0)
+  fd = os.open(tmp, flags, 0o700, dir_fd=folder_fd)
+  with os.fdopen(fd, 'wb') as f:
+    f.write(data)
+  os.replace(tmp, name, src_dir_fd=folder_fd, dst_dir_fd=folder_fd)
+
+
+def _private_folder() -> tuple[int, str | None]:
+  """`(held descriptor, temporary path or None)` of the kernel's private
+  folder: the compilation cache's (`kernels/<machine>`), or a fresh
+  temporary one (0700, made by this process; removed once loaded)."""
+  from src.runtime import compile_cache
+
+  place = compile_cache.where('kernels')
+  if place is not None:
+    try:
+      return compile_cache.open_chain(*place), None
+    except (compile_cache.Unsafe, OSError) as e:
+      _note(f'kernel folder not used ({e}); building in a temporary one')
+  folder = tempfile.mkdtemp(prefix='jade-kernel-')  # 0700, ours, new.
+  flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, 'O_NOFOLLOW', 0)
+  return os.open(folder, flags), folder
+
+
+@functools.cache
+def _registered() -> bool:
+  """Builds (once per machine) and registers the kernel; False where it
+  cannot be (the caller then runs Trax's `attend`)."""
+  import ctypes
+
+  try:
+    fd, temporary = _private_folder()
+    try:
+      name = _library_name()
+      try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+      except FileNotFoundError:
+        _build(fd, name)
+      library = ctypes.CDLL(f'/proc/self/fd/{fd}/{name}')
+    finally:
+      os.close(fd)
+      if temporary:
+        shutil.rmtree(temporary, ignore_errors=True)
+    for target, symbol in _TARGETS.items():
+      capsule = jax.ffi.pycapsule(getattr(library, symbol))
+      jax.ffi.register_ffi_target(target, capsule, platform='cpu')
+    return True
+  except (OSError, AttributeError) as e:
+    _note(f"the fused chunk attention is not used ({e}); Trax's runs")
+    return False
+
+
+def _mask_flags(mask_fn) -> int | None:
+  """The kernel's mask bits for Trax's `mask_self_attention` (a partial of
+  it, as Trax's layers and ours make), None for any other mask."""
+  if not isinstance(mask_fn, functools.partial) or mask_fn.args:
+    return None
+  if mask_fn.func is not ea.mask_self_attention:
+    return None
+  kw = {'causal': True, 'exclude_self': True, 'masked': False}
+  if set(mask_fn.keywords) - set(kw):
+    return None
+  kw.update(mask_fn.keywords)
+  return (
+    _CAUSAL * bool(kw['causal'])
+    + _EXCLUDE_SELF * bool(kw['exclude_self'])
+    + _MASKED * bool(kw['masked'])
+  )
+
+
+def _call(target, outputs, *args, chunk, before, flags):
+  return jax.ffi.ffi_call(target, outputs, vmap_method='broadcast_all')(
+    *args, chunk=np.int64(chunk), before=np.int64(before), flags=np.int64(flags)
+  )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def fused(q, k, v, qi, ki, chunk, before, flags):
+  """`(out, logsumexp)` of chunked attention: `q`, `k` `[..., n, d]` (keys
+  scaled as Trax's `attend` scales them), `v` `[..., n, dv]`, `qi`, `ki`
+  `[..., n]` int32 positions as Trax's `attend` masks them (one-based)."""
+  out = jax.ShapeDtypeStruct(v.shape, jnp.float32)
+  lse = jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)
+  return tuple(
+    _call(
+      'jade_chunk_attention_forward', (out, lse), q, k, v, qi, ki,
+      chunk=chunk, before=before, flags=flags,
+    )
+  )  # fmt: skip
+
+
+class _Saved(NamedTuple):
+  """What the backward kernel reads of a forward call."""
+
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  qi: jax.Array
+  ki: jax.Array
+  o: jax.Array
+  lse: jax.Array
+
+
+def _fused_forward(q, k, v, qi, ki, chunk, before, flags):
+  o, lse = fused(q, k, v, qi, ki, chunk, before, flags)
+  return (o, lse), _Saved(q, k, v, qi, ki, o, lse)
+
+
+def _fused_backward(chunk, before, flags, saved: _Saved, grads):
+  go, glse = grads
+  gq, gk, gv = _call(
+    'jade_chunk_attention_backward',
+    tuple(
+      jax.ShapeDtypeStruct(x.shape, jnp.float32)
+      for x in (saved.q, saved.k, saved.v)
+    ),
+    saved.q, saved.k, saved.v, saved.o, saved.lse, go, glse, saved.qi,
+    saved.ki, chunk=chunk, before=before, flags=flags,
+  )  # fmt: skip
+  return gq, gk, gv, None, None
+
+
+fused.defvjp(_fused_forward, _fused_backward)
+
+
+def _fusable(q, k, v, chunk, kv_chunk, before, after, flags, dropout) -> bool:
+  arrays = [q, v] + ([] if k is None else [k])
+  return (
+    flags is not None
+    and chunk is not None
+    and kv_chunk in (None, chunk)
+    and after == 0
+    and not dropout
+    and all(a.dtype == jnp.float32 for a in arrays)
+    and q.shape[-2] == v.shape[-2]
+    and q.shape[-2] % chunk == 0
+    and (k is None or k.shape[-2] == q.shape[-2])
+    and q.shape[-2] * chunk * (before + 1) >= MIN_SCORES
+    and kernel_enabled()
+    and jax.default_backend() == 'cpu'
+    and _registered()
+  )
+
+
+def attend(
+  q, k=None, v=None, q_chunk_len=None, kv_chunk_len=None,
+  n_chunks_before=0, n_chunks_after=0, mask_fn=None, q_info=None,
+  kv_info=None, dropout=0.0, rng=None,
+):  # fmt: skip
+  """Trax's `efficient_attention.attend`: `(out [n, dv], logsumexp [n])`,
+  by the fused kernel where it applies (module docstring)."""
+  flags = _mask_flags(mask_fn)
+  if v is None or not _fusable(
+    q,
+    k,
+    v,
+    q_chunk_len,
+    kv_chunk_len,
+    n_chunks_before,
+    n_chunks_after,
+    flags,
+    dropout,
+  ):
+    return ea.attend(
+      q, k, v, q_chunk_len=q_chunk_len, kv_chunk_len=kv_chunk_len,
+      n_chunks_before=n_chunks_before, n_chunks_after=n_chunks_after,
+      mask_fn=mask_fn, q_info=q_info, kv_info=kv_info, dropout=dropout,
+      rng=rng,
+    )  # fmt: skip
+  n = q.shape[-2]
+  qi = jnp.arange(1, n + 1, dtype=jnp.int32) if q_info is None else q_info + 1
+  if k is None:  # Shared queries and keys, as Trax's.
+    ki = qi if kv_info is None else kv_info + 1
+    k = ea.length_normalized(q)
+  else:
+    n_kv = k.shape[-2]
+    ki = (
+      jnp.arange(1, n_kv + 1, dtype=jnp.int32)
+      if kv_info is None
+      else kv_info + 1
+    )
+  k = k / jnp.sqrt(jnp.asarray(k.shape[-1], k.dtype))
+  qi = jnp.broadcast_to(qi.astype(jnp.int32), q.shape[:-1])
+  ki = jnp.broadcast_to(ki.astype(jnp.int32), k.shape[:-1])
+  return fused(q, k, v, qi, ki, q_chunk_len, n_chunks_before, flags)
