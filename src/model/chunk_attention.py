@@ -15,8 +15,10 @@ scores (as a fused attention does) instead of keeping them.
 Trax's `mask_self_attention`, chunks with none after, no attention
 dropout) and Trax's own `attend` everywhere else (a GPU or TPU, dropout,
 a model built before the kernel), so a model's numbers never depend on
-which ran beyond float rounding. `JADE_CHUNK_KERNEL=off` keeps Trax's
-everywhere.
+which ran beyond float rounding. Calls under `MIN_SCORES` scores keep
+Trax's too (they fit in cache, where XLA's passes are as fast).
+`JADE_CHUNK_KERNEL=off` keeps Trax's everywhere; `=always` takes the kernel
+for every call it applies to.
 
 The kernel is compiled once per source, jaxlib and CPU with the system's
 C++ compiler (`c++`, ~3 s) into the private cache folder the compilation
@@ -56,10 +58,12 @@ _CAUSAL, _EXCLUDE_SELF, _MASKED = 1, 2, 4
 MIN_SCORES = 1 << 20
 
 
-def kernel_enabled() -> bool:
-  """Whether `attend` may take the fused kernel (`JADE_CHUNK_KERNEL=off`
-  keeps Trax's `attend` for a process)."""
-  return os.environ.get('JADE_CHUNK_KERNEL', '').lower() != 'off'
+def kernel_mode() -> str:
+  """`JADE_CHUNK_KERNEL`: 'on' (the default: calls of `MIN_SCORES` or more),
+  'off' (Trax's `attend` everywhere) or 'always' (every call it applies
+  to, however small: how the test suite can run every layer through it)."""
+  mode = os.environ.get('JADE_CHUNK_KERNEL', 'on').lower()
+  return mode if mode in ('off', 'always') else 'on'
 
 
 def _note(text: str):
@@ -232,8 +236,11 @@ def _fusable(q, k, v, chunk, kv_chunk, before, after, flags, dropout) -> bool:
     and q.shape[-2] == v.shape[-2]
     and q.shape[-2] % chunk == 0
     and (k is None or k.shape[-2] == q.shape[-2])
-    and q.shape[-2] * chunk * (before + 1) >= MIN_SCORES
-    and kernel_enabled()
+    and kernel_mode() != 'off'
+    and (
+      kernel_mode() == 'always'
+      or q.shape[-2] * chunk * (before + 1) >= MIN_SCORES
+    )
     and jax.default_backend() == 'cpu'
     and _registered()
   )
