@@ -5,6 +5,7 @@
   python bench/kernels.py --batched      # the attention's products, 3 ways
   python bench/kernels.py --batched --bf16   # and with bfloat16 inputs
   python bench/kernels.py --ffi            # XLA's, then OpenBLAS's (FFI)
+  python bench/kernels.py --fused          # Trax's attend, then the kernel
   python bench/kernels.py --split          # one device, then split in two:
   XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
     python bench/kernels.py --split
@@ -48,6 +49,7 @@ products), and the largest difference between the two.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -126,7 +128,6 @@ def split(ffi: bool = False):
   then split over all devices (`shard_map`), or (`ffi`) then through
   OpenBLAS from an FFI call (`bench/blas_ffi.py`); the outputs must
   agree."""
-  import functools
 
   import jax
   import jax.numpy as jnp
@@ -234,6 +235,73 @@ def split(ffi: bool = False):
     print(line)
 
 
+# `--fused`'s layers: (name, heads, sorted length, key width, chunk).
+FUSED_LAYERS = (
+  ('benchmark model at 32k, LSH layer', HEADS, 32768, D_HEAD, CHUNK),
+  ('walkthrough run 3 (window 1,024), LSH layer', 2, 2 * 1024, 32, 512),
+  ('walkthrough run 4 (window 4,096), LSH layer', 2, 2 * 4096, 32, 2048),
+)
+
+
+def fused(reps=5):
+  """One LSH layer's chunked attention (all heads under `vmap`; forward,
+  and forward + backward), by Trax's `attend` on XLA and by the fused
+  kernel (src/model/chunk_attention.py), with the largest difference of
+  their outputs and gradients."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from trax.layers.research import efficient_attention as ea
+
+  from src.model import chunk_attention
+
+  contenders = (('XLA', ea.attend), ('fused', chunk_attention.attend))
+  leaves = jax.tree_util.tree_leaves
+  mask = functools.partial(ea.mask_self_attention, causal=True)
+  rng = np.random.default_rng(0)
+  for name, heads, n, d, chunk in FUSED_LAYERS:
+    q, v, cot = (
+      jnp.asarray(rng.normal(size=(heads, n, d)), jnp.float32) for _ in '123'
+    )
+    info = jnp.asarray(np.stack([rng.permutation(n) for _ in range(heads)]))
+    flops = 2 * 2 * heads * n * 2 * chunk * d  # Scores and values, forward.
+    print(f'{name}: {heads} heads, {n} positions, chunks of {chunk}, d {d}')
+    results = {}
+    for label, attend in contenders:
+
+      def one(q, v, i, attend=attend):
+        return attend(
+          q, None, v, q_chunk_len=chunk, n_chunks_before=1, mask_fn=mask,
+          q_info=i,
+        )[0]  # fmt: skip
+
+      forward = jax.jit(jax.vmap(one))
+      both = jax.jit(
+        lambda q, v, i, c: jax.vjp(lambda q, v: jax.vmap(one)(q, v, i), q, v)[
+          1
+        ](c)
+      )
+      for part, fn, args, mult in (
+        ('forward', forward, (q, v, info), 1),
+        ('forward + backward', both, (q, v, info, cot), 3.5),
+      ):
+        out = jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(reps):
+          t = time.perf_counter()
+          jax.block_until_ready(fn(*args))
+          times.append(time.perf_counter() - t)
+        seconds = sorted(times)[reps // 2]
+        results.setdefault(part, []).append(out)
+        rate = mult * flops / seconds / 1e9
+        print(f'  {label} {part}: {1000 * seconds:.0f} ms ({rate:.0f} GFLOP/s)')
+    for part, (a, b) in results.items():
+      diff = max(
+        float(jnp.max(jnp.abs(x - y))) for x, y in zip(leaves(a), leaves(b))
+      )
+      print(f'  {part}: largest difference {diff:.1e}')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--length', type=int, default=32768)
@@ -256,7 +324,14 @@ def main():
     action='store_true',
     help='batched products and attend by XLA, then through OpenBLAS (FFI)',
   )
+  parser.add_argument(
+    '--fused',
+    action='store_true',
+    help="one LSH layer's attend by XLA, then by the fused kernel",
+  )
   args = parser.parse_args()
+  if args.fused:
+    return fused()
   if args.split or args.ffi:
     return split(args.ffi)
   n = args.length

@@ -19,6 +19,8 @@ Adam, no dropout. Contenders:
   pipeline, Trax's Loop (evaluation switched off);
 - jade-mean: the same with `output_layer.halves = 'mean'`: the output
   layer reads the mean of the residual halves, as the peer's does;
+- jade-xla-attend: jade with Trax's chunked `attend` on XLA instead of the
+  fused kernel (`JADE_CHUNK_KERNEL=off`: the trainer before the kernel);
 - peer: lucidrains' reformer-pytorch 1.4.4 (`pip install -r
   bench/requirements.txt`, e.g. in its own venv: --peer-python), torch
   threads = cores;
@@ -81,7 +83,7 @@ def output_features(name):
   concatenates its two residual halves (2 x d_model); reformer-pytorch
   averages them (as jade-mean does), and the full-attention
   TransformerLM has one stream."""
-  return 2 * D if name == 'jade' else D
+  return 2 * D if name in ('jade', 'jade-xla-attend') else D
 
 
 def flops_per_token(length, lsh=True, vocab=VOCAB, output_in=D):
@@ -318,6 +320,7 @@ MEAN = "output_layer.halves = 'mean'"
 CONTENDERS = {
   'jade': run_jade,
   'jade-mean': run_jade,
+  'jade-xla-attend': run_jade,
   'peer': run_peer,
   'peer-tuned': run_peer,
   'full': run_full,
@@ -334,6 +337,8 @@ def child(args):
     print(json.dumps({'gflops': matmul_peak(), 'blas_gflops': blas_peak()}))
     return
   kwargs = {'with_eval': True} if args.eval else {}
+  if args.child == 'jade-xla-attend':
+    os.environ['JADE_CHUNK_KERNEL'] = 'off'
   if args.child.startswith('jade'):
     mean = [MEAN] if args.child == 'jade-mean' else []
     kwargs['binds'], kwargs['window'] = args.bind + mean, args.window
