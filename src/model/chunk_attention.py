@@ -1,32 +1,34 @@
 """Chunked attention fused for the CPU: Trax's `efficient_attention.attend`
-(same arguments, same results within float tolerance), computed one chunk
-at a time in cache by a compiled XLA FFI kernel (`chunk_attention.cc`).
+(same arguments, same results within float rounding), computed a few query
+rows of a chunk at a time, in cache, by a compiled XLA FFI kernel
+(`chunk_attention.cc`).
 
 XLA's CPU backend runs Trax's `attend` as whole-length passes: the chunk
 products (at ~15% of the matmul rate), then the masks, the log-sum-exp,
 the exponentials and the adjacent-chunk copies, each over arrays the size
 of every score of the layer (BENCHMARKS.md "A 32k step on an AVX-512 Zen
 4": 2.16 of a 7.45 s step). The kernel reads each chunk's queries, keys
-and values once, keeps its scores in cache, and spreads the chunks over
+and values once, keeps their scores in cache, and spreads the work over
 XLA's own threads; its gradient is a second kernel that recomputes the
-scores (as a fused attention does) instead of keeping them.
+scores (as a fused attention does) instead of keeping them
+(BENCHMARKS.md "A fused chunk attention").
 
 `attend` takes the kernel where it applies (XLA's CPU backend, float32,
-Trax's `mask_self_attention`, chunks with none after, no attention
-dropout) and Trax's own `attend` everywhere else (a GPU or TPU, dropout,
-a model built before the kernel), so a model's numbers never depend on
-which ran beyond float rounding. Calls under `MIN_SCORES` scores keep
-Trax's too (they fit in cache, where XLA's passes are as fast).
-`JADE_CHUNK_KERNEL=off` keeps Trax's everywhere; `=always` takes the kernel
-for every call it applies to.
+Trax's `mask_self_attention`, no chunks after, no attention dropout, a
+call of `MIN_SCORES` scores or more: smaller ones fit in cache, where
+XLA's passes are as fast) and Trax's own `attend` everywhere else (a GPU
+or TPU, dropout), so a model's numbers never depend on which ran beyond
+float rounding. `JADE_CHUNK_KERNEL=off` keeps Trax's everywhere;
+`=always` takes the kernel for every call it applies to.
 
 The kernel is compiled once per source, jaxlib and CPU with the system's
-C++ compiler (`c++`, ~3 s) into the private cache folder the compilation
-cache uses (src/runtime/compile_cache.py: every folder checked, never
-through a link, this user's own, 0700); the library is loaded from the
-held folder. Without a compiler, or where no private folder exists, the
-build goes to a fresh private temporary folder, or, failing that, Trax's
-`attend` runs (one note line with JADE_VERBOSE=1).
+C++ compiler (`c++`, ~3 s) into the kernels' folder beside the
+compilation cache (src/runtime/compile_cache.py: every folder checked,
+never through a link, this user's own, 0700) and loaded from the held
+folder. Where that folder is off or unsafe, the build goes to a fresh
+private temporary folder, removed once loaded; without a compiler (or
+where a library cannot be loaded) Trax's `attend` runs, and
+`JADE_VERBOSE=1` says why in one line.
 """
 
 from __future__ import annotations
