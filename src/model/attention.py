@@ -21,6 +21,10 @@ The smeared classes (keys and values that see the positions before) are
 `src.model.smeared`'s, subclasses of these; `key_context` and
 `query_rows` are what they widen.
 
+In training and evaluation every one of them attends through
+`chunk_attention.attend`: Trax's `attend`, fused into one CPU kernel where
+it applies (the same results within float rounding).
+
 Each reads its settings from Trax's gin names (`SelfAttention.chunk_len`,
 `LSHSelfAttention.n_hashes`, ...), as a subclass of the registered class.
 Any of them starts with its output projections at zero where
