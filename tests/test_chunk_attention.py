@@ -5,6 +5,11 @@ layers use; Trax's `attend` where the kernel does not apply; the layers'
 training forward equal either way; a kernel error is the call's error."""
 
 import functools
+import json
+import os
+import pathlib
+import shutil
+import stat
 
 import jax
 import numpy as np
@@ -15,13 +20,14 @@ from trax.layers.research import efficient_attention as ea
 
 from src.model import attention, chunk_attention, smeared
 
+from .conftest import run_script
+
 TOL = 1e-5
 
 
 @pytest.fixture
 def always(monkeypatch):
   """The kernel for calls of any size (tests' shapes fit in cache)."""
-  import shutil
 
   if not (shutil.which('c++') or shutil.which('g++')):
     pytest.skip("no C++ compiler here: Trax's attend runs (tested below)")
@@ -211,7 +217,7 @@ def test_a_layers_training_forward_is_the_same_either_way(
 
 
 _PROBE = """
-import json, os, stat, sys
+import json, os, sys
 sys.path.insert(0, os.getcwd())
 from src import runtime
 runtime.bootstrap()
@@ -227,55 +233,36 @@ print(json.dumps({'used': used, 'same': float(jnp.max(jnp.abs(out - ref)))}))
 """
 
 
-def _probe(tmp_path, **env):
-  import json
-  import os
-  import subprocess
-  import sys
-
-  from .conftest import ROOT
-
-  done = subprocess.run(
-    [sys.executable, '-c', _PROBE],
-    cwd=ROOT,
-    env={**os.environ, 'JADE_VERBOSE': '1', **env},
-    capture_output=True,
-    text=True,
-    timeout=300,
+def _probe(**env):
+  done = run_script(
+    ['-c', _PROBE], env={'JADE_VERBOSE': '1', **env}, timeout=300
   )
   assert done.returncode == 0, done.stderr[-2000:]
   return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
 def test_the_kernel_is_built_once_into_the_private_cache_folder(
-  tmp_path, safe_dir, always
+  safe_dir, always
 ):
-  import os
-  import pathlib
-  import stat
-
   cache = pathlib.Path(safe_dir) / 'cache'
-  found, _ = _probe(tmp_path, JADE_COMPILE_CACHE=str(cache))
+  found, _ = _probe(JADE_COMPILE_CACHE=str(cache))
   assert found['used'] and found['same'] < 1e-5
   (folder,) = (cache / 'kernels').iterdir()
   (library,) = folder.iterdir()
   assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
   built = library.stat().st_mtime_ns
-  found, _ = _probe(tmp_path, JADE_COMPILE_CACHE=str(cache))
+  found, _ = _probe(JADE_COMPILE_CACHE=str(cache))
   assert found['used'] and library.stat().st_mtime_ns == built  # Reused.
 
 
 def test_without_a_compiler_traxs_attend_runs_with_one_note(tmp_path):
-  import shutil
-
   # The cache off: a fresh temporary folder, so the kernel must be built.
   found, err = _probe(
-    tmp_path,
     JADE_COMPILE_CACHE='off',
     PATH=str(tmp_path),  # No c++ here.
   )
   assert not found['used'] and found['same'] == 0.0
   assert 'the fused chunk attention is not used (no C++ compiler' in err
   if shutil.which('c++') or shutil.which('g++'):
-    found, _ = _probe(tmp_path, JADE_COMPILE_CACHE='off')  # Built, used.
+    found, _ = _probe(JADE_COMPILE_CACHE='off')  # Built, used.
     assert found['used'] and found['same'] < 1e-5

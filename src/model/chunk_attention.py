@@ -238,11 +238,8 @@ def _fusable(q, k, v, chunk, kv_chunk, before, after, flags, dropout) -> bool:
     and q.shape[-2] == v.shape[-2]
     and q.shape[-2] % chunk == 0
     and (k is None or k.shape[-2] == q.shape[-2])
-    and kernel_mode() != 'off'
-    and (
-      kernel_mode() == 'always'
-      or q.shape[-2] * chunk * (before + 1) >= MIN_SCORES
-    )
+    and (mode := kernel_mode()) != 'off'
+    and (mode == 'always' or q.shape[-2] * chunk * (before + 1) >= MIN_SCORES)
     and jax.default_backend() == 'cpu'
     and _registered()
   )
@@ -273,18 +270,13 @@ def attend(
       mask_fn=mask_fn, q_info=q_info, kv_info=kv_info, dropout=dropout,
       rng=rng,
     )  # fmt: skip
-  n = q.shape[-2]
-  qi = jnp.arange(1, n + 1, dtype=jnp.int32) if q_info is None else q_info + 1
+  # Positions one-based, as Trax's `attend` makes them (keys: the queries'
+  # where they share them; `_fusable` checked keys and queries are as many).
+  in_order = jnp.arange(1, q.shape[-2] + 1, dtype=jnp.int32)
+  qi = in_order if q_info is None else q_info + 1
+  ki = (in_order if k is not None else qi) if kv_info is None else kv_info + 1
   if k is None:  # Shared queries and keys, as Trax's.
-    ki = qi if kv_info is None else kv_info + 1
     k = ea.length_normalized(q)
-  else:
-    n_kv = k.shape[-2]
-    ki = (
-      jnp.arange(1, n_kv + 1, dtype=jnp.int32)
-      if kv_info is None
-      else kv_info + 1
-    )
   k = k / jnp.sqrt(jnp.asarray(k.shape[-1], k.dtype))
   qi = jnp.broadcast_to(qi.astype(jnp.int32), q.shape[:-1])
   ki = jnp.broadcast_to(ki.astype(jnp.int32), k.shape[:-1])
