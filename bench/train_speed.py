@@ -21,6 +21,9 @@ Adam, no dropout. Contenders:
   layer reads the mean of the residual halves, as the peer's does;
 - jade-xla-attend: jade with Trax's chunked `attend` on XLA instead of the
   fused kernel (`JADE_CHUNK_KERNEL=off`: the trainer before the kernel);
+- jade-bf16, jade-mean-bf16: jade and jade-mean with `output_loss.products
+  = 'bfloat16'`: the output layer's training products read bfloat16 and
+  sum in float32 (fast where the CPU has AVX512-BF16 or AMX);
 - peer: lucidrains' reformer-pytorch 1.4.4 (`pip install -r
   bench/requirements.txt`, e.g. in its own venv: --peer-python), torch
   threads = cores;
@@ -83,7 +86,7 @@ def output_features(name):
   concatenates its two residual halves (2 x d_model); reformer-pytorch
   averages them (as jade-mean does), and the full-attention
   TransformerLM has one stream."""
-  return 2 * D if name in ('jade', 'jade-xla-attend') else D
+  return D if MEAN in JADE_BINDS.get(name, [MEAN]) else 2 * D
 
 
 def flops_per_token(length, lsh=True, vocab=VOCAB, output_in=D):
@@ -317,10 +320,16 @@ def cpu_name():
 
 
 MEAN = "output_layer.halves = 'mean'"
+BF16 = "output_loss.products = 'bfloat16'"
+JADE_BINDS = {  # Each Jade contender's gin bindings.
+  'jade': [],
+  'jade-mean': [MEAN],
+  'jade-xla-attend': [],
+  'jade-bf16': [BF16],
+  'jade-mean-bf16': [MEAN, BF16],
+}
 CONTENDERS = {
-  'jade': run_jade,
-  'jade-mean': run_jade,
-  'jade-xla-attend': run_jade,
+  **{name: run_jade for name in JADE_BINDS},
   'peer': run_peer,
   'peer-tuned': run_peer,
   'full': run_full,
@@ -340,8 +349,8 @@ def child(args):
   if args.child == 'jade-xla-attend':
     os.environ['JADE_CHUNK_KERNEL'] = 'off'
   if args.child.startswith('jade'):
-    mean = [MEAN] if args.child == 'jade-mean' else []
-    kwargs['binds'], kwargs['window'] = args.bind + mean, args.window
+    binds = args.bind + JADE_BINDS[args.child]
+    kwargs['binds'], kwargs['window'] = binds, args.window
   times, vocab = CONTENDERS[args.child](
     args.length, args.steps, args.vocab, **kwargs
   )

@@ -44,10 +44,11 @@ def test_chunked_logits_are_cheaper_than_full_ones():
   setup = ginconf.parse(TINY_GIN, long_bindings(32768, (128, 256)))
   full = preflight.estimate(setup, 32000, 1, 0, n_weights=10**6)
   chunked = preflight.estimate(setup, 32000, 1, 2048, n_weights=10**6)
-  # The logits of one chunk instead of the whole context, and the output
-  # kernel's gradient summed over the chunks.
-  d = setup.model['d_model']
-  want = (3 * 2048 * 32000 + 2 * 32000 * 2 * d) * 4
+  # The logits of one chunk instead of the whole context, the output
+  # kernel's gradient summed over the chunks and its transposed copy, and
+  # the rows transposed.
+  features = 2 * setup.model['d_model']
+  want = (3 * 2048 * 32000 + 3 * 32000 * features + 32768 * features) * 4
   assert chunked.logits == want < full.logits / 15
 
 

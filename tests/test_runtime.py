@@ -24,6 +24,41 @@ def test_a_flag_the_user_set_is_kept():
     assert os.environ['XLA_FLAGS'] == env['XLA_FLAGS']
 
 
+def test_ynnpack_products_are_read_from_the_flags():
+  cases = {
+    '': False,
+    '--xla_cpu_experimental_ynn_fusion_type=': False,
+    '--xla_cpu_experimental_ynn_fusion_type=eltwise,reduce': False,
+    xla.YNN_PRODUCTS: True,
+    '--xla_cpu_experimental_ynn_fusion_type=dot,eltwise': True,
+    f'{xla.YNN_PRODUCTS} --xla_cpu_experimental_ynn_fusion_type=': False,
+  }
+  for flags, want in cases.items():
+    with mock.patch.dict(os.environ, {'XLA_FLAGS': flags}):
+      assert xla.ynn_products() is want, flags
+
+
+def test_bfloat16_products_on_a_cpu_without_ynnpack_are_refused():
+  """`output_loss.products = 'bfloat16'` on the CPU with Jade's flags
+  (XLA's Eigen products would compute them in float32, slower): one line
+  with the fix; with YNNPACK's products, or float32, the run goes on."""
+  from src.core.errors import UserError
+  from src.model import ginconf
+  from src.training import plan
+
+  setup = ginconf.parse(
+    os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
+    ("output_loss.products = 'bfloat16'",),
+  )
+  off = {'XLA_FLAGS': '--xla_cpu_experimental_ynn_fusion_type='}
+  with mock.patch.dict(os.environ, off):
+    with pytest.raises(UserError, match='XLA_FLAGS=--xla_cpu_experimental'):
+      plan._check_products(setup, 'bfloat16')
+    plan._check_products(setup, 'float32')
+  with mock.patch.dict(os.environ, {'XLA_FLAGS': xla.YNN_PRODUCTS}):
+    plan._check_products(setup, 'bfloat16')
+
+
 def test_this_process_runs_with_them():
   # conftest imports `src` before JAX starts its backend.
   flags = os.environ['XLA_FLAGS'].split()

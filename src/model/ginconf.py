@@ -13,7 +13,9 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
 - `lr_schedule`: warmup then rsqrt / cosine / linear / constant decay
   (`src.model.optim.lr_schedule`; `total_steps` comes from the run settings).
 - `optimizer.kind`: which Trax optimizer class to use.
-- `output_loss.chunk_size`: positions whose logits exist at once.
+- `output_loss.chunk_size`, `output_loss.products`: positions whose logits
+  exist at once, and the type the training products read (float32 or
+  bfloat16).
 - `output_layer.halves`, `output_layer.tied`: what the output layer reads
   of the two reversible halves, 'concat' (Trax) or 'mean', and whether it
   scores tokens through the token embedding (`src.model.reformer`): part

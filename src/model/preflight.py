@@ -14,7 +14,8 @@ the per-device batch (float32 everywhere):
   (`3 B L d_ff`, or one chunk of it);
 - logits: training and evaluation compute them `output_loss.chunk_size`
   rows at a time (`3 chunk V`, plus the output kernel's gradient summed
-  over the chunks, `2 V 2 d_model`; all `4 B L V` when chunking is off);
+  over the chunks and its transposed copy, `3 V 2 d_model`, and the rows
+  transposed, `B L 2 d_model`; all `4 B L V` when chunking is off);
 - on CPU, the frameworks themselves (JAX, Trax, compiled programs: `BASELINE`;
   TensorFlow is not loaded, see
   `src.runtime.trax_patches.lazy_tensorflow`).
@@ -167,9 +168,11 @@ def estimate(
   rows = b * length
   if loss_chunk:  # Training and evaluation both chunk their logits.
     # Training makes the output layer's gradient with its loss: a chunk's
-    # logits, exponentials and gradient, and the kernel's gradient summed.
+    # logits, exponentials and gradient, the kernel's gradient summed, and
+    # the kernel's and the rows' second layouts (one product each).
+    features = output_features(setup)
     logits = 3 * min(loss_chunk, rows) * vocab_size
-    logits += 2 * vocab_size * output_features(setup)
+    logits += 3 * vocab_size * features + rows * features
   else:
     logits = 4 * rows * vocab_size
   return Estimate(
@@ -198,6 +201,11 @@ def device_limit() -> tuple[float, str]:
   return float(limit), f'{device.device_kind} has {gb(limit)}'
 
 
+def platform_name() -> str:
+  """This process's devices' platform: 'cpu', 'gpu' or 'tpu'."""
+  return jax.local_devices()[0].platform
+
+
 def check(
   setup,
   vocab_size: int,
@@ -207,7 +215,7 @@ def check(
 ):
   """Raises a one-line UserError if the run will not fit; returns the
   estimate and the limit otherwise (`length`: the training window)."""
-  platform = jax.local_devices()[0].platform
+  platform = platform_name()
   est = estimate(
     setup,
     vocab_size,

@@ -11,6 +11,10 @@ XLA CPU flags (`XLA_CPU_FLAGS`), measured in BENCHMARKS.md:
   model is ~4% faster and its peak memory 0.8 GB (23%) lower.
 
 A flag the user already set in `XLA_FLAGS` (any value) is left as it is.
+bfloat16 products (`output_loss.products`) run only in YNNPACK's products
+on the CPU (Eigen's upcast them to float32, slower than float32 itself):
+`ynn_products()` says whether the user turned those on
+(`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=individual_dot`).
 
 The compilation cache is `src.runtime.compile_cache`.
 """
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import os
 
-XLA_CPU_FLAGS = ('--xla_cpu_experimental_ynn_fusion_type=',)
+YNN_FLAG = '--xla_cpu_experimental_ynn_fusion_type'
+XLA_CPU_FLAGS = (YNN_FLAG + '=',)
+YNN_PRODUCTS = YNN_FLAG + '=individual_dot'  # The flag that turns them on.
 
 
 def configure():
@@ -30,3 +36,14 @@ def configure():
     if name + '=' not in flags:
       flags = f'{flags} {flag}'.strip()
   os.environ['XLA_FLAGS'] = flags
+
+
+def ynn_products() -> bool:
+  """Whether XLA's CPU backend hands matrix products to YNNPACK (the
+  last `--xla_cpu_experimental_ynn_fusion_type` in `XLA_FLAGS` names
+  `dot` or `individual_dot`)."""
+  kinds = ''
+  for flag in os.environ.get('XLA_FLAGS', '').split():
+    if flag.startswith(YNN_FLAG + '='):
+      kinds = flag.split('=', 1)[1]
+  return any(k in ('dot', 'individual_dot') for k in kinds.split(','))

@@ -80,7 +80,7 @@ class JadeLoop(trax_training.Loop):
     *args,
     progress: Progress,
     tokens_per_step,
-    loss_chunk_size: int = 0,
+    output_loss: losses.OutputLoss = losses.NO_CHUNKS,
     signals: StopSignals | None = None,
     keep_checkpoints: int = 2,
     tokens_before: int = 0,
@@ -104,7 +104,7 @@ class JadeLoop(trax_training.Loop):
     self._progress = progress
     self.signals = signals or StopSignals()
     self._tokens_per_step = tokens_per_step
-    self._output_chunk = loss_chunk_size
+    self._output_loss = output_loss
     super().__init__(*args, **kwargs)
     self._rng_per_process = self._cluster.count > 1
     self._running = callbacks.RunningScalars(
@@ -127,9 +127,10 @@ class JadeLoop(trax_training.Loop):
       return None
     return losses.chunked_model(
       model_,
-      self._output_chunk,
+      self._output_loss.chunk_size,
       with_accuracy,
       self._ranges if with_accuracy else (),
+      self._output_loss.products,
     )
 
   def _init_trainer(self, task):

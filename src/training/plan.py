@@ -19,6 +19,7 @@ from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import chatformat, corpus, tokenizer, windows
 from src.model import ginconf, preflight
+from src.runtime import xla
 from src.storage import snapshots
 from src.training import distributed, finetune
 
@@ -189,12 +190,28 @@ def _data(s, fine, leader, markers, window, batch_size, cluster, log) -> dict:
   return {'corpora': corpora, 'views': views, 'batches': batches}
 
 
+def _check_products(setup, products: str):
+  """bfloat16 output products on the CPU need XLA's YNNPACK products:
+  its other products compute them in float32, slower than float32."""
+  if products != 'bfloat16' or preflight.platform_name() != 'cpu':
+    return
+  if not xla.ynn_products():
+    raise UserError(
+      f"{setup.path}: output_loss.products = 'bfloat16' runs on this CPU "
+      "only with XLA's YNNPACK products (Jade turns them off: its float32 "
+      f'products are faster); run with XLA_FLAGS={xla.YNN_PRODUCTS}, or '
+      "set output_loss.products = 'float32'"
+    )
+
+
 def _preflight(setup, vocab_size: int, micro: int, window: int):
   """`(memory, limit, step seconds)` of a step on `window`-token windows,
   checked before anything is compiled; one micro-batch's activations are
   alive at a time."""
+  output = ginconf.output_loss()
+  _check_products(setup, output.products)
   memory, limit = preflight.check(
-    setup, vocab_size, micro, ginconf.output_loss(), window
+    setup, vocab_size, micro, output.chunk_size, window
   )
   seconds = preflight.step_seconds(setup, vocab_size, micro, window)
   return memory, limit, seconds
