@@ -7,6 +7,8 @@ import pytest
 
 from src.runtime import xla
 
+from .conftest import TINY_GIN
+
 
 def test_our_xla_flags_are_added_to_the_users():
   env = {'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
@@ -46,10 +48,7 @@ def test_bfloat16_products_on_a_cpu_without_ynnpack_are_refused():
   from src.model import ginconf
   from src.training import plan
 
-  setup = ginconf.parse(
-    os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
-    ("output_loss.products = 'bfloat16'",),
-  )
+  setup = ginconf.parse(TINY_GIN, ("output_loss.products = 'bfloat16'",))
   off = {'XLA_FLAGS': '--xla_cpu_experimental_ynn_fusion_type='}
   with mock.patch.dict(os.environ, off):
     with pytest.raises(UserError, match='XLA_FLAGS=--xla_cpu_experimental'):

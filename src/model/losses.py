@@ -125,11 +125,11 @@ def _fused_chunk(chunk, kernels, bias):
 
   `chunk` is `(rows as [c, d], the same as [d, c], targets, weights)`;
   `kernels` the output kernel as `[vocab, d]` and `[d, vocab]`: every
-  product reads its operands in the plain layout (`[m, k] x [k, n]`),
-  which XLA's CPU backend can hand to YNNPACK, whose products multiply
-  bfloat16 (Eigen's, which get a transposed operand, do not). The products
-  read the rows and kernels in their own type (float32 or bfloat16) and
-  sum in float32.
+  product reads its operands in the plain layout (`[m, k] x [k, n]`):
+  XLA's CPU backend hands a product with a transposed operand to Eigen,
+  which has no bfloat16 product, and a plain one to YNNPACK where its
+  products are on (`src.runtime.xla`). The products read the rows and
+  kernels in their own type (float32 or bfloat16) and sum in float32.
 
   Returns `((loss sum, hits, d loss/d kernel as [vocab, d], d loss/d
   bias), d loss/d rows as [d, c])`: the sums over chunks, and the chunk's
