@@ -519,6 +519,10 @@ def test_output_loss_settings_are_checked():
     losses.output_loss(512, 'float16')
   with pytest.raises(UserError, match='output_loss.chunk_size'):
     losses.output_loss(-1)
+  # The full logits are float32: bfloat16 products there would not happen.
+  with pytest.raises(UserError, match='needs the chunked loss'):
+    losses.output_loss(0, 'bfloat16')
+  assert losses.output_loss(0) == losses.OutputLoss(0, 'float32')
   setup = ginconf.parse(TINY_GIN, ("output_loss.products = 'bfloat16'",))
   assert setup is not None
   assert ginconf.output_loss() == losses.OutputLoss(512, 'bfloat16')
@@ -550,7 +554,7 @@ def test_a_tied_models_chunked_loss_and_gradients_are_its_logits():
   import jax
 
   setup = ginconf.parse(TINY_GIN, ('output_layer.tied = True',))
-  m = ginconf.init_model(40, 'eval', 64)
+  m = ginconf.init_model(40, 'eval', 64, seed=0)
   assert setup.output.tied and not np.any(m.weights[-1][2])
   rng = np.random.default_rng(2)
   x = np.asarray(rng.integers(1, 20, (2, 64)), np.int32)  # Not 20-39.
@@ -576,7 +580,11 @@ def test_a_tied_models_chunked_loss_and_gradients_are_its_logits():
     g_want, g_got = jax_tree_leaves(g_want[0]), jax_tree_leaves(g_got[0])
     assert [g.shape for g in g_got] == [g.shape for g in g_want]
     for g, gw in zip(g_got, g_want):
-      np.testing.assert_allclose(g, gw, rtol=1e-4, atol=1e-6)
+      # Float32 rounding at the scale of each gradient: the two losses sum
+      # in other orders, and an entry near 0 in a matrix whose largest is
+      # ~4 differs by a few 1e-6 (2 of 30 initializations passed 1e-6).
+      scale = float(np.abs(gw).max())
+      np.testing.assert_allclose(g, gw, rtol=1e-4, atol=2e-6 * scale)
     assert np.any(g_got[-1])  # The copy map's gradient.
     (embedding,) = [g for g in g_got if g.shape == (40, 128)]
     scored_out = np.abs(embedding[20:]).sum(-1) > 0  # Never read in.

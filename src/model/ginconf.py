@@ -422,11 +422,15 @@ def fresh_model(vocab_size: int, offset: str = 'zero'):
   )
 
 
-def init_model(vocab_size: int, mode: str, max_len: int, batch: int = 1):
-  """`model`, initialized for a `[batch, max_len]` int32 input."""
+def init_model(
+  vocab_size: int, mode: str, max_len: int, batch: int = 1, seed=None
+):
+  """`model`, initialized for a `[batch, max_len]` int32 input; with `seed`
+  (an int) the same weights every time, else Trax's per-process draw."""
   built = model(vocab_size, mode)
   length = 1 if mode == 'predict' else max_len
-  built.init(trax.shapes.ShapeDtype((batch, length), np.int32))
+  rng = None if seed is None else trax.fastmath.random.get_prng(seed)
+  built.init(trax.shapes.ShapeDtype((batch, length), np.int32), rng=rng)
   return built
 
 

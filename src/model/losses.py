@@ -43,7 +43,8 @@ def output_loss(chunk_size: int = 512, products: str = 'float32') -> OutputLoss:
       bfloat16 and sum in float32, as a TPU's default precision does; the
       softmax, the loss and the weights stay float32. ~1.6x faster
       products where the CPU has bfloat16 instructions (AVX512-BF16, AMX);
-      evaluation always computes in float32. Chunked loss only.
+      evaluation always computes in float32. Chunked loss only (refused
+      with chunk_size = 0).
 
   Returns:
     The chunk size and the products' type.
@@ -57,6 +58,12 @@ def output_loss(chunk_size: int = 512, products: str = 'float32') -> OutputLoss:
     raise UserError(
       f"output_loss.products = {products!r}: write 'float32' or 'bfloat16' "
       'in the gin file'
+    )
+  if products == 'bfloat16' and not chunk_size:
+    raise UserError(
+      "output_loss.products = 'bfloat16' needs the chunked loss, and "
+      'output_loss.chunk_size = 0 computes the full logits in float32; set '
+      "a chunk size (512) or output_loss.products = 'float32' in the gin file"
     )
   return OutputLoss(int(chunk_size), products)
 
