@@ -21,9 +21,10 @@ Adam, no dropout. Contenders:
   layer reads the mean of the residual halves, as the peer's does;
 - jade-xla-attend: jade with Trax's chunked `attend` on XLA instead of the
   fused kernel (`JADE_CHUNK_KERNEL=off`: the trainer before the kernel);
-- jade-bf16, jade-mean-bf16: jade and jade-mean with `output_loss.products
-  = 'bfloat16'`: the output layer's training products read bfloat16 and
-  sum in float32 (fast where the CPU has AVX512-BF16 or AMX);
+- jade-bf16, jade-mean-bf16: jade and jade-mean with `precision.products
+  = 'bfloat16'`: every training product reads bfloat16 and sums in
+  float32 (fast where the CPU has AVX512-BF16 or AMX; on the CPU with
+  `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=individual_dot`);
 - peer: lucidrains' reformer-pytorch 1.4.4 (`pip install -r
   bench/requirements.txt`, e.g. in its own venv: --peer-python), torch
   threads = cores;
@@ -320,7 +321,7 @@ def cpu_name():
 
 
 MEAN = "output_layer.halves = 'mean'"
-BF16 = "output_loss.products = 'bfloat16'"
+BF16 = "precision.products = 'bfloat16'"
 JADE_BINDS = {  # Each Jade contender's gin bindings.
   'jade': [],
   'jade-mean': [MEAN],
@@ -334,6 +335,7 @@ CONTENDERS = {
   'peer-tuned': run_peer,
   'full': run_full,
 }
+YNN_PRODUCTS = '--xla_cpu_experimental_ynn_fusion_type=individual_dot'
 JEMALLOC = '/usr/lib/x86_64-linux-gnu/libjemalloc.so.2'
 TUNED_ENV = {
   'LD_PRELOAD': JEMALLOC,
@@ -385,6 +387,8 @@ def measure(
   cmd += ['--length', str(length), '--steps', str(steps)]
   cmd += ['--vocab', str(vocab)]
   env = dict(os.environ)
+  if BF16 in JADE_BINDS.get(name, ()):  # bfloat16 products need YNNPACK's.
+    env['XLA_FLAGS'] = f'{env.get("XLA_FLAGS", "")} {YNN_PRODUCTS}'.strip()
   if name == 'peer-tuned':
     if not os.path.exists(JEMALLOC):
       return {'error': f'no {JEMALLOC} (apt install libjemalloc2)'}

@@ -119,6 +119,57 @@ def test_error_in_a_later_piece_names_the_file_line(tmp_path, monkeypatch):
     )
 
 
+class _KilledAtStart:
+  """A tokenizer whose markers end the worker process that unpickles them:
+  a tokenizing worker killed (as for memory) before it answers."""
+
+  def __init__(self, tok):
+    self._tok = tok
+    self.markers = _DyingMarkers(tok.markers)
+
+  def __getattr__(self, name):
+    return getattr(self._tok, name)
+
+
+class _DyingMarkers:
+  def __init__(self, markers):
+    self._markers = markers
+
+  def all(self):
+    return self._markers.all()
+
+  def __reduce__(self):
+    return (os._exit, (9,))
+
+
+def test_a_worker_that_dies_fails_the_run_with_one_line(tmp_path, monkeypatch):
+  """multiprocessing.Pool waited forever for a dead worker's piece; the
+  run now stops with one line, and nothing is cached."""
+  import threading
+
+  data, out = tmp_path / 'data', tmp_path / 'run'
+  write_data(data, n=100)
+  tok, _ = prepare(data, tmp_path / 'first')
+  monkeypatch.setattr(corpus, 'PIECE_BYTES', 1000)
+  monkeypatch.setattr(corpus, 'PARALLEL_MIN_BYTES', 0)
+  raised = []
+
+  def run():
+    try:
+      prepare(data, out, tok=_KilledAtStart(tok), workers=2)
+    except UserError as e:
+      raised.append(str(e))
+
+  worker = threading.Thread(target=run, daemon=True)
+  worker.start()
+  worker.join(120)
+  assert not worker.is_alive(), 'the tokenizing hung on a dead worker'
+  assert len(raised) == 1 and 'a tokenizing process stopped' in raised[0]
+  assert str(data) in raised[0]
+  cache = out / corpus.CACHE_DIR
+  assert not cache.exists() or not os.listdir(cache)
+
+
 def test_tokenizer_trains_on_a_sample_of_big_corpora(tmp_path, monkeypatch):
   data = tmp_path / 'data'
   write_data(data, n=400)

@@ -461,71 +461,14 @@ def test_chunked_loss_gradient_made_in_the_forward_pass_is_exact():
       np.testing.assert_allclose(g, gw, rtol=1e-5, atol=1e-6)
 
 
-def test_bfloat16_output_products_round_only_the_products():
-  """`output_loss.products = 'bfloat16'`: the training loss and its
-  gradients are float32's within bfloat16's rounding of the products'
-  inputs (not bit-equal: the rounding happens), the products are
-  lowered as bfloat16 products, and the evaluation path stays float32."""
-  import jax
-  import jax.numpy as jnp
-
-  rng = np.random.default_rng(3)
-  x = jnp.asarray(rng.normal(size=(2, 40, 32)), jnp.float32)
-  kernel = jnp.asarray(rng.normal(size=(32, 70)) * 0.2, jnp.float32)
-  bias = jnp.asarray(rng.normal(size=(70,)) * 0.1, jnp.float32)
-  targets = jnp.asarray(rng.integers(0, 70, (2, 40)), jnp.int32)
-  weights = jnp.asarray(rng.integers(0, 2, (2, 40)), jnp.float32)
-
-  def loss(x, kernel, bias, products):
-    return losses.chunked_cross_entropy(
-      x, kernel, bias, targets, weights, 16, products=products
-    )
-
-  grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
-  want, grads_want = jax.jit(grad, static_argnums=3)(x, kernel, bias, 'float32')
-  got, grads = jax.jit(grad, static_argnums=3)(x, kernel, bias, 'bfloat16')
-  assert float(got) != float(want)
-  np.testing.assert_allclose(got, want, rtol=2e-3)
-  for g, gw in zip(grads, grads_want):
-    assert g.dtype == jnp.float32
-    scale = float(jnp.max(jnp.abs(gw)))
-    np.testing.assert_allclose(g, gw, atol=1e-2 * scale)
-    assert not np.array_equal(g, gw)
-  hlo = jax.jit(grad, static_argnums=3).lower(x, kernel, bias, 'bfloat16')
-  dots = [ln for ln in hlo.as_text().splitlines() if 'dot_general' in ln]
-  assert len(dots) == 3 and all('bf16' in ln for ln in dots)
-  # Evaluation reads float32 whatever training's products are.
-  metrics = losses.chunked_model(
-    ginconf.init_model(40, 'eval', 64), 16, True, products='bfloat16'
-  )
-  assert metrics.sublayers[-1]._products == 'bfloat16'
-  evaluated = losses.chunked_cross_entropy(
-    x,
-    kernel,
-    bias,
-    targets,
-    weights,
-    16,
-    with_accuracy=True,
-    products='bfloat16',
-  )
-  np.testing.assert_allclose(evaluated[0], want, rtol=1e-5)
-
-
 def test_output_loss_settings_are_checked():
-  assert losses.output_loss() == losses.OutputLoss(512, 'float32')
-  assert losses.output_loss(64, 'bfloat16').products == 'bfloat16'
-  with pytest.raises(UserError, match='output_loss.products'):
-    losses.output_loss(512, 'float16')
+  assert losses.output_loss() == losses.OutputLoss(512)
+  assert losses.output_loss(0) == losses.NO_CHUNKS
   with pytest.raises(UserError, match='output_loss.chunk_size'):
     losses.output_loss(-1)
-  # The full logits are float32: bfloat16 products there would not happen.
-  with pytest.raises(UserError, match='needs the chunked loss'):
-    losses.output_loss(0, 'bfloat16')
-  assert losses.output_loss(0) == losses.OutputLoss(0, 'float32')
-  setup = ginconf.parse(TINY_GIN, ("output_loss.products = 'bfloat16'",))
+  setup = ginconf.parse(TINY_GIN, ('output_loss.chunk_size = 64',))
   assert setup is not None
-  assert ginconf.output_loss() == losses.OutputLoss(512, 'bfloat16')
+  assert ginconf.output_loss() == losses.OutputLoss(64)
 
 
 def test_chunked_model_shares_the_models_weights():

@@ -41,14 +41,14 @@ def test_ynnpack_products_are_read_from_the_flags():
 
 
 def test_bfloat16_products_on_a_cpu_without_ynnpack_are_refused():
-  """`output_loss.products = 'bfloat16'` on the CPU with Jade's flags
+  """`precision.products = 'bfloat16'` on the CPU with Jade's flags
   (XLA's Eigen products would compute them in float32, slower): one line
   with the fix; with YNNPACK's products, or float32, the run goes on."""
   from src.core.errors import UserError
   from src.model import ginconf
   from src.training import plan
 
-  setup = ginconf.parse(TINY_GIN, ("output_loss.products = 'bfloat16'",))
+  setup = ginconf.parse(TINY_GIN, ("precision.products = 'bfloat16'",))
   off = {'XLA_FLAGS': '--xla_cpu_experimental_ynn_fusion_type='}
   with mock.patch.dict(os.environ, off):
     with pytest.raises(UserError, match='XLA_FLAGS=--xla_cpu_experimental'):

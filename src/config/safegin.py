@@ -61,6 +61,7 @@ CONFIGURABLES = frozenset(
     'output_loss',
     'output_layer',
     'positions',
+    'precision',  # precision.products: training's products' type.
     'lsh',  # lsh.directed: model.gin files saved before the classes.
     'residual',
     'smear',

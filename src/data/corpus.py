@@ -34,6 +34,7 @@ import shutil
 import sys
 import time
 import zlib
+from concurrent import futures
 
 import numpy as np
 
@@ -205,16 +206,26 @@ def _encoded_pieces(scanned: Scan, tok, parse_kwargs, workers: int):
     for piece in scanned.pieces:
       yield piece, _encode_piece(piece, num_threads=-1)
     return
-  ctx = multiprocessing.get_context('spawn')
-  # Workers import `src.data` only: no Trax, no JAX.
-  pool = ctx.Pool(workers, initializer=_init_worker, initargs=init)
+  # Workers import `src.data` only: no Trax, no JAX. An executor, not a
+  # `multiprocessing.Pool`: a worker that dies (killed for memory, or one
+  # that cannot start) fails the map, where a Pool waited forever.
+  pool = futures.ProcessPoolExecutor(
+    workers,
+    mp_context=multiprocessing.get_context('spawn'),
+    initializer=_init_worker,
+    initargs=init,
+  )
   try:
-    yield from zip(
-      scanned.pieces, pool.imap(_encode_piece, scanned.pieces, chunksize=1)
-    )
+    yield from zip(scanned.pieces, pool.map(_encode_piece, scanned.pieces))
+  except futures.process.BrokenProcessPool as e:
+    where = os.path.commonpath(scanned.files) if scanned.files else '.'
+    raise UserError(
+      f'{where}: a tokenizing process stopped before it finished '
+      '(out of memory? killed?); nothing was cached: free some memory and '
+      'run again'
+    ) from e
   finally:
-    pool.terminate()
-    pool.join()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _sample(scanned: Scan, parse_kwargs) -> list:

@@ -13,9 +13,9 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
 - `lr_schedule`: warmup then rsqrt / cosine / linear / constant decay
   (`src.model.optim.lr_schedule`; `total_steps` comes from the run settings).
 - `optimizer.kind`: which Trax optimizer class to use.
-- `output_loss.chunk_size`, `output_loss.products`: positions whose logits
-  exist at once, and the type the training products read (float32 or
-  bfloat16).
+- `output_loss.chunk_size`: positions whose logits exist at once.
+- `precision.products`: the type training's matrix products read (float32,
+  or bfloat16 summed in float32; `src.model.precision`).
 - `output_layer.halves`, `output_layer.tied`: what the output layer reads
   of the two reversible halves, 'concat' (Trax) or 'mean', and whether it
   scores tokens through the token embedding (`src.model.reformer`): part
@@ -49,6 +49,7 @@ from src.config import safegin
 from src.core import files, rundir
 from src.core.errors import UserError
 from src.model import attention, losses, optim, reformer, settings, smeared
+from src.model import precision as precision_lib
 
 lr_schedule = gin.external_configurable(
   optim.lr_schedule, module='jade', denylist=['total_steps']
@@ -56,6 +57,7 @@ lr_schedule = gin.external_configurable(
 optimizer = gin.external_configurable(optim.optimizer, module='jade')
 output_loss = gin.external_configurable(losses.output_loss, module='jade')
 positions = gin.external_configurable(reformer.positions, module='jade')
+precision = gin.external_configurable(precision_lib.precision, module='jade')
 for _cls in (
   attention.LocalSelfAttention,
   attention.FastLSHSelfAttention,

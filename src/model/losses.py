@@ -19,53 +19,31 @@ def loss_layer():
   return tl.WeightedCategoryCrossEntropy()
 
 
-PRODUCTS = ('float32', 'bfloat16')
-
-
 class OutputLoss(NamedTuple):
   """How training computes the output layer and loss (`output_loss`)."""
 
   chunk_size: int  # Positions whose logits exist at once; 0: all (Trax's).
-  products: str  # The training products' inputs: 'float32' or 'bfloat16'.
 
 
-NO_CHUNKS = OutputLoss(0, 'float32')  # Trax's loss on the full logits.
+NO_CHUNKS = OutputLoss(0)  # Trax's loss on the full logits.
 
 
-def output_loss(chunk_size: int = 512, products: str = 'float32') -> OutputLoss:
+def output_loss(chunk_size: int = 512) -> OutputLoss:
   """How training computes the output layer and loss (gin: output_loss).
 
   Args:
     chunk_size: Positions (over batch x length) whose logits exist at once;
       0 computes all `[batch, length, vocab]` logits as Trax does.
-    products: 'float32', or 'bfloat16': training's three output-layer
-      products (logits, both gradients) read their inputs rounded to
-      bfloat16 and sum in float32, as a TPU's default precision does; the
-      softmax, the loss and the weights stay float32. ~1.6x faster
-      products where the CPU has bfloat16 instructions (AVX512-BF16, AMX);
-      evaluation always computes in float32. Chunked loss only (refused
-      with chunk_size = 0).
 
   Returns:
-    The chunk size and the products' type.
+    The chunk size. (The products' type is `precision.products`.)
   """
   if chunk_size < 0:
     raise UserError(
       f'output_loss.chunk_size = {chunk_size} must be 0 (off) or positive; '
       'fix it in the gin file'
     )
-  if products not in PRODUCTS:
-    raise UserError(
-      f"output_loss.products = {products!r}: write 'float32' or 'bfloat16' "
-      'in the gin file'
-    )
-  if products == 'bfloat16' and not chunk_size:
-    raise UserError(
-      "output_loss.products = 'bfloat16' needs the chunked loss, and "
-      'output_loss.chunk_size = 0 computes the full logits in float32; set '
-      "a chunk size (512) or output_loss.products = 'float32' in the gin file"
-    )
-  return OutputLoss(int(chunk_size), products)
+  return OutputLoss(int(chunk_size))
 
 
 def position_ranges(max_len: int) -> list[tuple[int, int]]:
@@ -135,8 +113,9 @@ def _fused_chunk(chunk, kernels, bias):
   product reads its operands in the plain layout (`[m, k] x [k, n]`):
   XLA's CPU backend hands a product with a transposed operand to Eigen,
   which has no bfloat16 product, and a plain one to YNNPACK where its
-  products are on (`src.runtime.xla`). The products read the rows and
-  kernels in their own type (float32 or bfloat16) and sum in float32.
+  products are on (`src.runtime.xla`): with `precision.products =
+  'bfloat16'` (`src.model.precision`) they read bfloat16 and sum in
+  float32.
 
   Returns `((loss sum, hits, d loss/d kernel as [vocab, d], d loss/d
   bias), d loss/d rows as [d, c])`: the sums over chunks, and the chunk's
@@ -154,21 +133,18 @@ def _fused_chunk(chunk, kernels, bias):
   hits = jnp.sum(wc * (true >= top).astype(f32))
   target = jnp.arange(logits.shape[0])[:, None] == tc[None, :]
   g = (e * (1.0 / total) - target.astype(f32)) * wc[None, :]
-  gp = g.astype(xc.dtype)
-  dk = jnp.dot(gp, xc, preferred_element_type=f32)
-  dx = jnp.dot(k_dv, gp, preferred_element_type=f32)
+  dk = jnp.dot(g, xc, preferred_element_type=f32)
+  dx = jnp.dot(k_dv, g, preferred_element_type=f32)
   return (loss, hits, dk, jnp.sum(g, axis=1)), dx
 
 
-def _fused_loss(x, kernel, bias, t, w, c, products='float32'):
+def _fused_loss(x, kernel, bias, t, w, c):
   """`(loss sum, hits)` over rows `x` (`[n, d]`, n a multiple of `c`),
   with the gradient made in the forward pass, chunk by chunk: three
   products per chunk (logits, then both gradients) where recomputing the
   logits in the backward pass takes four, and the backward pass only
-  scales what the forward pass kept (`dx`, `[n, d]`, the size of `x`).
-  `products`: the type the products read (`output_loss`)."""
+  scales what the forward pass kept (`dx`, `[n, d]`, the size of `x`)."""
   d = x.shape[-1]
-  kind = jnp.dtype(products)
 
   def forward(x, kernel, bias, t, w):
     def body(carry, chunk):
@@ -176,8 +152,8 @@ def _fused_loss(x, kernel, bias, t, w, c, products='float32'):
       return tuple(a + b for a, b in zip(carry, sums)), dx
 
     # Both layouts of the kernel and of the rows, once a step.
-    kernels = (kernel.T.astype(kind), kernel.astype(kind))
-    rows = x.astype(kind).reshape(-1, c, d)
+    kernels = (kernel.T, kernel)
+    rows = x.reshape(-1, c, d)
     chunks = (rows, rows.transpose(0, 2, 1), t.reshape(-1, c), w.reshape(-1, c))
     zero = jnp.zeros([], jnp.float32)
     start = (zero, zero, jnp.zeros(kernel.shape[::-1]), jnp.zeros_like(bias))
@@ -210,7 +186,6 @@ def chunked_cross_entropy(
   with_accuracy=False,
   ranges=(),
   with_hits=False,
-  products='float32',
 ):
   """Weighted cross-entropy of `x @ kernel + bias`, `chunk_size` rows at a time.
 
@@ -230,8 +205,6 @@ def chunked_cross_entropy(
       ranges.
     with_hits: Also return the weighted count of right guesses and the
       weight total (training: the running accuracy), without gradient.
-    products: Training's products' input type (`output_loss.products`);
-      evaluation computes in float32.
 
   Returns:
     The weighted mean loss, a float32 scalar; with `with_accuracy`, the
@@ -242,7 +215,7 @@ def chunked_cross_entropy(
   x, t, w, c = _chunked_rows(x, targets, weights, chunk_size)
   total = jnp.sum(w)
   if not with_accuracy:
-    loss, hits = _fused_loss(x, kernel, bias, t, w, c, products)
+    loss, hits = _fused_loss(x, kernel, bias, t, w, c)
     if with_hits:
       return loss / total, hits, jax.lax.stop_gradient(total)
     return loss / total
@@ -345,12 +318,10 @@ class ChunkedOutput(tl.Layer):
     chunk_size: int,
     with_accuracy: bool = False,
     ranges=(),
-    products: str = 'float32',
   ):
     n_out = 2 + 2 * len(ranges) if with_accuracy else 1
     super().__init__(n_in=5, n_out=n_out, name='ChunkedOutput')
     self._chunk_size = chunk_size
-    self._products = products
     self._with_accuracy = with_accuracy
     self._ranges = tuple(ranges) if with_accuracy else ()
     if not with_accuracy:
@@ -368,7 +339,6 @@ class ChunkedOutput(tl.Layer):
       with_accuracy=self._with_accuracy,
       ranges=self._ranges,
       with_hits=not self._with_accuracy,
-      products=self._products,
     )
     if self._with_accuracy:
       return out
@@ -405,11 +375,9 @@ def chunked_model(
   chunk_size: int,
   with_accuracy: bool = False,
   ranges=(),
-  products: str = 'float32',
 ):
   """`Serial(model', ChunkedOutput)`: training (loss) or evaluation (loss,
   accuracy) without the full `[batch, length, vocab]` logits; or None.
-  `products`: training's products' input type (`output_loss.products`).
 
   `model'` is `model` with its output `Dense` replaced by `OutputWeights`
   (same layers, same weights, nothing initialized again), so its first
@@ -425,7 +393,7 @@ def chunked_model(
     return None
   return tl.Serial(
     tl.Serial(*body, OutputWeights(head, index)),
-    ChunkedOutput(chunk_size, with_accuracy, ranges, products),
+    ChunkedOutput(chunk_size, with_accuracy, ranges),
   )
 
 

@@ -11,7 +11,7 @@ XLA CPU flags (`XLA_CPU_FLAGS`), measured in BENCHMARKS.md:
   model is ~4% faster and its peak memory 0.8 GB (23%) lower.
 
 A flag the user already set in `XLA_FLAGS` (any value) is left as it is.
-bfloat16 products (`output_loss.products`) run only in YNNPACK's products
+bfloat16 products (`precision.products`) run only in YNNPACK's products
 on the CPU (Eigen's upcast them to float32, slower than float32 itself):
 `ynn_products()` says whether the user turned those on
 (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=individual_dot`).

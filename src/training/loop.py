@@ -11,10 +11,11 @@ import numpy as np
 import trax
 from trax import optimizers as trax_optimizers
 from trax.layers import base as trax_base
+from trax.optimizers import trainer as trax_trainer
 from trax.supervised import training as trax_training
 
 from src.core.signals import StopSignals
-from src.model import losses
+from src.model import losses, precision
 from src.runtime import heap
 from src.storage import snapshots
 from src.training import callbacks, distributed
@@ -43,6 +44,20 @@ class CompileFirstTrainer(trax_optimizers.Trainer):
   """
 
   _compiled = False
+
+  def __init__(self, model_with_loss, optimizer, products='float32', **kw):
+    super().__init__(model_with_loss, optimizer, **kw)
+    if products != 'float32':  # `precision.products`: the step's products.
+      self._forward_and_backward_fn = precision.with_products(
+        self._forward_and_backward_fn, products
+      )
+      self._accelerated_update_fn = trax_trainer._accelerate_update_fn(
+        self._forward_and_backward_fn,
+        self._optimizer,
+        n_devices=self._n_devices,
+        accelerate=True,
+        adasum=self._adasum,
+      )
 
   def one_step(self, batch, rng, step=0, learning_rate=None):
     update = self._accelerated_update_fn
@@ -81,6 +96,7 @@ class JadeLoop(trax_training.Loop):
     progress: Progress,
     tokens_per_step,
     output_loss: losses.OutputLoss = losses.NO_CHUNKS,
+    products: str = 'float32',
     signals: StopSignals | None = None,
     keep_checkpoints: int = 2,
     tokens_before: int = 0,
@@ -105,6 +121,7 @@ class JadeLoop(trax_training.Loop):
     self.signals = signals or StopSignals()
     self._tokens_per_step = tokens_per_step
     self._output_loss = output_loss
+    self._products = products  # `precision.products`: training's only.
     super().__init__(*args, **kwargs)
     self._rng_per_process = self._cluster.count > 1
     self._running = callbacks.RunningScalars(
@@ -130,7 +147,6 @@ class JadeLoop(trax_training.Loop):
       self._output_loss.chunk_size,
       with_accuracy,
       self._ranges if with_accuracy else (),
-      self._output_loss.products,
     )
 
   def _init_trainer(self, task):
@@ -138,14 +154,16 @@ class JadeLoop(trax_training.Loop):
     `[batch, length, vocab]` logits never exist in training, so large
     vocabularies fit."""
     fused = self._chunked(self._model, with_accuracy=False)
+    if fused is None and (self._accumulate > 1 or self._products != 'float32'):
+      fused = trax.layers.Serial(self._model, task.loss_layer)  # Trax's.
     if self._accumulate > 1:
-      if fused is None:  # Trax's own model-with-loss, accumulated.
-        fused = trax.layers.Serial(self._model, task.loss_layer)
       fused = losses.Accumulate(fused, self._accumulate)
     if fused is None:
       return super()._init_trainer(task)
     task.optimizer.tree_init(fused.weights)
-    return CompileFirstTrainer(fused, task.optimizer, adasum=self._adasum)
+    return CompileFirstTrainer(
+      fused, task.optimizer, adasum=self._adasum, products=self._products
+    )
 
   def _init_evaluator(self, eval_task):
     """Trax's evaluator, with loss and accuracy computed from chunked

@@ -191,16 +191,16 @@ def _data(s, fine, leader, markers, window, batch_size, cluster, log) -> dict:
 
 
 def _check_products(setup, products: str):
-  """bfloat16 output products on the CPU need XLA's YNNPACK products:
-  its other products compute them in float32, slower than float32."""
+  """bfloat16 products on the CPU need XLA's YNNPACK products: its other
+  products compute them in float32, slower than float32."""
   if products != 'bfloat16' or preflight.platform_name() != 'cpu':
     return
   if not xla.ynn_products():
     raise UserError(
-      f"{setup.path}: output_loss.products = 'bfloat16' runs on this CPU "
+      f"{setup.path}: precision.products = 'bfloat16' runs on this CPU "
       "only with XLA's YNNPACK products (Jade turns them off: its float32 "
       f'products are faster); run with XLA_FLAGS={xla.YNN_PRODUCTS}, or '
-      "set output_loss.products = 'float32'"
+      "set precision.products = 'float32'"
     )
 
 
@@ -209,7 +209,7 @@ def _preflight(setup, vocab_size: int, micro: int, window: int):
   checked before anything is compiled; one micro-batch's activations are
   alive at a time."""
   output = ginconf.output_loss()
-  _check_products(setup, output.products)
+  _check_products(setup, ginconf.precision())
   memory, limit = preflight.check(
     setup, vocab_size, micro, output.chunk_size, window
   )

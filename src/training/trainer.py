@@ -277,6 +277,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
       progress=progress,
       tokens_per_step=tokens_per_step,
       output_loss=ginconf.output_loss(),
+      products=ginconf.precision(),
       signals=StopSignals(),
       keep_checkpoints=s['keep-checkpoints'],
       tokens_before=(

@@ -1,0 +1,144 @@
+"""`precision.products = 'bfloat16'`: the step's products read bfloat16
+and sum in float32 (`src.model.precision`), everywhere in the step and
+nowhere else."""
+
+import os
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from src.core.errors import UserError
+from src.model import ginconf, losses, precision
+from src.runtime import xla
+
+from .conftest import MICRO, TINY_GIN, train_settings
+
+TYPE = r'tensor<(?:[^>]*x)?([a-z]+\d+)>'  # A tensor's element type.
+
+
+def dots(fn, *args):
+  """The lowered products of `jit(fn)`: `[(input types, output type)]`,
+  each type the element type's name ('f32', 'bf16', 'i32')."""
+  text = jax.jit(fn).lower(*args).as_text()
+  found = []
+  for line in re.findall(r'stablehlo.dot_general[^\n]*', text):
+    ins, out = line.rsplit(': (', 1)[1].split(') -> ')
+    kinds = re.findall(TYPE, ins)
+    found.append((tuple(kinds), re.findall(TYPE, out)[0]))
+  return found
+
+
+def test_every_nested_float32_product_reads_bfloat16():
+  """Products in scans, loops, conditionals and rematerialized code, and
+  their gradients, read bfloat16 and sum in float32; integer and bfloat16
+  products stay as they are; the result is float32's within bfloat16's
+  rounding, not bit-equal."""
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.normal(size=(32, 32)) / 6, jnp.float32)
+  x = jnp.asarray(rng.normal(size=(4, 3, 32)), jnp.float32)
+  n = jnp.asarray(rng.integers(0, 5, (3, 3)), jnp.int32)
+
+  def f(w, x):
+    def step(c, xi):
+      return jnp.tanh(c @ w) + xi, (c @ w).sum()
+
+    c, ys = jax.lax.scan(step, x[0], x)
+    c = jax.checkpoint(lambda a: jnp.sin(a @ w.T))(c)
+    c = jax.lax.cond(c.sum() > 0, lambda a: a @ w, lambda a: a * 2.0, c)
+    c = jax.lax.fori_loop(0, 2, lambda i, a: jnp.cos(a @ w), c)
+    kept = (n @ n).sum() + (w.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16))
+    return (c**2).sum() + ys.sum() + kept.astype(jnp.float32).sum()
+
+  grad = jax.value_and_grad(f)
+  rewritten = precision.bfloat16_products(grad)
+  before, after = dots(grad, w, x), dots(rewritten, w, x)
+  assert len(after) == len(before) >= 12
+  low = (('bf16', 'bf16'), 'f32')
+  for was, now in zip(sorted(before), sorted(after)):
+    if was == (('f32', 'f32'), 'f32'):
+      assert now == low
+    else:  # The integer product and the bfloat16 one, as they were.
+      assert now == was
+  assert after.count(low) == before.count((('f32', 'f32'), 'f32')) >= 10
+  (want, g_want), (got, g_got) = jax.jit(grad)(w, x), jax.jit(rewritten)(w, x)
+  assert got.dtype == g_got.dtype == jnp.float32
+  assert float(got) != float(want)
+  np.testing.assert_allclose(got, want, rtol=2e-2)
+  err = np.linalg.norm(g_got - g_want) / np.linalg.norm(g_want)
+  assert 0 < err < 3e-2
+
+
+def test_the_chunked_loss_reads_bfloat16_and_evaluation_float32():
+  """The output layer and loss: the three products per chunk (logits, both
+  gradients) read bfloat16; loss and gradients within bfloat16 rounding;
+  `with_products('float32')` is the function itself."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(2, 40, 32)), jnp.float32)
+  kernel = jnp.asarray(rng.normal(size=(32, 70)) * 0.2, jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(70,)) * 0.1, jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 70, (2, 40)), jnp.int32)
+  weights = jnp.asarray(rng.integers(0, 2, (2, 40)), jnp.float32)
+
+  def loss(x, kernel, bias):
+    return losses.chunked_cross_entropy(x, kernel, bias, targets, weights, 16)
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  assert precision.with_products(grad, 'float32') is grad
+  rewritten = precision.with_products(grad, 'bfloat16')
+  assert dots(rewritten, x, kernel, bias) == [(('bf16', 'bf16'), 'f32')] * 3
+  want, grads_want = jax.jit(grad)(x, kernel, bias)
+  got, grads = jax.jit(rewritten)(x, kernel, bias)
+  assert float(got) != float(want)
+  np.testing.assert_allclose(got, want, rtol=2e-3)
+  for g, gw in zip(grads, grads_want):
+    assert g.dtype == jnp.float32 and not np.array_equal(g, gw)
+    np.testing.assert_allclose(g, gw, atol=1e-2 * float(jnp.abs(gw).max()))
+
+
+def test_settings_are_checked():
+  assert precision.precision() == 'float32'
+  assert precision.precision('bfloat16') == 'bfloat16'
+  with pytest.raises(UserError, match='precision.products'):
+    precision.precision('float16')
+  ginconf.parse(TINY_GIN, ("precision.products = 'bfloat16'",))
+  assert ginconf.precision() == 'bfloat16'
+  ginconf.parse(TINY_GIN)
+  assert ginconf.precision() == 'float32'
+
+
+def test_a_run_trains_with_bfloat16_products(tmp_path):
+  """train(): the step's update reads bfloat16 in every product of the
+  model and loss (no float32 product left), it trains (the loss falls),
+  and the run refuses bfloat16 on a CPU without YNNPACK's products."""
+  from src.training import trainer
+
+  binds = (*MICRO, "precision.products = 'bfloat16'")
+  settings = train_settings(tmp_path / 'off', steps=2)
+  off = {'XLA_FLAGS': '--xla_cpu_experimental_ynn_fusion_type='}
+  with mock.patch.dict(os.environ, off):
+    with pytest.raises(UserError, match='precision.products'):
+      trainer.train(settings, gin_bindings=binds, log=lambda line: None)
+  lines = []
+  settings = train_settings(tmp_path / 'run', steps=8, **{'eval-every': 8})
+  with mock.patch.dict(os.environ, {'XLA_FLAGS': xla.YNN_PRODUCTS}):
+    loop = trainer.train(settings, gin_bindings=binds, log=lines.append)
+  # The model's and the loss's products, forward and backward; the update
+  # around them (the optimizer, the weights' and gradients' norms) is
+  # float32's.
+  step = loop._trainer_per_task[0]
+  model = step._accelerated_model_with_loss
+  batch = loop._tasks[0].next_batch()
+  key = jax.random.PRNGKey(0)
+  found = dots(
+    step._forward_and_backward_fn, batch, model.weights, model.state, key
+  )
+  assert len(found) > 20
+  assert {kinds for kinds in found if 'i32' not in kinds[0]} == {
+    (('bf16', 'bf16'), 'f32')
+  }
+  history = loop.history.get('train', 'metrics/loss')
+  assert history[-1][1] < history[0][1]
