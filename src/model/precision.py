@@ -62,6 +62,23 @@ def with_products(fn, products: str):
   return fn if products == 'float32' else bfloat16_products(fn)
 
 
+def explained(error: Exception) -> UserError | None:
+  """One line for XLA's CPU backend failing a bfloat16 product at run time
+  (with YNNPACK's individual products, a product XLA hands to its own dot
+  instead: "Unsupported element type for DotThunk::Execute: BF16 x BF16 =
+  F32"); None for any other error."""
+  text = str(error)
+  if 'DotThunk' not in text or 'BF16' not in text:
+    return None
+  return UserError(
+    "precision.products = 'bfloat16': XLA's CPU backend cannot run one of "
+    "this model's bfloat16 products with YNNPACK's individual products "
+    '(a product with transposed operands); run with XLA_FLAGS='
+    '--xla_cpu_experimental_ynn_fusion_type=dot (slower on some models), '
+    "or set precision.products = 'float32'"
+  )
+
+
 def bfloat16_products(fn):
   """`fn` with every float32 x float32 `dot_general` reading bfloat16
   inputs and summing in float32 (see the module's docstring)."""

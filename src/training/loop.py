@@ -47,6 +47,7 @@ class CompileFirstTrainer(trax_optimizers.Trainer):
 
   def __init__(self, model_with_loss, optimizer, products='float32', **kw):
     super().__init__(model_with_loss, optimizer, **kw)
+    self._checked = products == 'float32'  # The first step's products ran.
     if products != 'float32':  # `precision.products`: the step's products.
       self._forward_and_backward_fn = precision.with_products(
         self._forward_and_backward_fn, products
@@ -80,7 +81,17 @@ class CompileFirstTrainer(trax_optimizers.Trainer):
         rng,
       ).compile()
       heap.release()
-    return super().one_step(batch, rng, step, learning_rate)
+    out = super().one_step(batch, rng, step, learning_rate)
+    if not self._checked:  # XLA may fail a bfloat16 product as it runs.
+      self._checked = True
+      try:
+        jax.block_until_ready(out)
+      except jax.errors.JaxRuntimeError as e:
+        line = precision.explained(e)
+        if line is None:
+          raise
+        raise line from e
+    return out
 
 
 class JadeLoop(trax_training.Loop):
