@@ -148,7 +148,8 @@ def test_xlas_failing_bfloat16_product_is_one_line(tmp_path):
   """With YNNPACK's individual products XLA's CPU backend fails some
   bfloat16 products as the step runs (a product whose operands it keeps
   transposed goes to its own dot): one line with the fixes, not a
-  traceback; with YNNPACK's fused products the same run trains."""
+  traceback; with YNNPACK's fused products the same run trains, on 8
+  devices."""
   binds = ['--bind', "precision.products = 'bfloat16'"]
   individual = {'XLA_FLAGS': xla.YNN_PRODUCTS}
   r = run_script([*micro_args(str(tmp_path / 'a'), 2), *binds], individual)
@@ -157,6 +158,11 @@ def test_xlas_failing_bfloat16_product_is_one_line(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith('error: ') and 'precision.products' in last
     assert '--xla_cpu_experimental_ynn_fusion_type=dot' in last
-  fused = {'XLA_FLAGS': '--xla_cpu_experimental_ynn_fusion_type=dot'}
-  r = run_script([*micro_args(str(tmp_path / 'b'), 2), *binds], fused)
+  # YNNPACK's fused products run it, on 8 devices too (Trax's pmap'd step
+  # calls the rewritten function).
+  flags = '--xla_cpu_experimental_ynn_fusion_type=dot'
+  fused = {'XLA_FLAGS': f'{flags} --xla_force_host_platform_device_count=8'}
+  args = [*micro_args(str(tmp_path / 'b'), 2), '--batch-size', '8', *binds]
+  r = run_script(args, fused)
   assert r.returncode == 0, r.stderr[-2000:]
+  assert '8 device(s)' in r.stdout + r.stderr
