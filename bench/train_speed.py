@@ -68,6 +68,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.common import CHUNK, D_FF, D_HEAD, HEADS, LAYERS, VOCAB, D  # noqa: E402
+from src.runtime.xla import YNN_PRODUCTS  # noqa: E402
 
 FF_CHUNK = 4096  # Positions per feed-forward chunk (gin/reformer_32k.gin).
 
@@ -335,7 +336,6 @@ CONTENDERS = {
   'peer-tuned': run_peer,
   'full': run_full,
 }
-YNN_PRODUCTS = '--xla_cpu_experimental_ynn_fusion_type=individual_dot'
 JEMALLOC = '/usr/lib/x86_64-linux-gnu/libjemalloc.so.2'
 TUNED_ENV = {
   'LD_PRELOAD': JEMALLOC,

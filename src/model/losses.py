@@ -4,7 +4,6 @@ evaluation (loss and accuracy, also by position in the context)."""
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +18,7 @@ def loss_layer():
   return tl.WeightedCategoryCrossEntropy()
 
 
-class OutputLoss(NamedTuple):
-  """How training computes the output layer and loss (`output_loss`)."""
-
-  chunk_size: int  # Positions whose logits exist at once; 0: all (Trax's).
-
-
-NO_CHUNKS = OutputLoss(0)  # Trax's loss on the full logits.
-
-
-def output_loss(chunk_size: int = 512) -> OutputLoss:
+def output_loss(chunk_size: int = 512) -> int:
   """How training computes the output layer and loss (gin: output_loss).
 
   Args:
@@ -43,7 +33,7 @@ def output_loss(chunk_size: int = 512) -> OutputLoss:
       f'output_loss.chunk_size = {chunk_size} must be 0 (off) or positive; '
       'fix it in the gin file'
     )
-  return OutputLoss(int(chunk_size))
+  return int(chunk_size)
 
 
 def position_ranges(max_len: int) -> list[tuple[int, int]]:
@@ -313,12 +303,7 @@ class ChunkedOutput(tl.Layer):
   accuracy; they are not part of the model's state or checkpoints.
   """
 
-  def __init__(
-    self,
-    chunk_size: int,
-    with_accuracy: bool = False,
-    ranges=(),
-  ):
+  def __init__(self, chunk_size: int, with_accuracy: bool = False, ranges=()):
     n_out = 2 + 2 * len(ranges) if with_accuracy else 1
     super().__init__(n_in=5, n_out=n_out, name='ChunkedOutput')
     self._chunk_size = chunk_size
@@ -371,10 +356,7 @@ def hit_counts(model_with_loss_state):
 
 
 def chunked_model(
-  model,
-  chunk_size: int,
-  with_accuracy: bool = False,
-  ranges=(),
+  model, chunk_size: int, with_accuracy: bool = False, ranges=()
 ):
   """`Serial(model', ChunkedOutput)`: training (loss) or evaluation (loss,
   accuracy) without the full `[batch, length, vocab]` logits; or None.

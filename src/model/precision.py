@@ -29,6 +29,7 @@ from jax.extend import core as jax_core
 from jax.tree_util import tree_structure
 
 from src.core.errors import UserError
+from src.runtime import xla
 
 PRODUCTS = ('float32', 'bfloat16')
 _F32 = jnp.dtype('float32')
@@ -73,9 +74,8 @@ def explained(error: Exception) -> UserError | None:
   return UserError(
     "precision.products = 'bfloat16': XLA's CPU backend cannot run one of "
     "this model's bfloat16 products with YNNPACK's individual products "
-    '(a product with transposed operands); run with XLA_FLAGS='
-    '--xla_cpu_experimental_ynn_fusion_type=dot (slower on some models), '
-    "or set precision.products = 'float32'"
+    f'(a product with transposed operands); run with XLA_FLAGS={xla.YNN_FLAG}'
+    "=dot (slower on some models), or set precision.products = 'float32'"
   )
 
 
@@ -155,23 +155,17 @@ def _rewrite_param(value):
 
 
 def _rewrite_closed(closed):
-  if not any(_has_product(closed.jaxpr)):
+  if not _has_product(closed.jaxpr):
     return closed
   return jax.make_jaxpr(lambda *a: _evaluate(closed.jaxpr, closed.consts, a))(
     *closed.in_avals
   )
 
 
-def _has_product(jaxpr):
-  """Yields True for each float32 product in `jaxpr`, nested ones too."""
-  for eqn in jaxpr.eqns:
-    if _is_float32_product(eqn):
-      yield True
-      return
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, tuple) else (value,):
-        if isinstance(sub, jax_core.ClosedJaxpr):
-          sub = sub.jaxpr
-        if isinstance(sub, jax_core.Jaxpr) and any(_has_product(sub)):
-          yield True
-          return
+def _has_product(jaxpr) -> bool:
+  """Whether `jaxpr` holds a float32 product, in a nested jaxpr too."""
+  return any(
+    _is_float32_product(eqn)
+    or any(map(_has_product, jax_core.jaxprs_in_params(eqn.params)))
+    for eqn in jaxpr.eqns
+  )

@@ -106,7 +106,7 @@ class JadeLoop(trax_training.Loop):
     *args,
     progress: Progress,
     tokens_per_step,
-    output_loss: losses.OutputLoss = losses.NO_CHUNKS,
+    loss_chunk_size: int = 0,
     products: str = 'float32',
     signals: StopSignals | None = None,
     keep_checkpoints: int = 2,
@@ -131,7 +131,7 @@ class JadeLoop(trax_training.Loop):
     self._progress = progress
     self.signals = signals or StopSignals()
     self._tokens_per_step = tokens_per_step
-    self._output_loss = output_loss
+    self._output_chunk = loss_chunk_size
     self._products = products  # `precision.products`: training's only.
     super().__init__(*args, **kwargs)
     self._rng_per_process = self._cluster.count > 1
@@ -155,7 +155,7 @@ class JadeLoop(trax_training.Loop):
       return None
     return losses.chunked_model(
       model_,
-      self._output_loss.chunk_size,
+      self._output_chunk,
       with_accuracy,
       self._ranges if with_accuracy else (),
     )

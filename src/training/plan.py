@@ -208,10 +208,9 @@ def _preflight(setup, vocab_size: int, micro: int, window: int):
   """`(memory, limit, step seconds)` of a step on `window`-token windows,
   checked before anything is compiled; one micro-batch's activations are
   alive at a time."""
-  output = ginconf.output_loss()
   _check_products(setup, ginconf.precision())
   memory, limit = preflight.check(
-    setup, vocab_size, micro, output.chunk_size, window
+    setup, vocab_size, micro, ginconf.output_loss(), window
   )
   seconds = preflight.step_seconds(setup, vocab_size, micro, window)
   return memory, limit, seconds

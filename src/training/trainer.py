@@ -276,7 +276,7 @@ def _build_loop(plan, cluster, progress, init_text, log) -> JadeLoop:
       random_seed=s['seed'],
       progress=progress,
       tokens_per_step=tokens_per_step,
-      output_loss=ginconf.output_loss(),
+      loss_chunk_size=ginconf.output_loss(),
       products=ginconf.precision(),
       signals=StopSignals(),
       keep_checkpoints=s['keep-checkpoints'],
@@ -324,7 +324,7 @@ def _add_full_context(loop, plan, progress):
     plan.gin.max_len,
     s['ai-only-loss'],
     model=lambda: ginconf.model(vocab, 'eval'),
-    chunk=ginconf.output_loss().chunk_size,
+    chunk=ginconf.output_loss(),
     progress=progress,
     last=s['steps'],
   )
