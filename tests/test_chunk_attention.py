@@ -18,7 +18,7 @@ import trax
 from jax import numpy as jnp
 from trax.layers.research import efficient_attention as ea
 
-from src.model import attention, chunk_attention, smeared
+from src.model import attention, chunk_attention, kernels, smeared
 
 from .conftest import run_script
 
@@ -33,7 +33,7 @@ def always(monkeypatch):
     pytest.skip("no C++ compiler here: Trax's attend runs (tested below)")
   monkeypatch.setattr(chunk_attention, 'MIN_SCORES', 0)
   monkeypatch.delenv('JADE_CHUNK_KERNEL', raising=False)
-  assert chunk_attention._registered(), 'the kernel did not build here'
+  assert kernels.ready(), 'the kernels did not build here'
 
 
 def _mask(flags):
@@ -223,10 +223,10 @@ from src import runtime
 runtime.bootstrap()
 import jax.numpy as jnp
 from trax.layers.research import efficient_attention as ea
-from src.model import chunk_attention as ca
+from src.model import chunk_attention as ca, kernels
 ca.MIN_SCORES = 0
 q = jnp.ones((256, 16), jnp.float32)
-used = ca._registered()
+used = kernels.ready()
 out = ca.attend(q, None, q, q_chunk_len=32, n_chunks_before=1)[0]
 ref = ea.attend(q, None, q, q_chunk_len=32, n_chunks_before=1)[0]
 print(json.dumps({'used': used, 'same': float(jnp.max(jnp.abs(out - ref)))}))
@@ -262,7 +262,7 @@ def test_without_a_compiler_traxs_attend_runs_with_one_note(tmp_path):
     PATH=str(tmp_path),  # No c++ here.
   )
   assert not found['used'] and found['same'] == 0.0
-  assert 'the fused chunk attention is not used (no C++ compiler' in err
+  assert 'the CPU kernels are not used (no C++ compiler' in err
   if shutil.which('c++') or shutil.which('g++'):
     found, _ = _probe(JADE_COMPILE_CACHE='off')  # Built, used.
     assert found['used'] and found['same'] < 1e-5

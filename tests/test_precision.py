@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from src.core.errors import UserError
-from src.model import ginconf, losses, precision
+from src.model import ginconf, kernels, losses, precision
 from src.runtime import xla
 
 from .conftest import MICRO, TINY_GIN, micro_args, run_script, train_settings
@@ -99,6 +99,59 @@ def test_the_chunked_loss_reads_bfloat16_and_evaluation_float32():
     np.testing.assert_allclose(g, gw, atol=1e-2 * float(jnp.abs(gw).max()))
 
 
+def _bits(x):
+  return np.asarray(x).view(np.uint16)
+
+
+def test_the_kernels_round_as_xla_does():
+  """The CPU kernels' float32 -> bfloat16 (plain, and transposed in one
+  pass) is XLA's convert bit for bit: ties to even, NaN, infinities,
+  signed zeros, subnormals, shapes that are not whole tiles."""
+  assert kernels.ready(), 'the kernels did not build here'
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(3, 70, 130)).astype(np.float32)
+  one = np.float32(1.0).view(np.uint32)
+  special = np.array(
+    [one + 0x8000, one + 0x18000, one + 0x7FFF, one + 0x8001], np.uint32
+  ).view(np.float32)  # Ties to even either way, and either side of a tie.
+  x.flat[:10] = [*special, np.nan, np.inf, -np.inf, -0.0, 1e-40, 3e38]
+  x = jnp.asarray(x)
+  cast = jax.jit(precision._cast)(x)
+  assert cast.dtype == jnp.bfloat16
+  assert np.array_equal(_bits(cast), _bits(x.astype(jnp.bfloat16)))
+  flipped = jax.jit(precision._cast_transpose)(x)
+  want = jnp.swapaxes(x, 1, 2).astype(jnp.bfloat16)
+  assert flipped.shape == (3, 130, 70)
+  assert np.array_equal(_bits(flipped), _bits(want))
+
+
+def test_a_products_layout_is_one_ynnpack_runs():
+  """A product whose left operand is contracted on its first dimensions
+  (a weight's gradient, x^T g) reads the kernels' transposed copy, and a
+  transpose of a product is computed as the swapped product, not left to
+  XLA (which would fold it back into a layout YNNPACK does not take); the
+  values are the plain bfloat16 products'."""
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.normal(size=(2, 48, 40)), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(2, 48, 24)), jnp.float32)
+
+  def f(x, g):
+    gradient = jnp.einsum('btd,bte->de', x, g)  # x^T g: contracted first.
+    batched = jnp.einsum('btd,bte->bed', x, g)  # A transposed product.
+    return gradient, jnp.swapaxes(batched, 1, 2)
+
+  rewritten = jax.jit(precision.bfloat16_products(f))
+  text = rewritten.lower(x, g).as_text()
+  assert text.count('jade_cast_transpose_bf16') >= 2
+  with mock.patch.object(precision, '_kernels_ready', lambda: False):
+    plain = jax.jit(precision.bfloat16_products(f))
+    assert 'jade_cast' not in plain.lower(x, g).as_text()
+    want = plain(x, g)
+  for got, w in zip(rewritten(x, g), want):
+    assert got.shape == w.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+
+
 def test_settings_are_checked():
   assert precision.precision() == 'float32'
   assert precision.precision('bfloat16') == 'bfloat16'
@@ -144,15 +197,18 @@ def test_a_run_trains_with_bfloat16_products(tmp_path):
   assert history[-1][1] < history[0][1]
 
 
-def test_xlas_failing_bfloat16_product_is_one_line(tmp_path):
-  """With YNNPACK's individual products XLA's CPU backend fails some
-  bfloat16 products as the step runs (a product whose operands it keeps
-  transposed goes to its own dot): one line with the fixes, not a
-  traceback; with YNNPACK's fused products the same run trains, on 8
-  devices."""
+def test_bfloat16_products_run_in_ynnpacks_individual_products(tmp_path):
+  """With YNNPACK's individual products the micro model trains: every
+  product reaches YNNPACK in its layout (the kernels' casts). Without the
+  kernels (no compiler), XLA's CPU backend fails some bfloat16 products
+  as the step runs: one line with the fixes, not a traceback. With
+  YNNPACK's fused products the run trains on 8 devices."""
   binds = ['--bind', "precision.products = 'bfloat16'"]
   individual = {'XLA_FLAGS': xla.YNN_PRODUCTS}
   r = run_script([*micro_args(str(tmp_path / 'a'), 2), *binds], individual)
+  assert r.returncode == 0, r.stderr[-2000:]
+  without = {**individual, 'JADE_COMPILE_CACHE': 'off', 'PATH': str(tmp_path)}
+  r = run_script([*micro_args(str(tmp_path / 'c'), 2), *binds], without)
   assert 'Traceback' not in r.stderr
   if r.returncode:  # jaxlib 0.10.2 fails it; a later one may run it.
     last = r.stderr.strip().splitlines()[-1]

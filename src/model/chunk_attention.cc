@@ -6,7 +6,7 @@
 // same computation as whole-length passes (scores, masks, log-sum-exp,
 // exponentials, the adjacent-chunk copies), memory-bound at ~15% of the
 // matmul rate (BENCHMARKS.md).
-// Built and loaded by src/model/chunk_attention.py; never edited there.
+// Built and loaded by src/model/kernels.py; never edited there.
 //
 // Inputs carry any leading dimensions (vmap's): [..., n, d]. Keys arrive
 // scaled as Trax scales them; positions (`qi`, `ki`) arrive as `attend`
@@ -14,15 +14,13 @@
 // intra-op threads (the caller works too, so a busy pool never stalls it).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -342,28 +340,6 @@ struct Backward {
   }
 };
 
-// Runs body(task, scratch) for every task on XLA's pool and this thread.
-template <typename Body>
-void run_all(ffi::ThreadPool& pool, int64_t tasks, const Body& body) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  // A helper that starts after every task was taken returns at once,
-  // touching only `shared` (kept alive by its own reference).
-  auto drain = [shared, tasks, &body]() {
-    Scratch scratch;
-    int64_t mine = 0;
-    for (int64_t t; (t = shared->next.fetch_add(1)) < tasks; ++mine)
-      body(t, scratch);
-    shared->done.fetch_add(mine);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([drain]() { drain(); });
-  drain();
-  while (shared->done.load() < tasks) std::this_thread::yield();
-}
-
 // The shape of a call, checked: any mismatch is the call's error.
 ffi::Error shape_of(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer qi, ffi::AnyBuffer ki, int64_t chunk,
@@ -431,7 +407,7 @@ ffi::Error forward_impl(ffi::ThreadPool pool, ffi::AnyBuffer q,
     return e;
   f.o = o->typed_data<float>();
   f.lse = lse->typed_data<float>();
-  run_all(pool, f.tasks(), f);
+  jade::run_all<Scratch>(pool, f.tasks(), f);
   return ffi::Error::Success();
 }
 
@@ -457,7 +433,7 @@ ffi::Error backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer q,
   const Shape& s = f.in.s;
   std::vector<float> edge(f.tasks() * s.before * s.chunk * (s.d + s.dv));
   f.edge = edge.data();
-  run_all(pool, f.tasks(), f);
+  jade::run_all<Scratch>(pool, f.tasks(), f);
   f.fold_edges();
   return ffi::Error::Success();
 }

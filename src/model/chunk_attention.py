@@ -21,26 +21,15 @@ or TPU, dropout), so a model's numbers never depend on which ran beyond
 float rounding. `JADE_CHUNK_KERNEL=off` keeps Trax's everywhere;
 `=always` takes the kernel for every call it applies to.
 
-The kernel is compiled once per source, jaxlib and CPU with the system's
-C++ compiler (`c++`, ~3 s) into the kernels' folder beside the
-compilation cache (src/runtime/compile_cache.py: every folder checked,
-never through a link, this user's own, 0700) and loaded from the held
-folder. Where that folder is off or unsafe, the build goes to a fresh
-private temporary folder, removed once loaded; without a compiler (or
-where a library cannot be loaded) Trax's `attend` runs, and
-`JADE_VERBOSE=1` says why in one line.
+The kernel is built and loaded with the project's other CPU kernels
+(`src.model.kernels`); without a compiler (or where the library cannot be
+loaded) Trax's `attend` runs, and `JADE_VERBOSE=1` says why in one line.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -48,12 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from trax.layers.research import efficient_attention as ea
 
-SOURCE = Path(__file__).with_name('chunk_attention.cc')
-_OPTIONS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC', '-w')
-_TARGETS = {
-  'jade_chunk_attention_forward': 'JadeChunkAttentionForward',
-  'jade_chunk_attention_backward': 'JadeChunkAttentionBackward',
-}
+from src.model import kernels
+
 _CAUSAL, _EXCLUDE_SELF, _MASKED = 1, 2, 4
 # Scores of a call (queries x keys a query reads) below which Trax's
 # `attend` runs: they fit in cache, and XLA's passes are as fast.
@@ -66,91 +51,6 @@ def kernel_mode() -> str:
   to, however small: how the test suite can run every layer through it)."""
   mode = os.environ.get('JADE_CHUNK_KERNEL', 'on').lower()
   return mode if mode in ('off', 'always') else 'on'
-
-
-def _note(text: str):
-  from src.runtime import quiet
-
-  if quiet.verbose():
-    print(f'note: {text}', file=sys.stderr)
-
-
-def _library_name() -> str:
-  from src.runtime import compile_cache
-
-  digest = hashlib.sha256(SOURCE.read_bytes())
-  digest.update(' '.join(_OPTIONS).encode())
-  digest.update(compile_cache.machine_key().encode())
-  return f'chunk_attention-{digest.hexdigest()[:16]}.so'
-
-
-def _build(folder_fd: int, name: str):
-  """Compiles the kernel into `name` in the held private folder (written
-  under a temporary name, then renamed: a half-written library is never
-  loaded)."""
-  compiler = shutil.which('c++') or shutil.which('g++')
-  if compiler is None:
-    raise OSError('no C++ compiler (c++) on PATH')
-  with tempfile.TemporaryDirectory(prefix='jade-kernel-') as scratch:
-    out = os.path.join(scratch, name)
-    command = [compiler, *_OPTIONS, f'-I{jax.ffi.include_dir()}']
-    done = subprocess.run(
-      [*command, str(SOURCE), '-o', out], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-      raise OSError(f'the compiler failed: {done.stderr.strip()[-400:]}')
-    data = Path(out).read_bytes()
-  tmp = f'.{name}.{os.getpid()}'
-  flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, 'O_NOFOLLOW', 0)
-  fd = os.open(tmp, flags, 0o700, dir_fd=folder_fd)
-  with os.fdopen(fd, 'wb') as f:
-    f.write(data)
-  os.replace(tmp, name, src_dir_fd=folder_fd, dst_dir_fd=folder_fd)
-
-
-def _private_folder() -> tuple[int, str | None]:
-  """`(held descriptor, temporary path or None)` of the kernel's private
-  folder: the compilation cache's (`kernels/<machine>`), or a fresh
-  temporary one (0700, made by this process; removed once loaded)."""
-  from src.runtime import compile_cache
-
-  place = compile_cache.where('kernels')
-  if place is not None:
-    try:
-      return compile_cache.open_chain(*place), None
-    except (compile_cache.Unsafe, OSError) as e:
-      _note(f'kernel folder not used ({e}); building in a temporary one')
-  folder = tempfile.mkdtemp(prefix='jade-kernel-')  # 0700, ours, new.
-  flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, 'O_NOFOLLOW', 0)
-  return os.open(folder, flags), folder
-
-
-@functools.cache
-def _registered() -> bool:
-  """Builds (once per machine) and registers the kernel; False where it
-  cannot be (the caller then runs Trax's `attend`)."""
-  import ctypes
-
-  try:
-    fd, temporary = _private_folder()
-    try:
-      name = _library_name()
-      try:
-        os.stat(name, dir_fd=fd, follow_symlinks=False)
-      except FileNotFoundError:
-        _build(fd, name)
-      library = ctypes.CDLL(f'/proc/self/fd/{fd}/{name}')
-    finally:
-      os.close(fd)
-      if temporary:
-        shutil.rmtree(temporary, ignore_errors=True)
-    for target, symbol in _TARGETS.items():
-      capsule = jax.ffi.pycapsule(getattr(library, symbol))
-      jax.ffi.register_ffi_target(target, capsule, platform='cpu')
-    return True
-  except (OSError, AttributeError) as e:
-    _note(f"the fused chunk attention is not used ({e}); Trax's runs")
-    return False
 
 
 def _mask_flags(mask_fn) -> int | None:
@@ -241,7 +141,7 @@ def _fusable(q, k, v, chunk, kv_chunk, before, after, flags, dropout) -> bool:
     and (mode := kernel_mode()) != 'off'
     and (mode == 'always' or q.shape[-2] * chunk * (before + 1) >= MIN_SCORES)
     and jax.default_backend() == 'cpu'
-    and _registered()
+    and kernels.ready()
   )
 
 

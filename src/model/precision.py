@@ -17,11 +17,25 @@ reaches the products of Trax's layers and of their gradients without
 touching a layer. Products already in another type, integer products and
 the attention kernel's own (`src.model.chunk_attention`, float32) are left
 as they are.
+
+On XLA's CPU backend the rewrite also gives each product the layout
+YNNPACK runs: YNNPACK takes a left operand only when its contracted
+dimensions are its last, and XLA's own dot cannot run bfloat16. A
+weight's gradient (x^T g) reads a copy of x rounded and transposed in one
+pass by the CPU kernel (`src.model.kernels`, `bf16_cast.cc`); a transpose
+of a product is computed as the swapped product; and small left operands
+(weights) are rounded by the kernel, an opaque call, so that XLA cannot
+fold a transpose of its own into them. Without the kernels (no compiler)
+XLA rounds every product's inputs, and on some models with YNNPACK's
+individual products XLA's CPU backend then fails (`explained`).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +43,19 @@ from jax.extend import core as jax_core
 from jax.tree_util import tree_structure
 
 from src.core.errors import UserError
+from src.model import kernels
 from src.runtime import xla
 
 PRODUCTS = ('float32', 'bfloat16')
 _F32 = jnp.dtype('float32')
 _BF16 = jnp.dtype('bfloat16')
+# Left operands of at most this many values are rounded by the CPU kernel
+# (weights; every operand of a small model): XLA cannot fold a transpose of
+# its own into them. Larger ones (activations at long windows) are rounded
+# by XLA, which fuses the rounding into the operation that makes them:
+# rounding those by the kernel too cost 0.4-0.8 s of a ~6 s step
+# (BENCHMARKS.md "bfloat16 products in YNNPACK's layout").
+KERNEL_CAST_MAX = 1 << 20
 
 
 def precision(products: str = 'float32') -> str:
@@ -74,7 +96,8 @@ def explained(error: Exception) -> UserError | None:
   return UserError(
     "precision.products = 'bfloat16': XLA's CPU backend cannot run one of "
     "this model's bfloat16 products with YNNPACK's individual products "
-    f'(a product with transposed operands); run with XLA_FLAGS={xla.YNN_FLAG}'
+    '(a product in a layout YNNPACK does not take; JADE_VERBOSE=1 says if '
+    f"the project's CPU kernels are missing); run with XLA_FLAGS={xla.YNN_FLAG}"
     "=dot (slower on some models), or set precision.products = 'float32'"
   )
 
@@ -101,15 +124,86 @@ def _is_float32_product(eqn) -> bool:
   return inputs and wanted in (None, _F32)
 
 
-def _product(eqn, lhs, rhs):
-  params = eqn.params
-  return jax.lax.dot_general(
-    lhs.astype(_BF16),
-    rhs.astype(_BF16),
-    params['dimension_numbers'],
-    precision=params.get('precision'),
-    preferred_element_type=_F32,
+class _Product(NamedTuple):
+  """A rewritten product not computed yet: what reads it decides its
+  orientation (a transpose that swaps its two operands' dimensions is
+  computed as the swapped product, in the layout YNNPACK runs)."""
+
+  lhs: jax.Array
+  rhs: jax.Array
+  dimension_numbers: tuple
+
+  def value(self):
+    return _bfloat16_dot(self.lhs, self.rhs, self.dimension_numbers)
+
+  def transposed(self, permutation):
+    """The product transposed by `permutation`, if that swaps the two
+    operands' free dimensions (batch dimensions first): computed as the
+    swapped product; None for any other permutation."""
+    (lc, rc), (lb, rb) = self.dimension_numbers
+    nb = len(lb)
+    nl = self.lhs.ndim - nb - len(lc)
+    nr = self.rhs.ndim - nb - len(rc)
+    swap = (*range(nb), *range(nb + nl, nb + nl + nr), *range(nb, nb + nl))
+    if tuple(permutation) != swap or not _kernels_ready():
+      return None
+    return _Product(self.rhs, self.lhs, ((rc, lc), (rb, lb)))
+
+
+def _bfloat16_dot(lhs, rhs, dimension_numbers):
+  """`dot_general` of bfloat16-rounded inputs, summed in float32; a left
+  operand whose contracted dimensions come before its free ones is
+  rounded and transposed by the CPU kernel first (`src.model.kernels`):
+  XLA folds any transpose of its own back into the product, which
+  YNNPACK then does not take."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+  nb, nc = len(lb), len(lc)
+  free = lhs.ndim - nb - nc
+  column_major = (
+    nc > 0
+    and lb == tuple(range(nb))
+    and lc == tuple(range(nb, nb + nc))
+    and free > 0
+    and rc == tuple(range(rc[0], rc[0] + nc))
+    and _kernels_ready()
   )
+  if not column_major:
+    if lhs.size <= KERNEL_CAST_MAX and _kernels_ready():
+      lhs = _cast(lhs)
+    return jax.lax.dot_general(
+      lhs.astype(_BF16), rhs.astype(_BF16), dimension_numbers,
+      preferred_element_type=_F32,
+    )  # fmt: skip
+  shape, k = lhs.shape, math.prod(lhs.shape[nb : nb + nc])
+  batch, rows = shape[:nb], shape[nb + nc :]
+  flat = lhs.reshape(math.prod(batch), k, math.prod(rows))
+  lhs = _cast_transpose(flat).reshape(*batch, *rows, k)
+  r = rhs.shape
+  rhs = rhs.reshape(*r[: rc[0]], k, *r[rc[0] + nc :]).astype(_BF16)
+  rb = tuple(d if d < rc[0] else d - (nc - 1) for d in rb)
+  numbers = (((nb + free,), (rc[0],)), (tuple(range(nb)), rb))
+  return jax.lax.dot_general(lhs, rhs, numbers, preferred_element_type=_F32)
+
+
+def _kernels_ready() -> bool:
+  """Whether the CPU kernels' casts are there (XLA's CPU backend)."""
+  return jax.default_backend() == 'cpu' and kernels.ready()
+
+
+def _cast(x):
+  """`x` rounded to bfloat16 by the CPU kernel (an opaque call)."""
+  out = jax.ShapeDtypeStruct(x.shape, _BF16)
+  return jax.ffi.ffi_call('jade_cast_bf16', out, vmap_method='sequential')(x)
+
+
+def _cast_transpose(x):
+  """`[b, k, m]` float32 to `[b, m, k]` bfloat16 by the CPU kernel."""
+  b, k, m = x.shape
+  out = jax.ShapeDtypeStruct((b, m, k), _BF16)
+  return jax.ffi.ffi_call(
+    'jade_cast_transpose_bf16', out, vmap_method='sequential'
+  )(x)
 
 
 def _evaluate(jaxpr, consts, args) -> list:
@@ -117,15 +211,24 @@ def _evaluate(jaxpr, consts, args) -> list:
   env = {}
 
   def read(v):
-    return v.val if isinstance(v, jax_core.Literal) else env[v]
+    if isinstance(v, jax_core.Literal):
+      return v.val
+    if isinstance(found := env[v], _Product):
+      env[v] = found = found.value()
+    return found
 
+  names = [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars)
+  uses = collections.Counter(v for v in names if isinstance(v, jax_core.Var))
   env.update(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
-    inputs = [read(v) for v in eqn.invars]
     if _is_float32_product(eqn):
-      outs = [_product(eqn, *inputs)]
+      lhs, rhs = map(read, eqn.invars)
+      outs = [_Product(lhs, rhs, eqn.params['dimension_numbers'])]
+    elif (swapped := _swapped(eqn, env, uses)) is not None:
+      outs = [swapped]
     else:
+      inputs = [read(v) for v in eqn.invars]
       params = {k: _rewrite_param(v) for k, v in eqn.params.items()}
       bind_params = eqn.primitive.get_bind_params(params)
       with eqn.ctx.manager:
@@ -133,6 +236,20 @@ def _evaluate(jaxpr, consts, args) -> list:
       outs = out if eqn.primitive.multiple_results else [out]
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
+
+
+def _swapped(eqn, env, uses) -> _Product | None:
+  """A transpose that is the only reader of a product not computed yet,
+  as the swapped product (`_Product.transposed`); None otherwise."""
+  if eqn.primitive is not jax.lax.transpose_p:
+    return None
+  (operand,) = eqn.invars
+  if not isinstance(operand, jax_core.Var) or uses[operand] != 1:
+    return None
+  pending = env.get(operand)
+  if not isinstance(pending, _Product):
+    return None
+  return pending.transposed(eqn.params['permutation'])
 
 
 def _rewrite_param(value):

@@ -1,0 +1,135 @@
+"""The project's CPU kernels: one library, built and registered with XLA.
+
+Two sources, compiled together (with `cpu_pool.h`, their one way of
+spreading work over XLA's threads) into one shared library:
+- `chunk_attention.cc`: Trax's chunked attention fused, forward and
+  backward (`src.model.chunk_attention`);
+- `bf16_cast.cc`: float32 to bfloat16 as opaque calls, plain and
+  transposed (`src.model.precision`: bfloat16 products XLA can hand to
+  YNNPACK).
+
+The library is compiled once per source, jaxlib and CPU with the system's
+C++ compiler (`c++`, ~4 s) into the kernels' folder beside the compilation
+cache (src/runtime/compile_cache.py: every folder checked, never through a
+link, this user's own, 0700) and loaded from the held folder. Where that
+folder is off or unsafe, the build goes to a fresh private temporary
+folder, removed once loaded. Without a compiler (or where the library
+cannot be loaded) `ready()` is False and every caller computes without
+the kernels; `JADE_VERBOSE=1` says why in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / 'chunk_attention.cc', _HERE / 'bf16_cast.cc')
+HEADERS = (_HERE / 'cpu_pool.h',)
+_OPTIONS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC', '-w')
+# XLA's name for each handler: the library's symbol.
+TARGETS = {
+  'jade_chunk_attention_forward': 'JadeChunkAttentionForward',
+  'jade_chunk_attention_backward': 'JadeChunkAttentionBackward',
+  'jade_cast_bf16': 'JadeCastBf16',
+  'jade_cast_transpose_bf16': 'JadeCastTransposeBf16',
+}
+
+
+def _note(text: str):
+  from src.runtime import quiet
+
+  if quiet.verbose():
+    print(f'note: {text}', file=sys.stderr)
+
+
+def _library_name() -> str:
+  from src.runtime import compile_cache
+
+  digest = hashlib.sha256()
+  for path in (*SOURCES, *HEADERS):
+    digest.update(path.name.encode() + b'\0' + path.read_bytes())
+  digest.update(' '.join(_OPTIONS).encode())
+  digest.update(compile_cache.machine_key().encode())
+  return f'kernels-{digest.hexdigest()[:16]}.so'
+
+
+def _build(folder_fd: int, name: str):
+  """Compiles the library into `name` in the held private folder (written
+  under a temporary name, then renamed: a half-written library is never
+  loaded)."""
+  compiler = shutil.which('c++') or shutil.which('g++')
+  if compiler is None:
+    raise OSError('no C++ compiler (c++) on PATH')
+  with tempfile.TemporaryDirectory(prefix='jade-kernel-') as scratch:
+    out = os.path.join(scratch, name)
+    command = [compiler, *_OPTIONS, f'-I{jax.ffi.include_dir()}', f'-I{_HERE}']
+    done = subprocess.run(
+      [*command, *map(str, SOURCES), '-o', out], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+      raise OSError(f'the compiler failed: {done.stderr.strip()[-400:]}')
+    data = Path(out).read_bytes()
+  tmp = f'.{name}.{os.getpid()}'
+  flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, 'O_NOFOLLOW', 0)
+  fd = os.open(tmp, flags, 0o700, dir_fd=folder_fd)
+  with os.fdopen(fd, 'wb') as f:
+    f.write(data)
+  os.replace(tmp, name, src_dir_fd=folder_fd, dst_dir_fd=folder_fd)
+
+
+def _private_folder() -> tuple[int, str | None]:
+  """`(held descriptor, temporary path or None)` of the kernels' private
+  folder: the compilation cache's (`kernels/<machine>`), or a fresh
+  temporary one (0700, made by this process; removed once loaded)."""
+  from src.runtime import compile_cache
+
+  place = compile_cache.where('kernels')
+  if place is not None:
+    try:
+      return compile_cache.open_chain(*place), None
+    except (compile_cache.Unsafe, OSError) as e:
+      _note(f'kernel folder not used ({e}); building in a temporary one')
+  folder = tempfile.mkdtemp(prefix='jade-kernel-')  # 0700, ours, new.
+  flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, 'O_NOFOLLOW', 0)
+  return os.open(folder, flags), folder
+
+
+@functools.cache
+def ready() -> bool:
+  """Builds (once per machine) and registers the kernels for XLA's CPU
+  backend; False where they cannot be (the callers then compute without
+  them)."""
+  import ctypes
+
+  try:
+    fd, temporary = _private_folder()
+    try:
+      name = _library_name()
+      try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+      except FileNotFoundError:
+        _build(fd, name)
+      library = ctypes.CDLL(f'/proc/self/fd/{fd}/{name}')
+    finally:
+      os.close(fd)
+      if temporary:
+        shutil.rmtree(temporary, ignore_errors=True)
+    for target, symbol in TARGETS.items():
+      capsule = jax.ffi.pycapsule(getattr(library, symbol))
+      jax.ffi.register_ffi_target(target, capsule, platform='cpu')
+    return True
+  except (OSError, AttributeError) as e:
+    _note(
+      f"the CPU kernels are not used ({e}): Trax's attend runs, and XLA "
+      'rounds bfloat16 products itself'
+    )
+    return False
