@@ -32,6 +32,9 @@ Adam, no dropout. Contenders:
   (`LD_PRELOAD=libjemalloc.so.2`, `MALLOC_CONF=dirty_decay_ms:-1,
   muzzy_decay_ms:-1`; Debian/Ubuntu: `apt install libjemalloc2`), which
   spares it most of its page faults. Ratios are to the faster of the two;
+- peer-tuned-bf16: peer-tuned with its forward and loss under torch's CPU
+  autocast to bfloat16 (the like-for-like peer of jade-bf16; the table's
+  "vs bf16 peer" column);
 - full: Trax's full-attention TransformerLM of the same size, until it runs
   out of memory.
 
@@ -55,6 +58,7 @@ output layer does twice the peer's work.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -185,7 +189,12 @@ def run_jade(length, steps, vocab, with_eval=False, binds=(), window=0):
   return times, vocab_used
 
 
-def run_peer(length, steps, vocab):
+def run_peer(length, steps, vocab, bf16=False):
+  """reformer-pytorch's step; `bf16`: its forward and loss under
+  torch's CPU autocast to bfloat16 (products in bfloat16 through oneDNN,
+  as jade-bf16's; weights and optimizer float32)."""
+  import contextlib
+
   import torch
   from reformer_pytorch import ReformerLM
 
@@ -212,13 +221,17 @@ def run_peer(length, steps, vocab):
   )
   optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
   data = torch.randint(0, vocab, (1, length + 1))
+  autocast = contextlib.nullcontext
+  if bf16:
+    autocast = functools.partial(torch.autocast, 'cpu', dtype=torch.bfloat16)
   times = []
   for _ in range(steps):
     t = time.perf_counter()
-    logits = model(data[:, :-1])
-    loss = torch.nn.functional.cross_entropy(
-      logits.reshape(-1, vocab), data[:, 1:].reshape(-1)
-    )
+    with autocast():
+      logits = model(data[:, :-1])
+      loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, vocab), data[:, 1:].reshape(-1)
+      )
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -334,6 +347,7 @@ CONTENDERS = {
   **{name: run_jade for name in JADE_BINDS},
   'peer': run_peer,
   'peer-tuned': run_peer,
+  'peer-tuned-bf16': functools.partial(run_peer, bf16=True),
   'full': run_full,
 }
 JEMALLOC = '/usr/lib/x86_64-linux-gnu/libjemalloc.so.2'
@@ -389,7 +403,7 @@ def measure(
   env = dict(os.environ)
   if BF16 in JADE_BINDS.get(name, ()):  # bfloat16 products need YNNPACK's.
     env['XLA_FLAGS'] = f'{env.get("XLA_FLAGS", "")} {YNN_PRODUCTS}'.strip()
-  if name == 'peer-tuned':
+  if name.startswith('peer-tuned'):
     if not os.path.exists(JEMALLOC):
       return {'error': f'no {JEMALLOC} (apt install libjemalloc2)'}
     env.update(TUNED_ENV)
@@ -542,35 +556,48 @@ def measured_peak():
     return None, None
 
 
-def print_table(results, peak, blas=None):
-  peer = {}  # The faster of peer and peer-tuned, per length and vocab.
+def _best_peers(results, bf16: bool) -> dict:
+  """The fastest float32 peer (peer, peer-tuned) or bfloat16 peer
+  (peer-tuned-bf16) per length and vocabulary."""
+  best = {}
   for r in results:
-    if r['name'].startswith('peer') and 'error' not in r:
-      at = (r['length'], r.get('asked_vocab', r['vocab']))
-      best = peer.get(at)
-      if best is None or r['tokens_per_s'] > best['tokens_per_s']:
-        peer[at] = r
+    name = r['name']
+    if not name.startswith('peer') or 'error' in r:
+      continue
+    if name.endswith('-bf16') != bf16:
+      continue
+    at = (r['length'], r.get('asked_vocab', r['vocab']))
+    if at not in best or r['tokens_per_s'] > best[at]['tokens_per_s']:
+      best[at] = r
+  return best
+
+
+def print_table(results, peak, blas=None):
+  peer, peer_bf16 = _best_peers(results, False), _best_peers(results, True)
   print(
-    '| contender | length | vocab | tokens/s | vs best peer | peak RSS GB | '
-    'RSS vs best peer | GFLOP/s | % of peak | % of BLAS peak | '
+    '| contender | length | vocab | tokens/s | vs best peer | vs bf16 peer | '
+    'peak RSS GB | RSS vs best peer | GFLOP/s | % of peak | % of BLAS peak | '
     'compile+first steps s |'
   )
-  print('|---|---|---|---|---|---|---|---|---|---|---|')
+  print('|---|---|---|---|---|---|---|---|---|---|---|---|')
   for r in results:
     if 'error' in r:
       print(
         f'| {r["name"]} | {r["length"]} | {r["vocab"]} | {r["error"]} '
-        '| | | | | | | |'
+        '| | | | | | | | |'
       )
       continue
-    p = peer.get((r['length'], r.get('asked_vocab', r['vocab'])))
+    at = (r['length'], r.get('asked_vocab', r['vocab']))
+    p, pb = peer.get(at), peer_bf16.get(at)
     ratio = f'{r["tokens_per_s"] / p["tokens_per_s"]:.2f}x' if p else ''
+    ratio_bf16 = f'{r["tokens_per_s"] / pb["tokens_per_s"]:.2f}x' if pb else ''
     rss = f'{r["peak_rss_gb"] / p["peak_rss_gb"]:.2f}x' if p else ''
     share = f'{100 * r["gflops"] / peak:.1f}%' if peak else ''
     of_blas = f'{100 * r["gflops"] / blas:.1f}%' if blas else ''
     print(
       f'| {r["name"]} | {r["length"]} | {r["vocab"]} | '
-      f'{r["tokens_per_s"]:.0f} | {ratio} | {r["peak_rss_gb"]:.2f} | {rss} | '
+      f'{r["tokens_per_s"]:.0f} | {ratio} | {ratio_bf16} | '
+      f'{r["peak_rss_gb"]:.2f} | {rss} | '
       f'{r["gflops"]:.1f} | {share} | {of_blas} | {r["first_steps_s"]} |'
     )
 
