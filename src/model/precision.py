@@ -53,7 +53,7 @@ _BF16 = jnp.dtype('bfloat16')
 # (weights; every operand of a small model): XLA cannot fold a transpose of
 # its own into them. Larger ones (activations at long windows) are rounded
 # by XLA, which fuses the rounding into the operation that makes them:
-# rounding those by the kernel too cost 0.4-0.8 s of a ~6 s step
+# rounding those by the kernel too cost 0.7-0.8 s of a ~6 s step
 # (BENCHMARKS.md "bfloat16 products in YNNPACK's layout").
 KERNEL_CAST_MAX = 1 << 20
 
