@@ -216,7 +216,14 @@ def _encoded_pieces(scanned: Scan, tok, parse_kwargs, workers: int):
     initargs=init,
   )
   try:
-    yield from zip(scanned.pieces, pool.map(_encode_piece, scanned.pieces))
+    try:
+      yield from zip(scanned.pieces, pool.map(_encode_piece, scanned.pieces))
+    except OSError as e:
+      # A worker that dies while the map still starts the others breaks
+      # the pool under them: the next start fails on its closed queue.
+      if not getattr(pool, '_broken', False):
+        raise
+      raise futures.process.BrokenProcessPool(str(e)) from e
   except futures.process.BrokenProcessPool as e:
     where = os.path.commonpath(scanned.files) if scanned.files else '.'
     raise UserError(
