@@ -143,7 +143,7 @@ def test_a_products_layout_is_one_ynnpack_runs():
   rewritten = jax.jit(precision.bfloat16_products(f))
   text = rewritten.lower(x, g).as_text()
   assert text.count('jade_cast_transpose_bf16') >= 2
-  with mock.patch.object(precision, '_kernels_ready', lambda: False):
+  with mock.patch.object(kernels, 'available', lambda: False):
     plain = jax.jit(precision.bfloat16_products(f))
     assert 'jade_cast' not in plain.lower(x, g).as_text()
     want = plain(x, g)

@@ -140,8 +140,7 @@ def _fusable(q, k, v, chunk, kv_chunk, before, after, flags, dropout) -> bool:
     and (k is None or k.shape[-2] == q.shape[-2])
     and (mode := kernel_mode()) != 'off'
     and (mode == 'always' or q.shape[-2] * chunk * (before + 1) >= MIN_SCORES)
-    and jax.default_backend() == 'cpu'
-    and kernels.ready()
+    and kernels.available()
   )
 
 

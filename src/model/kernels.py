@@ -25,11 +25,12 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import jax
+
+from src.runtime import quiet
 
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / 'chunk_attention.cc', _HERE / 'bf16_cast.cc')
@@ -44,11 +45,9 @@ TARGETS = {
 }
 
 
-def _note(text: str):
-  from src.runtime import quiet
-
-  if quiet.verbose():
-    print(f'note: {text}', file=sys.stderr)
+def available() -> bool:
+  """Whether the kernels can run here: XLA's CPU backend, and `ready()`."""
+  return jax.default_backend() == 'cpu' and ready()
 
 
 def _library_name() -> str:
@@ -97,7 +96,7 @@ def _private_folder() -> tuple[int, str | None]:
     try:
       return compile_cache.open_chain(*place), None
     except (compile_cache.Unsafe, OSError) as e:
-      _note(f'kernel folder not used ({e}); building in a temporary one')
+      quiet.note(f'kernel folder not used ({e}); building in a temporary one')
   folder = tempfile.mkdtemp(prefix='jade-kernel-')  # 0700, ours, new.
   flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, 'O_NOFOLLOW', 0)
   return os.open(folder, flags), folder
@@ -128,7 +127,7 @@ def ready() -> bool:
       jax.ffi.register_ffi_target(target, capsule, platform='cpu')
     return True
   except (OSError, AttributeError) as e:
-    _note(
+    quiet.note(
       f"the CPU kernels are not used ({e}): Trax's attend runs, and XLA "
       'rounds bfloat16 products itself'
     )

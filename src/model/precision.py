@@ -145,7 +145,7 @@ class _Product(NamedTuple):
     nl = self.lhs.ndim - nb - len(lc)
     nr = self.rhs.ndim - nb - len(rc)
     swap = (*range(nb), *range(nb + nl, nb + nl + nr), *range(nb, nb + nl))
-    if tuple(permutation) != swap or not _kernels_ready():
+    if tuple(permutation) != swap or not kernels.available():
       return None
     return _Product(self.rhs, self.lhs, ((rc, lc), (rb, lb)))
 
@@ -160,16 +160,17 @@ def _bfloat16_dot(lhs, rhs, dimension_numbers):
   lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
   nb, nc = len(lb), len(lc)
   free = lhs.ndim - nb - nc
+  kernel = kernels.available()
   column_major = (
-    nc > 0
+    kernel
+    and nc > 0
     and lb == tuple(range(nb))
     and lc == tuple(range(nb, nb + nc))
     and free > 0
     and rc == tuple(range(rc[0], rc[0] + nc))
-    and _kernels_ready()
   )
   if not column_major:
-    if lhs.size <= KERNEL_CAST_MAX and _kernels_ready():
+    if kernel and lhs.size <= KERNEL_CAST_MAX:
       lhs = _cast(lhs)
     return jax.lax.dot_general(
       lhs.astype(_BF16), rhs.astype(_BF16), dimension_numbers,
@@ -184,11 +185,6 @@ def _bfloat16_dot(lhs, rhs, dimension_numbers):
   rb = tuple(d if d < rc[0] else d - (nc - 1) for d in rb)
   numbers = (((nb + free,), (rc[0],)), (tuple(range(nb)), rb))
   return jax.lax.dot_general(lhs, rhs, numbers, preferred_element_type=_F32)
-
-
-def _kernels_ready() -> bool:
-  """Whether the CPU kernels' casts are there (XLA's CPU backend)."""
-  return jax.default_backend() == 'cpu' and kernels.ready()
 
 
 def _cast(x):

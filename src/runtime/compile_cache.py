@@ -35,6 +35,8 @@ import stat
 import sys
 import time
 
+from src.runtime import quiet
+
 MAX_BYTES = 1 << 30  # The cache folder's entries, at most (LRU beyond).
 PRUNE_DAYS = 14  # Another jaxlib/CPU subfolder unused this long is removed.
 MAGIC = b'jade-v8-xla-1\n'
@@ -47,13 +49,6 @@ _DIR_FLAGS = _FLAGS | getattr(os, 'O_DIRECTORY', 0)
 
 class Unsafe(Exception):
   """A folder on the way to the cache that others could write or swap."""
-
-
-def _verbose(text: str):
-  from src.runtime import quiet
-
-  if quiet.verbose():
-    print(f'note: {text}', file=sys.stderr)
 
 
 def _check(fd: int, path: str, own: bool):
@@ -236,7 +231,7 @@ class FolderCache:
       if self._total is None or self._total > self.max_bytes:
         self.evict()  # Counted afresh once a process, then when over.
     except OSError as e:  # A full disk: the program just is not kept.
-      _verbose(f'compilation cache entry not written ({e.strerror})')
+      quiet.note(f'compilation cache entry not written ({e.strerror})')
 
   def discard(self, key: str):
     """Removes a damaged entry (compiled again, and kept, by the caller)."""
@@ -313,13 +308,13 @@ def open_cache() -> FolderCache | None:
   try:
     parent = open_chain(above, own[:-1])
   except (Unsafe, OSError) as e:
-    _verbose(f'the compilation cache is not used: {e}')
+    quiet.note(f'the compilation cache is not used: {e}')
     return None
   try:
     fd, _ = _open_in(parent, own[-1], own[-1], mine=True)
   except (Unsafe, OSError) as e:
     os.close(parent)
-    _verbose(f'the compilation cache is not used: {e}')
+    quiet.note(f'the compilation cache is not used: {e}')
     return None
   os.utime(fd)  # This subfolder is in use (see `prune`).
   prune(parent, own[-1])

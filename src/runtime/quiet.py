@@ -8,11 +8,19 @@ registration, deprecation notices) that says nothing about the user's run.
 
 import logging
 import os
+import sys
 import warnings
 
 
 def verbose() -> bool:
   return os.environ.get('JADE_VERBOSE', '') not in ('', '0')
+
+
+def note(text: str):
+  """`note: TEXT` on stderr, only with `JADE_VERBOSE=1`: why an optional
+  speed-up (a cache, a kernel) is not used."""
+  if verbose():
+    print(f'note: {text}', file=sys.stderr)
 
 
 def silence_libraries():
