@@ -35,12 +35,17 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   from src import runtime
+  from src.config import jsonconfig, safegin
 
-  runtime.bootstrap()
-  from src.config import jsonconfig
+  settings = jsonconfig.from_args(args, 'train')
+  bindings = [*settings['gin-bindings'], *args.bind]
+  products = safegin.bound_value(
+    settings['gin'], bindings, 'precision.products'
+  )
+  runtime.bootstrap(bf16_products=products in ('bfloat16', 'auto'))
   from src.training import trainer
 
-  trainer.train(jsonconfig.from_args(args, 'train'), gin_bindings=args.bind)
+  trainer.train(settings, gin_bindings=args.bind)
 
 
 if __name__ == '__main__':

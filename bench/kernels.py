@@ -246,16 +246,22 @@ FUSED_LAYERS = (
 def fused(reps=5):
   """One LSH layer's chunked attention (all heads under `vmap`; forward,
   and forward + backward), by Trax's `attend` on XLA and by the fused
-  kernel (src/model/chunk_attention.py), with the largest difference of
-  their outputs and gradients."""
+  kernel (src/model/chunk_attention.py), float32 and with bfloat16 products
+  (`precision.products = 'bfloat16'`: computed so where the kernels were
+  built for AVX512-BF16), with the largest difference of each to XLA's
+  outputs and gradients."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from trax.layers.research import efficient_attention as ea
 
-  from src.model import chunk_attention
+  from src.model import chunk_attention, precision
 
-  contenders = (('XLA', ea.attend), ('fused', chunk_attention.attend))
+  contenders = (
+    ('XLA', ea.attend, False),
+    ('fused', chunk_attention.attend, False),
+    ('fused bf16', chunk_attention.attend, True),
+  )
   leaves = jax.tree_util.tree_leaves
   mask = functools.partial(ea.mask_self_attention, causal=True)
   rng = np.random.default_rng(0)
@@ -267,7 +273,8 @@ def fused(reps=5):
     flops = 2 * 2 * heads * n * 2 * chunk * d  # Scores and values, forward.
     print(f'{name}: {heads} heads, {n} positions, chunks of {chunk}, d {d}')
     results = {}
-    for label, attend in contenders:
+    for label, attend, bf16 in contenders:
+      wrap = precision.bfloat16_products if bf16 else lambda fn: fn
 
       def one(q, v, i, attend=attend):
         return attend(
@@ -275,11 +282,13 @@ def fused(reps=5):
           q_info=i,
         )[0]  # fmt: skip
 
-      forward = jax.jit(jax.vmap(one))
+      forward = jax.jit(wrap(jax.vmap(one)))
       both = jax.jit(
-        lambda q, v, i, c: jax.vjp(lambda q, v: jax.vmap(one)(q, v, i), q, v)[
-          1
-        ](c)
+        wrap(
+          lambda q, v, i, c: jax.vjp(lambda q, v: jax.vmap(one)(q, v, i), q, v)[
+            1
+          ](c)
+        )
       )
       for part, fn, args, mult in (
         ('forward', forward, (q, v, info), 1),
@@ -295,11 +304,12 @@ def fused(reps=5):
         results.setdefault(part, []).append(out)
         rate = mult * flops / seconds / 1e9
         print(f'  {label} {part}: {1000 * seconds:.0f} ms ({rate:.0f} GFLOP/s)')
-    for part, (a, b) in results.items():
-      diff = max(
-        float(jnp.max(jnp.abs(x - y))) for x, y in zip(leaves(a), leaves(b))
-      )
-      print(f'  {part}: largest difference {diff:.1e}')
+    for part, (a, *others) in results.items():
+      for (label, *_), b in zip(contenders[1:], others):
+        diff = max(
+          float(jnp.max(jnp.abs(x - y))) for x, y in zip(leaves(a), leaves(b))
+        )
+        print(f'  {part}, {label}: largest difference {diff:.1e}')
 
 
 def main():

@@ -18,7 +18,7 @@ import trax
 from jax import numpy as jnp
 from trax.layers.research import efficient_attention as ea
 
-from src.model import attention, chunk_attention, kernels, smeared
+from src.model import attention, chunk_attention, kernels, precision, smeared
 
 from .conftest import run_script
 
@@ -45,9 +45,11 @@ def _mask(flags):
   )
 
 
-def _both(case, seed=0):
+def _both(case, seed=0, bf16=False):
   """`[(out, lse, value, grads)]` of Trax's `attend` and ours for `case`:
-  (shared keys, mask flags, length, chunk, chunks before, width)."""
+  (shared keys, mask flags, length, chunk, chunks before, width); `bf16`:
+  with bfloat16 products (`src.model.precision`)."""
+  wrap = precision.bfloat16_products if bf16 else lambda fn: fn
   shared, flags, n, chunk, before, d = case
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
@@ -74,13 +76,12 @@ def _both(case, seed=0):
       return jnp.sum(o * jnp.sin(o)) + jnp.sum(jnp.cos(lse))
 
     args = (q, v) if shared else (q, k, v)
-    value, grads = jax.jit(jax.value_and_grad(loss, tuple(range(len(args)))))(
-      *args
-    )
+    grad = jax.value_and_grad(loss, tuple(range(len(args))))
+    value, grads = jax.jit(wrap(grad))(*args)
     o, lse = (
-      jax.jit(run)(q, k, v)
+      jax.jit(wrap(run))(q, k, v)
       if not shared
-      else jax.jit(lambda q, v: run(q, None, v))(q, v)
+      else jax.jit(wrap(lambda q, v: run(q, None, v)))(q, v)
     )
     results.append((o, lse, value, grads))
   return results
@@ -110,6 +111,30 @@ def test_the_kernel_gives_traxs_outputs_and_gradients(always, case):
   assert _close(o1, o2) and _close(l1, l2)
   assert abs(float(v1) - float(v2)) <= TOL * abs(float(v1))
   assert all(_close(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize(
+  'case',
+  [
+    (True, 3, 512, 64, 1, 32),
+    (False, 5, 1184, 32, 2, 24),
+    (False, 7, 150, 25, 1, 15),  # Odd chunks and widths: pairs end in 0.
+  ],
+)
+def test_bfloat16_products_are_xlas_bfloat16_products(always, case):
+  """Under `precision.products = 'bfloat16'` the kernel's five products
+  read bfloat16 inputs, as XLA's bfloat16 products of Trax's `attend` do:
+  the same values within the bfloat16 roundings that flip (~1e-4), where
+  float32 is ~5e-3 away. Built without AVX512-BF16, the kernel stays
+  float32."""
+  (o1, l1, v1, g1), (o2, l2, v2, g2) = _both(case, bf16=True)
+  float32 = _both(case)[1]
+  if not kernels.native_bf16():
+    assert all(np.array_equal(a, b) for a, b in zip(g2, float32[3]))
+    return
+  assert _close(o1, o2, 5e-4) and _close(l1, l2, 5e-4)
+  assert all(_close(a, b, 5e-4) for a, b in zip(g1, g2))
+  assert not all(_close(a, b, 1e-3) for a, b in zip(g2, float32[3]))
 
 
 def test_under_vmap_each_head_reads_its_own_positions(always):

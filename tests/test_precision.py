@@ -161,6 +161,38 @@ def test_settings_are_checked():
   assert ginconf.precision() == 'bfloat16'
   ginconf.parse(TINY_GIN)
   assert ginconf.precision() == 'float32'
+  # 'auto': bfloat16 only on a CPU with bfloat16 dot instructions and
+  # YNNPACK's products on.
+  for native, ynn, want in (
+    (True, True, 'bfloat16'),
+    (True, False, 'float32'),
+    (False, True, 'float32'),
+  ):
+    with (
+      mock.patch.object(xla, 'cpu_bf16_dot', return_value=native),
+      mock.patch.object(xla, 'ynn_products', return_value=ynn),
+    ):
+      assert precision.precision('auto') == want
+
+
+def test_train_py_turns_on_what_bfloat16_products_need(tmp_path):
+  """train.py reads the gin's `precision.products` before JAX starts: asked
+  for bfloat16 (or 'auto') on a CPU with bfloat16 dot instructions, it
+  turns YNNPACK's products on itself and trains in bfloat16 (its model line
+  says so); on a CPU without them, 'bfloat16' is one line naming 'auto',
+  and 'auto' trains in float32."""
+  native = xla.cpu_bf16_dot()
+  for kind in ('bfloat16', 'auto'):
+    args = [*micro_args(str(tmp_path / kind), 2)]
+    args += ['--bind', f"precision.products = '{kind}'"]
+    r = run_script(args, {'XLA_FLAGS': ''})
+    if kind == 'bfloat16' and not native:
+      assert r.returncode == 1
+      last = r.stderr.strip().splitlines()[-1]
+      assert "'auto'" in last and 'Traceback' not in r.stderr
+      continue
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert ('bfloat16 products' in r.stdout) == native
 
 
 def test_a_run_trains_with_bfloat16_products(tmp_path):

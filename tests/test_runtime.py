@@ -26,6 +26,35 @@ def test_a_flag_the_user_set_is_kept():
     assert os.environ['XLA_FLAGS'] == env['XLA_FLAGS']
 
 
+def test_bfloat16_products_turn_on_ynnpacks_products_where_the_cpu_has_them():
+  for native, want in ((True, xla.YNN_PRODUCTS), (False, 'ynn_fusion_type= ')):
+    with (
+      mock.patch.dict(os.environ, {'XLA_FLAGS': ''}),
+      mock.patch.object(xla, 'cpu_bf16_dot', return_value=native),
+    ):
+      xla.configure(bf16_products=True)
+      assert want in os.environ['XLA_FLAGS'] + ' '
+  users = {'XLA_FLAGS': '--xla_cpu_experimental_ynn_fusion_type='}
+  with mock.patch.dict(os.environ, users):
+    xla.configure(bf16_products=True)
+    assert os.environ['XLA_FLAGS'] == users['XLA_FLAGS']
+
+
+def test_the_runs_products_are_read_from_its_gin_text_as_data(tmp_path):
+  from src.config import safegin
+
+  gin = tmp_path / 'a.gin'
+  gin.write_text("ReformerLM.d_model = 8\nprecision.products = 'auto'\n")
+  name = 'precision.products'
+  assert safegin.bound_value(str(gin), [], name) == 'auto'
+  binds = ["jade.precision.products = 'bfloat16'", 'ReformerLM.n_layers = 2']
+  assert safegin.bound_value(str(gin), binds, name) == 'bfloat16'
+  assert safegin.bound_value(str(tmp_path / 'none.gin'), [], name) is None
+  assert safegin.bound_value(TINY_GIN, [], name) is None
+  gin.write_text('import os\n')  # Refused by the run's parse; not read here.
+  assert safegin.bound_value(str(gin), [], name) is None
+
+
 def test_ynnpack_products_are_read_from_the_flags():
   cases = {
     '': False,

@@ -25,6 +25,7 @@ import ast
 import io
 import tokenize
 
+from src.core import files
 from src.core.errors import UserError
 
 _ATTENTION = {'LSHSelfAttention', 'SelfAttention', 'PureLSHSelfAttention'}
@@ -207,3 +208,37 @@ def statements(text: str, where: str) -> list[tuple[str, str]]:
     body = '\n'.join(lines[first - 1 : last])
     found.append((selector.rsplit('.', 1)[0].rsplit('.', 1)[-1], body))
   return found
+
+
+def last_value(text: str, where: str, name: str):
+  """The value of the last binding of `name` (e.g. `precision.products`,
+  under any allowed module prefix) in a checked text, if it is a literal;
+  None where the text binds none."""
+  value = None
+  for _, body in statements(text, where):
+    selector, _, literal = body.partition('=')
+    if _known(selector.strip(), frozenset({name})):
+      try:
+        value = ast.literal_eval(literal.strip())
+      except (ValueError, SyntaxError):
+        value = None
+  return value
+
+
+def bound_value(path: str, bindings, name: str):
+  """The literal that the gin file `path`, then `bindings`, last bind to
+  `name`; None where none does, or where they cannot be read or checked
+  (the run's own parse then says why)."""
+  texts = [(b, '--bind') for b in bindings]
+  try:
+    texts.insert(0, (files.read_text(path, 'text'), path))
+  except (UserError, TypeError):
+    pass
+  value = None
+  for text, where in texts:
+    try:
+      found = last_value(text, where, name)
+    except UserError:
+      continue
+    value = value if found is None else found
+  return value

@@ -8,13 +8,14 @@
 // is its last: a product XLA leaves in another layout goes to its own dot,
 // which cannot run bfloat16 (BENCHMARKS.md "bfloat16 products in the whole
 // step"). XLA cannot see through these calls.
-// Rounding: to nearest, ties to even; NaN stays NaN (quiet), as XLA's
-// convert. Built and loaded by src/model/kernels.py; never edited there.
+// Rounding: XLA's convert (`jade::to_bf16`, bf16.h). Built and loaded by
+// src/model/kernels.py; never edited there.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -24,13 +25,7 @@ namespace {
 
 struct NoState {};
 
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
+using jade::to_bf16;
 
 bool f32_to_bf16(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y) {
   return x.element_type() == ffi::DataType::F32 &&
@@ -97,3 +92,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeCastTransposeBf16, cast_transpose_impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+// 1 where the library was built for AVX512-BF16 (`kernels.native_bf16()`).
+extern "C" int JadeNativeBf16() { return jade::kNativeBf16 ? 1 : 0; }

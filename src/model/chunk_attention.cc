@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16.h"
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -134,6 +135,7 @@ struct Shape {
   int64_t rows;   // Query rows a pass takes at once (its scores in cache).
   int64_t group;  // Chunks one backward task takes (see Backward).
   bool causal, exclude_self, masked;
+  bool bf16;  // Products of bfloat16 inputs (flag 8 where the CPU has them).
 
   // The chunk whose keys fill slot `a` of chunk c's window (Trax's
   // `look_adjacent`: the `before` chunks ahead of it, wrapped, then itself).
@@ -145,6 +147,7 @@ struct Shape {
   // Row stride of a chunk's transposed keys: padded, so the rows of a
   // power-of-two chunk do not all fall in the same cache sets.
   int64_t ldt() const { return chunk + 16; }
+  static int64_t pairs(int64_t n) { return (n + 1) / 2; }
 };
 
 // Trax's `mask_self_attention`, the same float operations.
@@ -187,9 +190,16 @@ inline float row_max(const float* row, int64_t width) {
 // A thread's working memory: scores, gradients, and the window's keys and
 // values transposed (`[before + 1, d, ldt]`: a row's scores are then
 // products over contiguous keys), kept while the thread stays in a chunk.
+// Under `bf16` the products read their inputs as bfloat16 pairs (bf16.h):
+// the window's keys and values paired along their features and transposed
+// (`kp`, `vp`: `[before + 1, pairs(d), ldt]`) or paired across consecutive
+// keys (`kn`, `vn`: `[before + 1, pairs(chunk), d]`), and the rows of a
+// pass paired along (`ra`) or across them (`rn`, `ga`).
 struct Scratch {
   std::vector<float> p, g, kt, vt;
   int64_t kt_of = -1, vt_of = -1;  // The (batch, chunk) they hold.
+  std::vector<uint32_t> kp, vp, kn, vn, ra, qn, gn, ga, tmp;
+  int64_t kp_of = -1, vp_of = -1, kn_of = -1, vn_of = -1;
 };
 
 // The inputs of one call.
@@ -211,17 +221,72 @@ struct Call {
     of = b * s.chunks + c;
   }
 
+  // `x`'s rows of chunk c's window (batch b) as bfloat16 pairs into `out`:
+  // `across` consecutive rows (`[before + 1, pairs(chunk), dim]`), or along
+  // each row's features, transposed (`[before + 1, pairs(dim), ldt]`).
+  void window_pairs(const float* x, int64_t dim, int64_t b, int64_t c,
+                    bool across, std::vector<uint32_t>& out, int64_t& of,
+                    std::vector<uint32_t>& tmp) const {
+    if (of == b * s.chunks + c) return;
+    const int64_t dp = Shape::pairs(dim);
+    const int64_t slot = across ? Shape::pairs(s.chunk) * dim : dp * s.ldt();
+    out.resize((s.before + 1) * slot);
+    tmp.resize(s.chunk * dp);
+    for (int64_t a = 0; a <= s.before; ++a) {
+      const float* x0 = x + (b * s.n + s.key_chunk(c, a) * s.chunk) * dim;
+      uint32_t* to = out.data() + a * slot;
+      if (across) {
+        jade::pairs_across_rows(s.chunk, dim, x0, dim, to, dim);
+      } else {
+        jade::pairs_in_rows(s.chunk, dim, x0, dim, tmp.data(), dp);
+        jade::transpose_words(s.chunk, dp, tmp.data(), dp, to, s.ldt());
+      }
+    }
+    of = b * s.chunks + c;
+  }
+
+  // C (+)= A B of `m` rows of A (row-major, `lda` floats a row) by the
+  // window's pairs `bp` (`pb` of them, `ldb` words a row), A paired here.
+  void product_bf16(int64_t m, int64_t cols, int64_t depth, const float* a,
+                    int64_t lda, const uint32_t* bp, int64_t ldb, float* c,
+                    int64_t ldc, bool accumulate, Scratch& w) const {
+    const int64_t pa = Shape::pairs(depth);
+    w.ra.resize(m * pa);
+    jade::pairs_in_rows(m, depth, a, lda, w.ra.data(), pa);
+    jade::gemm_bf16(m, cols, pa, w.ra.data(), pa, 1, bp, ldb, c, ldc,
+                    accumulate);
+  }
+
+  // C (+)= A^T B, A `[m, cols]` (`lda` floats a row) and B `[m, n]` paired
+  // across their `m` rows (B's pairs given: `bn`).
+  void product_t_bf16(int64_t m, int64_t cols, int64_t n, const float* a,
+                      int64_t lda, const uint32_t* bn, float* c, bool accumulate,
+                      Scratch& w) const {
+    w.ga.resize(Shape::pairs(m) * cols);
+    jade::pairs_across_rows(m, cols, a, lda, w.ga.data(), cols);
+    jade::gemm_bf16(cols, n, Shape::pairs(m), w.ga.data(), 1, cols, bn, n, c,
+                    n, accumulate);
+  }
+
   // Masked scores of `m` query rows from `row0` (chunk c, batch b) into
   // `w.p` ([m, width]).
   void scores(int64_t b, int64_t c, int64_t row0, int64_t m,
               Scratch& w) const {
-    window(k, s.d, b, c, w.kt, w.kt_of);
+    if (s.bf16)
+      window_pairs(k, s.d, b, c, false, w.kp, w.kp_of, w.tmp);
+    else
+      window(k, s.d, b, c, w.kt, w.kt_of);
     float* p = w.p.data();
     for (int64_t a = 0; a <= s.before; ++a) {
       const int64_t kc = s.key_chunk(c, a);
-      gemm(m, s.chunk, s.d, q + row0 * s.d, s.d, 1,
-           w.kt.data() + a * s.d * s.ldt(), s.ldt(), p + a * s.chunk, s.width,
-           false);
+      if (s.bf16)
+        product_bf16(m, s.chunk, s.d, q + row0 * s.d, s.d,
+                     w.kp.data() + a * Shape::pairs(s.d) * s.ldt(), s.ldt(),
+                     p + a * s.chunk, s.width, false, w);
+      else
+        gemm(m, s.chunk, s.d, q + row0 * s.d, s.d, 1,
+             w.kt.data() + a * s.d * s.ldt(), s.ldt(), p + a * s.chunk,
+             s.width, false);
       for (int64_t i = 0; i < m; ++i)
         mask_row(s, p + i * s.width + a * s.chunk, qi[row0 + i],
                  ki + b * s.n + kc * s.chunk);
@@ -254,10 +319,17 @@ struct Forward {
       const float scale = 1.f / sum;
       for (int64_t j = 0; j < s.width; ++j) row[j] *= scale;
     }
+    if (s.bf16)
+      in.window_pairs(in.v, s.dv, b, c, true, w.vn, w.vn_of, w.tmp);
     for (int64_t a = 0; a <= s.before; ++a) {
       const int64_t k0 = b * s.n + s.key_chunk(c, a) * s.chunk;
-      gemm(m, s.dv, s.chunk, p + a * s.chunk, s.width, 1, in.v + k0 * s.dv,
-           s.dv, o + row0 * s.dv, s.dv, a > 0);
+      if (s.bf16)
+        in.product_bf16(m, s.dv, s.chunk, p + a * s.chunk, s.width,
+                        w.vn.data() + a * Shape::pairs(s.chunk) * s.dv, s.dv,
+                        o + row0 * s.dv, s.dv, a > 0, w);
+      else
+        gemm(m, s.dv, s.chunk, p + a * s.chunk, s.width, 1, in.v + k0 * s.dv,
+             s.dv, o + row0 * s.dv, s.dv, a > 0);
     }
   }
 };
@@ -294,27 +366,54 @@ struct Backward {
     const int64_t row0 = b * s.n + c * s.chunk + i0;
     float *p = w.p.data(), *g = w.g.data();
     in.scores(b, c, row0, m, w);
-    in.window(in.v, s.dv, b, c, w.vt, w.vt_of);
     for (int64_t i = 0; i < m; ++i)
       exp_row(p + i * s.width, s.width, lse[row0 + i]);
+    if (s.bf16)
+      in.window_pairs(in.v, s.dv, b, c, false, w.vp, w.vp_of, w.tmp);
+    else
+      in.window(in.v, s.dv, b, c, w.vt, w.vt_of);
     for (int64_t a = 0; a <= s.before; ++a) {  // g = dP = dO V^T.
-      gemm(m, s.chunk, s.dv, go + row0 * s.dv, s.dv, 1,
-           w.vt.data() + a * s.dv * s.ldt(), s.ldt(), g + a * s.chunk, s.width,
-           false);
+      if (s.bf16)
+        in.product_bf16(m, s.chunk, s.dv, go + row0 * s.dv, s.dv,
+                        w.vp.data() + a * Shape::pairs(s.dv) * s.ldt(),
+                        s.ldt(), g + a * s.chunk, s.width, false, w);
+      else
+        gemm(m, s.chunk, s.dv, go + row0 * s.dv, s.dv, 1,
+             w.vt.data() + a * s.dv * s.ldt(), s.ldt(), g + a * s.chunk,
+             s.width, false);
     }
-    for (int64_t i = 0; i < m; ++i) {  // dS = P (dP - <dO, O> + dlse).
-      float dot = 0.f;
-      for (int64_t u = 0; u < s.dv; ++u)
-        dot += go[(row0 + i) * s.dv + u] * o[(row0 + i) * s.dv + u];
-      const float shift = glse[row0 + i] - dot;
+    // dS = P (dP - <dO, O> + dlse). With bfloat16 products <dO, O> is
+    // sum_j P dP, as autodiff sums it: O read P and V rounded, and dS is a
+    // difference of near equals.
+    for (int64_t i = 0; i < m; ++i) {
       float *gi = g + i * s.width, *pi = p + i * s.width;
+      float dot = 0.f;
+      if (s.bf16)
+        for (int64_t j = 0; j < s.width; ++j) dot += pi[j] * gi[j];
+      else
+        for (int64_t u = 0; u < s.dv; ++u)
+          dot += go[(row0 + i) * s.dv + u] * o[(row0 + i) * s.dv + u];
+      const float shift = glse[row0 + i] - dot;
       for (int64_t j = 0; j < s.width; ++j) gi[j] = pi[j] * (gi[j] + shift);
+    }
+    if (s.bf16) {
+      in.window_pairs(in.k, s.d, b, c, true, w.kn, w.kn_of, w.tmp);
+      w.qn.resize(Shape::pairs(m) * s.d);
+      w.gn.resize(Shape::pairs(m) * s.dv);
+      jade::pairs_across_rows(m, s.d, in.q + row0 * s.d, s.d, w.qn.data(), s.d);
+      jade::pairs_across_rows(m, s.dv, go + row0 * s.dv, s.dv, w.gn.data(),
+                              s.dv);
     }
     const int64_t edge_rows = s.chunk * (s.d + s.dv);
     for (int64_t a = s.before; a >= 0; --a) {  // Own chunk first.
       const int64_t k0 = b * s.n + s.key_chunk(c, a) * s.chunk;
-      gemm(m, s.d, s.chunk, g + a * s.chunk, s.width, 1, in.k + k0 * s.d,
-           s.d, gq + row0 * s.d, s.d, a < s.before);  // dQ = dS K.
+      if (s.bf16)  // dQ = dS K.
+        in.product_bf16(m, s.d, s.chunk, g + a * s.chunk, s.width,
+                        w.kn.data() + a * Shape::pairs(s.chunk) * s.d, s.d,
+                        gq + row0 * s.d, s.d, a < s.before, w);
+      else
+        gemm(m, s.d, s.chunk, g + a * s.chunk, s.width, 1, in.k + k0 * s.d,
+             s.d, gq + row0 * s.d, s.d, a < s.before);
       // dK, dV of the keys read (dS^T Q, P^T dO), summed in place, or into
       // the edge slot of the chunk `j` before the group.
       float *to_k = gk + k0 * s.d, *to_v = gv + k0 * s.dv;
@@ -324,6 +423,13 @@ struct Backward {
         to_k = edge + (task * s.before + j - 1) * edge_rows;
         to_v = to_k + s.chunk * s.d;
         add = c > first || rb > 0;
+      }
+      if (s.bf16) {
+        in.product_t_bf16(m, s.chunk, s.d, g + a * s.chunk, s.width,
+                          w.qn.data(), to_k, add, w);
+        in.product_t_bf16(m, s.chunk, s.dv, p + a * s.chunk, s.width,
+                          w.gn.data(), to_v, add, w);
+        continue;
       }
       gemm(s.chunk, s.d, m, g + a * s.chunk, 1, s.width, in.q + row0 * s.d,
            s.d, to_k, s.d, add);
@@ -388,6 +494,7 @@ ffi::Error shape_of(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   s->causal = flags & 1;
   s->exclude_self = flags & 2;
   s->masked = flags & 4;
+  s->bf16 = (flags & 8) && jade::kNativeBf16;
   return ffi::Error::Success();
 }
 

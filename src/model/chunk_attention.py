@@ -40,6 +40,8 @@ from trax.layers.research import efficient_attention as ea
 from src.model import kernels
 
 _CAUSAL, _EXCLUDE_SELF, _MASKED = 1, 2, 4
+_BF16 = 8  # Products of bfloat16 inputs (where the CPU has AVX512-BF16).
+_TARGETS = ('jade_chunk_attention_forward', 'jade_chunk_attention_backward')
 # Scores of a call (queries x keys a query reads) below which Trax's
 # `attend` runs: they fit in cache, and XLA's passes are as fast.
 MIN_SCORES = 1 << 20
@@ -69,6 +71,20 @@ def _mask_flags(mask_fn) -> int | None:
     + _EXCLUDE_SELF * bool(kw['exclude_self'])
     + _MASKED * bool(kw['masked'])
   )
+
+
+def with_bfloat16_products(params: dict) -> dict | None:
+  """The parameters of a jaxpr's `ffi_call` of this kernel (forward or
+  backward) with its products reading bfloat16 inputs, summed in float32
+  (`precision.products = 'bfloat16'`: the kernel computes so where it was
+  built for AVX512-BF16, in float32 elsewhere); None for any other call."""
+  if params.get('target_name') not in _TARGETS:
+    return None
+  attributes = tuple(
+    (name, np.int64(value | _BF16) if name == 'flags' else value)
+    for name, value in params['attributes']
+  )
+  return {**params, 'attributes': attributes}
 
 
 def _call(target, outputs, *args, chunk, before, flags):

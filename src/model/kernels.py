@@ -34,7 +34,7 @@ from src.runtime import quiet
 
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / 'chunk_attention.cc', _HERE / 'bf16_cast.cc')
-HEADERS = (_HERE / 'cpu_pool.h',)
+HEADERS = (_HERE / 'cpu_pool.h', _HERE / 'bf16.h')
 _OPTIONS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC', '-w')
 # XLA's name for each handler: the library's symbol.
 TARGETS = {
@@ -102,11 +102,24 @@ def _private_folder() -> tuple[int, str | None]:
   return os.open(folder, flags), folder
 
 
-@functools.cache
 def ready() -> bool:
   """Builds (once per machine) and registers the kernels for XLA's CPU
   backend; False where they cannot be (the callers then compute without
   them)."""
+  return _library() is not None
+
+
+def native_bf16() -> bool:
+  """Whether the kernels were built for bfloat16 dot instructions
+  (AVX512-BF16): the attention kernel's products then read bfloat16 under
+  `precision.products = 'bfloat16'` (float32 elsewhere)."""
+  library = _library()
+  return library is not None and bool(library.JadeNativeBf16())
+
+
+@functools.cache
+def _library():
+  """The loaded library, its handlers registered; None where it cannot be."""
   import ctypes
 
   try:
@@ -125,10 +138,11 @@ def ready() -> bool:
     for target, symbol in TARGETS.items():
       capsule = jax.ffi.pycapsule(getattr(library, symbol))
       jax.ffi.register_ffi_target(target, capsule, platform='cpu')
-    return True
+    library.JadeNativeBf16.restype = ctypes.c_int
+    return library
   except (OSError, AttributeError) as e:
     quiet.note(
       f"the CPU kernels are not used ({e}): Trax's attend runs, and XLA "
       'rounds bfloat16 products itself'
     )
-    return False
+    return None

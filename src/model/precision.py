@@ -14,9 +14,10 @@ run ~1.6x faster; on the CPU they need XLA's YNNPACK products
 evaluates it again with each such `dot_general` replaced, inside every
 nested jaxpr (jit calls, loops, conditionals, rematerialization), so it
 reaches the products of Trax's layers and of their gradients without
-touching a layer. Products already in another type, integer products and
-the attention kernel's own (`src.model.chunk_attention`, float32) are left
-as they are.
+touching a layer. Products already in another type and integer products
+are left as they are. The attention kernel's products
+(`src.model.chunk_attention`) read bfloat16 inputs too, where the kernels
+were built for a CPU with AVX512-BF16 (float32 elsewhere).
 
 On XLA's CPU backend the rewrite also gives each product the layout
 YNNPACK runs: YNNPACK takes a left operand only when its contracted
@@ -43,10 +44,10 @@ from jax.extend import core as jax_core
 from jax.tree_util import tree_structure
 
 from src.core.errors import UserError
-from src.model import kernels
+from src.model import chunk_attention, kernels
 from src.runtime import xla
 
-PRODUCTS = ('float32', 'bfloat16')
+PRODUCTS = ('float32', 'bfloat16', 'auto')
 _F32 = jnp.dtype('float32')
 _BF16 = jnp.dtype('bfloat16')
 # Left operands of at most this many values are rounded by the CPU kernel
@@ -62,21 +63,27 @@ def precision(products: str = 'float32') -> str:
   """Training's matrix products (gin: precision).
 
   Args:
-    products: 'float32', or 'bfloat16': every float32 product of a training
+    products: 'float32'; 'bfloat16': every float32 product of a training
       step reads its inputs rounded to bfloat16 and sums in float32;
       weights, optimizer, softmax and loss stay float32, and evaluation and
       chat compute in float32. On a CPU it needs bfloat16 instructions
-      (AVX512-BF16, AMX) and `XLA_FLAGS=` the flag
-      `src.runtime.xla.YNN_PRODUCTS` names.
+      (AVX512-BF16, AMX) and XLA's YNNPACK products, which train.py turns
+      on when the gin asks (`src.runtime.xla`). 'auto': 'bfloat16' on a
+      CPU with bfloat16 dot instructions and YNNPACK's products on,
+      'float32' anywhere else (a CPU without them, where bfloat16 would be
+      slower; a GPU or TPU, where XLA picks its own).
 
   Returns:
-    The products' input type.
+    The products' input type: 'float32' or 'bfloat16'.
   """
   if products not in PRODUCTS:
     raise UserError(
-      f"precision.products = {products!r}: write 'float32' or 'bfloat16' "
-      'in the gin file'
+      f"precision.products = {products!r}: write 'float32', 'bfloat16' or "
+      "'auto' in the gin file"
     )
+  if products == 'auto':
+    native = jax.default_backend() == 'cpu' and xla.cpu_bf16_dot()
+    return 'bfloat16' if native and xla.ynn_products() else 'float32'
   return products
 
 
@@ -226,6 +233,7 @@ def _evaluate(jaxpr, consts, args) -> list:
     else:
       inputs = [read(v) for v in eqn.invars]
       params = {k: _rewrite_param(v) for k, v in eqn.params.items()}
+      params = chunk_attention.with_bfloat16_products(params) or params
       bind_params = eqn.primitive.get_bind_params(params)
       with eqn.ctx.manager:
         out = eqn.primitive.bind(*inputs, **bind_params)
@@ -279,6 +287,7 @@ def _has_product(jaxpr) -> bool:
   """Whether `jaxpr` holds a float32 product, in a nested jaxpr too."""
   return any(
     _is_float32_product(eqn)
+    or chunk_attention.with_bfloat16_products(eqn.params) is not None
     or any(map(_has_product, jax_core.jaxprs_in_params(eqn.params)))
     for eqn in jaxpr.eqns
   )

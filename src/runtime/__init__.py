@@ -10,19 +10,20 @@ from __future__ import annotations
 _DONE: list[bool] = []
 
 
-def bootstrap(light: bool = False):
+def bootstrap(light: bool = False, bf16_products: bool = False):
   """Once per process: XLA's CPU flags (`xla`), library noise silenced
   (`quiet`), JAX's compilation cache in the user's checked cache folder
   (`compile_cache`),
   then Trax imported and patched (`trax_patches`). Later calls do nothing.
   Call it before JAX starts its backend. `light` (a process that only
   decodes): Trax's data pipeline and training loop are imported only if
-  something uses them."""
+  something uses them. `bf16_products`: the run's gin asks for bfloat16
+  products (`xla.configure`)."""
   if _DONE:
     return
   from src.runtime import compile_cache, quiet, trax_patches, xla
 
-  xla.configure()
+  xla.configure(bf16_products)
   quiet.silence_libraries()
   compile_cache.install()
   trax_patches.install(light)

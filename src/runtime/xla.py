@@ -13,8 +13,11 @@ XLA CPU flags (`XLA_CPU_FLAGS`), measured in BENCHMARKS.md:
 A flag the user already set in `XLA_FLAGS` (any value) is left as it is.
 bfloat16 products (`precision.products`) run only in YNNPACK's products
 on the CPU (Eigen's upcast them to float32, slower than float32 itself):
-`ynn_products()` says whether the user turned those on
-(`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=individual_dot`).
+`configure(bf16_products=True)` (train.py, when the run's gin asks for
+them) turns YNNPACK's individual products on instead, where the CPU has
+bfloat16 dot instructions (`cpu_bf16_dot`); `ynn_products()` says whether
+they are on (or `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=
+individual_dot`, by hand).
 
 The compilation cache is `src.runtime.compile_cache`.
 """
@@ -28,10 +31,15 @@ XLA_CPU_FLAGS = (YNN_FLAG + '=',)
 YNN_PRODUCTS = YNN_FLAG + '=individual_dot'  # The flag that turns them on.
 
 
-def configure():
-  """Adds our XLA flags to `XLA_FLAGS` unless the user set them."""
+def configure(bf16_products: bool = False):
+  """Adds our XLA flags to `XLA_FLAGS` unless the user set them;
+  `bf16_products`: YNNPACK's individual products, where the CPU has
+  bfloat16 dot instructions."""
   flags = os.environ.get('XLA_FLAGS', '')
-  for flag in XLA_CPU_FLAGS:
+  wanted = XLA_CPU_FLAGS
+  if bf16_products and cpu_bf16_dot():
+    wanted = (YNN_PRODUCTS,)
+  for flag in wanted:
     name = flag.split('=')[0]
     if name + '=' not in flags:
       flags = f'{flags} {flag}'.strip()
@@ -47,3 +55,16 @@ def ynn_products() -> bool:
     if flag.startswith(YNN_FLAG + '='):
       kinds = flag.split('=', 1)[1]
   return any(k in ('dot', 'individual_dot') for k in kinds.split(','))
+
+
+def cpu_bf16_dot() -> bool:
+  """Whether this CPU has bfloat16 dot instructions (x86's AVX512-BF16 or
+  AMX-BF16: Linux's `/proc/cpuinfo` flags; False where it cannot say)."""
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8', errors='replace') as f:
+      for line in f:
+        if line.startswith('flags'):
+          return bool({'avx512_bf16', 'amx_bf16'} & set(line.split()))
+  except OSError:
+    pass
+  return False

@@ -191,17 +191,26 @@ def _data(s, fine, leader, markers, window, batch_size, cluster, log) -> dict:
 
 
 def _check_products(setup, products: str):
-  """bfloat16 products on the CPU need XLA's YNNPACK products: its other
-  products compute them in float32, slower than float32."""
+  """bfloat16 products on the CPU need XLA's YNNPACK products (its other
+  products compute them in float32, slower than float32), which train.py
+  turns on when the gin asks for them on a CPU with bfloat16 dot
+  instructions."""
   if products != 'bfloat16' or preflight.platform_name() != 'cpu':
     return
-  if not xla.ynn_products():
+  if xla.ynn_products():
+    return
+  where = f"{setup.path}: precision.products = 'bfloat16'"
+  if not xla.cpu_bf16_dot():
     raise UserError(
-      f"{setup.path}: precision.products = 'bfloat16' runs on this CPU "
-      "only with XLA's YNNPACK products (Jade turns them off: its float32 "
-      f'products are faster); run with XLA_FLAGS={xla.YNN_PRODUCTS}, or '
-      "set precision.products = 'float32'"
+      f'{where}: this CPU has no bfloat16 dot instructions (AVX512-BF16, '
+      "AMX), so its bfloat16 products are slower than float32; set 'auto' "
+      "(bfloat16 where the CPU has them) or 'float32'"
     )
+  raise UserError(
+    f"{where} runs on this CPU only with XLA's YNNPACK products, which "
+    f'train.py turns on unless XLA_FLAGS sets {xla.YNN_FLAG}; run with '
+    f"XLA_FLAGS={xla.YNN_PRODUCTS}, or set 'float32'"
+  )
 
 
 def _preflight(setup, vocab_size: int, micro: int, window: int):

@@ -157,7 +157,9 @@ def _report(plan: run_plan.RunPlan, cluster: distributed.Cluster, log):
     )
     + ', '
     f'{setup.attention_text}; {devices_text(cluster)} '
-    f'({jax.devices()[0].platform}), batch {plan.batch_size}'
+    f'({jax.devices()[0].platform}), '
+    + ('bfloat16 products, ' if ginconf.precision() == 'bfloat16' else '')
+    + f'batch {plan.batch_size}'
     + (f' in {k} micro-batches' if k > 1 else '')
     + f'; memory estimate {preflight.gb(plan.memory.total)} per device of '
     f'{preflight.gb(plan.memory_limit)}'
