@@ -29,15 +29,35 @@ def test_a_flag_the_user_set_is_kept():
 def test_bfloat16_products_turn_on_ynnpacks_products_where_the_cpu_has_them():
   for native, want in ((True, xla.YNN_PRODUCTS), (False, 'ynn_fusion_type= ')):
     with (
-      mock.patch.dict(os.environ, {'XLA_FLAGS': ''}),
+      mock.patch.dict(os.environ, {'XLA_FLAGS': '', xla.ADDED: ''}),
       mock.patch.object(xla, 'cpu_bf16_dot', return_value=native),
     ):
       xla.configure(bf16_products=True)
       assert want in os.environ['XLA_FLAGS'] + ' '
-  users = {'XLA_FLAGS': '--xla_cpu_experimental_ynn_fusion_type='}
-  with mock.patch.dict(os.environ, users):
+  users = {
+    'XLA_FLAGS': '--xla_cpu_experimental_ynn_fusion_type=',
+    xla.ADDED: '',
+  }
+  with (
+    mock.patch.dict(os.environ, users),
+    mock.patch.object(xla, 'cpu_bf16_dot', return_value=True),
+  ):
     xla.configure(bf16_products=True)
     assert os.environ['XLA_FLAGS'] == users['XLA_FLAGS']
+
+
+def test_a_process_started_by_ours_chooses_its_own_flags():
+  """A bench's `train.py` inherits the flags its parent's `configure`
+  added: they are not the user's, so it replaces them; the user's stay."""
+  user = '--xla_force_host_platform_device_count=2'
+  with (
+    mock.patch.dict(os.environ, {'XLA_FLAGS': user, xla.ADDED: ''}),
+    mock.patch.object(xla, 'cpu_bf16_dot', return_value=True),
+  ):
+    xla.configure()  # The parent: float32's flags.
+    assert os.environ['XLA_FLAGS'] == f'{user} {xla.XLA_CPU_FLAGS[0]}'
+    xla.configure(bf16_products=True)  # The child, asked for bfloat16.
+    assert os.environ['XLA_FLAGS'] == f'{user} {xla.YNN_PRODUCTS}'
 
 
 def test_the_runs_products_are_read_from_its_gin_text_as_data(tmp_path):

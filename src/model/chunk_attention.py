@@ -21,6 +21,13 @@ or TPU, dropout), so a model's numbers never depend on which ran beyond
 float rounding. `JADE_CHUNK_KERNEL=off` keeps Trax's everywhere;
 `=always` takes the kernel for every call it applies to.
 
+Under `precision.products = 'bfloat16'` the training step's rewrite
+(`src.model.precision`) sets the calls' bfloat16 flag
+(`with_bfloat16_products`): where the kernels were built for AVX512-BF16
+(`kernels.native_bf16()`) the kernel's five products then read bfloat16
+inputs and sum in float32, as XLA's bfloat16 products of Trax's `attend`
+do (the same values within the roundings that flip).
+
 The kernel is built and loaded with the project's other CPU kernels
 (`src.model.kernels`); without a compiler (or where the library cannot be
 loaded) Trax's `attend` runs, and `JADE_VERBOSE=1` says why in one line.

@@ -1,7 +1,8 @@
 """The project's CPU kernels: one library, built and registered with XLA.
 
 Two sources, compiled together (with `cpu_pool.h`, their one way of
-spreading work over XLA's threads) into one shared library:
+spreading work over XLA's threads, and `bf16.h`, their bfloat16 rounding
+and products) into one shared library:
 - `chunk_attention.cc`: Trax's chunked attention fused, forward and
   backward (`src.model.chunk_attention`);
 - `bf16_cast.cc`: float32 to bfloat16 as opaque calls, plain and

@@ -29,21 +29,28 @@ import os
 YNN_FLAG = '--xla_cpu_experimental_ynn_fusion_type'
 XLA_CPU_FLAGS = (YNN_FLAG + '=',)
 YNN_PRODUCTS = YNN_FLAG + '=individual_dot'  # The flag that turns them on.
+ADDED = 'JADE_XLA_FLAGS_ADDED'  # The flags `configure` added, not the user's.
 
 
 def configure(bf16_products: bool = False):
   """Adds our XLA flags to `XLA_FLAGS` unless the user set them;
   `bf16_products`: YNNPACK's individual products, where the CPU has
-  bfloat16 dot instructions."""
-  flags = os.environ.get('XLA_FLAGS', '')
+  bfloat16 dot instructions. The flags added are named in `ADDED`, so a
+  process this one starts (a bench's `train.py`) tells them from the
+  user's and chooses its own."""
+  ours = set(os.environ.get(ADDED, '').split())
+  flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if f not in ours]
   wanted = XLA_CPU_FLAGS
   if bf16_products and cpu_bf16_dot():
     wanted = (YNN_PRODUCTS,)
+  added = []
   for flag in wanted:
     name = flag.split('=')[0]
-    if name + '=' not in flags:
-      flags = f'{flags} {flag}'.strip()
-  os.environ['XLA_FLAGS'] = flags
+    if not any(f.startswith(name + '=') for f in flags):
+      flags.append(flag)
+      added.append(flag)
+  os.environ['XLA_FLAGS'] = ' '.join(flags)
+  os.environ[ADDED] = ' '.join(added)
 
 
 def ynn_products() -> bool:
