@@ -161,16 +161,18 @@ def test_settings_are_checked():
   assert ginconf.precision() == 'bfloat16'
   ginconf.parse(TINY_GIN)
   assert ginconf.precision() == 'float32'
-  # 'auto': bfloat16 only on a CPU with bfloat16 dot instructions and
-  # YNNPACK's products on.
-  for native, ynn, want in (
-    (True, True, 'bfloat16'),
-    (True, False, 'float32'),
-    (False, True, 'float32'),
+  # 'auto': bfloat16 only on a CPU with bfloat16 dot instructions,
+  # YNNPACK's products on and the kernels built.
+  for native, ynn, built, want in (
+    (True, True, True, 'bfloat16'),
+    (True, False, True, 'float32'),
+    (False, True, True, 'float32'),
+    (True, True, False, 'float32'),
   ):
     with (
       mock.patch.object(xla, 'cpu_bf16_dot', return_value=native),
       mock.patch.object(xla, 'ynn_products', return_value=ynn),
+      mock.patch.object(kernels, 'ready', return_value=built),
     ):
       assert precision.precision('auto') == want
 

@@ -69,7 +69,8 @@ def precision(products: str = 'float32') -> str:
       chat compute in float32. On a CPU it needs bfloat16 instructions
       (AVX512-BF16, AMX) and XLA's YNNPACK products, which train.py turns
       on when the gin asks (`src.runtime.xla`). 'auto': 'bfloat16' on a
-      CPU with bfloat16 dot instructions and YNNPACK's products on,
+      CPU with bfloat16 dot instructions, YNNPACK's products on and the
+      project's CPU kernels built (without them some products fail),
       'float32' anywhere else (a CPU without them, where bfloat16 would be
       slower; a GPU or TPU, where XLA picks its own).
 
@@ -83,7 +84,8 @@ def precision(products: str = 'float32') -> str:
     )
   if products == 'auto':
     native = jax.default_backend() == 'cpu' and xla.cpu_bf16_dot()
-    return 'bfloat16' if native and xla.ynn_products() else 'float32'
+    ready = xla.ynn_products() and kernels.ready()
+    return 'bfloat16' if native and ready else 'float32'
   return products
 
 
