@@ -245,23 +245,29 @@ struct Call {
     of = b * s.chunks + c;
   }
 
-  // C (+)= A B of `m` rows of A (row-major, `lda` floats a row) by the
-  // window's pairs `bp` (`pb` of them, `ldb` words a row), A paired here.
-  void product_bf16(int64_t m, int64_t cols, int64_t depth, const float* a,
-                    int64_t lda, const uint32_t* bp, int64_t ldb, float* c,
-                    int64_t ldc, bool accumulate, Scratch& w) const {
+  // `m` rows of A (row-major, `lda` floats a row, `depth` wide) paired
+  // along their values into `w.ra` (`pairs(depth)` words a row).
+  const uint32_t* rows_paired(int64_t m, int64_t depth, const float* a,
+                              int64_t lda, Scratch& w) const {
+    w.ra.resize(m * Shape::pairs(depth));
+    jade::pairs_in_rows(m, depth, a, lda, w.ra.data(), Shape::pairs(depth));
+    return w.ra.data();
+  }
+
+  // C (+)= A B of `m` rows of A paired as `rows_paired` pairs them, by the
+  // window's pairs `bp` (`ldb` words a row).
+  static void product_bf16(int64_t m, int64_t cols, int64_t depth,
+                           const uint32_t* ap, const uint32_t* bp, int64_t ldb,
+                           float* c, int64_t ldc, bool accumulate) {
     const int64_t pa = Shape::pairs(depth);
-    w.ra.resize(m * pa);
-    jade::pairs_in_rows(m, depth, a, lda, w.ra.data(), pa);
-    jade::gemm_bf16(m, cols, pa, w.ra.data(), pa, 1, bp, ldb, c, ldc,
-                    accumulate);
+    jade::gemm_bf16(m, cols, pa, ap, pa, 1, bp, ldb, c, ldc, accumulate);
   }
 
   // C (+)= A^T B, A `[m, cols]` (`lda` floats a row) and B `[m, n]` paired
   // across their `m` rows (B's pairs given: `bn`).
   void product_t_bf16(int64_t m, int64_t cols, int64_t n, const float* a,
-                      int64_t lda, const uint32_t* bn, float* c, bool accumulate,
-                      Scratch& w) const {
+                      int64_t lda, const uint32_t* bn, float* c,
+                      bool accumulate, Scratch& w) const {
     w.ga.resize(Shape::pairs(m) * cols);
     jade::pairs_across_rows(m, cols, a, lda, w.ga.data(), cols);
     jade::gemm_bf16(cols, n, Shape::pairs(m), w.ga.data(), 1, cols, bn, n, c,
@@ -272,17 +278,20 @@ struct Call {
   // `w.p` ([m, width]).
   void scores(int64_t b, int64_t c, int64_t row0, int64_t m,
               Scratch& w) const {
-    if (s.bf16)
+    const uint32_t* qp = nullptr;  // The rows' pairs, once for every slot.
+    if (s.bf16) {
       window_pairs(k, s.d, b, c, false, w.kp, w.kp_of, w.tmp);
-    else
+      qp = rows_paired(m, s.d, q + row0 * s.d, s.d, w);
+    } else {
       window(k, s.d, b, c, w.kt, w.kt_of);
+    }
     float* p = w.p.data();
     for (int64_t a = 0; a <= s.before; ++a) {
       const int64_t kc = s.key_chunk(c, a);
       if (s.bf16)
-        product_bf16(m, s.chunk, s.d, q + row0 * s.d, s.d,
+        product_bf16(m, s.chunk, s.d, qp,
                      w.kp.data() + a * Shape::pairs(s.d) * s.ldt(), s.ldt(),
-                     p + a * s.chunk, s.width, false, w);
+                     p + a * s.chunk, s.width, false);
       else
         gemm(m, s.chunk, s.d, q + row0 * s.d, s.d, 1,
              w.kt.data() + a * s.d * s.ldt(), s.ldt(), p + a * s.chunk,
@@ -324,9 +333,11 @@ struct Forward {
     for (int64_t a = 0; a <= s.before; ++a) {
       const int64_t k0 = b * s.n + s.key_chunk(c, a) * s.chunk;
       if (s.bf16)
-        in.product_bf16(m, s.dv, s.chunk, p + a * s.chunk, s.width,
-                        w.vn.data() + a * Shape::pairs(s.chunk) * s.dv, s.dv,
-                        o + row0 * s.dv, s.dv, a > 0, w);
+        Call::product_bf16(m, s.dv, s.chunk,
+                           in.rows_paired(m, s.chunk, p + a * s.chunk,
+                                          s.width, w),
+                           w.vn.data() + a * Shape::pairs(s.chunk) * s.dv,
+                           s.dv, o + row0 * s.dv, s.dv, a > 0);
       else
         gemm(m, s.dv, s.chunk, p + a * s.chunk, s.width, 1, in.v + k0 * s.dv,
              s.dv, o + row0 * s.dv, s.dv, a > 0);
@@ -368,15 +379,18 @@ struct Backward {
     in.scores(b, c, row0, m, w);
     for (int64_t i = 0; i < m; ++i)
       exp_row(p + i * s.width, s.width, lse[row0 + i]);
-    if (s.bf16)
+    const uint32_t* gop = nullptr;  // dO's rows paired, once for every slot.
+    if (s.bf16) {
       in.window_pairs(in.v, s.dv, b, c, false, w.vp, w.vp_of, w.tmp);
-    else
+      gop = in.rows_paired(m, s.dv, go + row0 * s.dv, s.dv, w);
+    } else {
       in.window(in.v, s.dv, b, c, w.vt, w.vt_of);
+    }
     for (int64_t a = 0; a <= s.before; ++a) {  // g = dP = dO V^T.
       if (s.bf16)
-        in.product_bf16(m, s.chunk, s.dv, go + row0 * s.dv, s.dv,
-                        w.vp.data() + a * Shape::pairs(s.dv) * s.ldt(),
-                        s.ldt(), g + a * s.chunk, s.width, false, w);
+        Call::product_bf16(m, s.chunk, s.dv, gop,
+                           w.vp.data() + a * Shape::pairs(s.dv) * s.ldt(),
+                           s.ldt(), g + a * s.chunk, s.width, false);
       else
         gemm(m, s.chunk, s.dv, go + row0 * s.dv, s.dv, 1,
              w.vt.data() + a * s.dv * s.ldt(), s.ldt(), g + a * s.chunk,
@@ -408,9 +422,11 @@ struct Backward {
     for (int64_t a = s.before; a >= 0; --a) {  // Own chunk first.
       const int64_t k0 = b * s.n + s.key_chunk(c, a) * s.chunk;
       if (s.bf16)  // dQ = dS K.
-        in.product_bf16(m, s.d, s.chunk, g + a * s.chunk, s.width,
-                        w.kn.data() + a * Shape::pairs(s.chunk) * s.d, s.d,
-                        gq + row0 * s.d, s.d, a < s.before, w);
+        Call::product_bf16(m, s.d, s.chunk,
+                           in.rows_paired(m, s.chunk, g + a * s.chunk,
+                                          s.width, w),
+                           w.kn.data() + a * Shape::pairs(s.chunk) * s.d, s.d,
+                           gq + row0 * s.d, s.d, a < s.before);
       else
         gemm(m, s.d, s.chunk, g + a * s.chunk, s.width, 1, in.k + k0 * s.d,
              s.d, gq + row0 * s.d, s.d, a < s.before);

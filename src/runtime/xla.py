@@ -24,6 +24,7 @@ The compilation cache is `src.runtime.compile_cache`.
 
 from __future__ import annotations
 
+import functools
 import os
 
 YNN_FLAG = '--xla_cpu_experimental_ynn_fusion_type'
@@ -64,6 +65,7 @@ def ynn_products() -> bool:
   return any(k in ('dot', 'individual_dot') for k in kinds.split(','))
 
 
+@functools.cache
 def cpu_bf16_dot() -> bool:
   """Whether this CPU has bfloat16 dot instructions (x86's AVX512-BF16 or
   AMX-BF16: Linux's `/proc/cpuinfo` flags; False where it cannot say)."""
