@@ -128,19 +128,57 @@ def test_time_preflight_counts_flops_and_warns_past_a_day():
 
 def test_the_time_estimate_weighs_long_attention_chunks(monkeypatch):
   """The attention's products run at a smaller share of the matrix rate
-  than the dense ones: the walkthrough's run on one window of 4,096 with
-  chunks of 2,048 took 3.7x the step of 16 windows of 256 with chunks of
-  256 (2.38 s against 0.64), which one share for both called 2.4x."""
-  monkeypatch.setattr(preflight, 'device_flops_per_second', lambda: 9e10)
+  than the dense ones, XLA's at less than the fused kernel's: on the
+  walkthrough's runs (float32, an AVX-512 Zen 4, the kernel built) one
+  window of 4,096 with chunks of 2,048 took 2.3x the step of 16 windows of
+  256 with chunks of 256 (0.68 s against 0.29)."""
+  from src.model import chunk_attention
+
+  monkeypatch.setattr(preflight, 'device_flops_per_second', lambda: 2e11)
+
+  def by_size(rows, chunk, before):  # As where the kernels are built.
+    return rows * chunk * (before + 1) >= chunk_attention.MIN_SCORES
+
+  monkeypatch.setattr(chunk_attention, 'takes', by_size)
   gin = os.path.join(ROOT, 'gin', 'long_memory.gin')
   short = ginconf.parse(gin)
   long = ginconf.parse(gin, ('LSHSelfAttention.chunk_len = 2048',))
   first = preflight.step_seconds(short, 1000, 16, 256)
   last = preflight.step_seconds(long, 1000, 1, 4096)
-  assert 3.3 < last / first < 4.2
+  assert 0.8 < first / 0.29 < 1.25 and 0.8 < last / 0.68 < 1.25
   dense, attention = preflight.step_parts(long, 1000, 1, 4096)
   assert dense + attention == preflight.step_flops(long, 1000, 1, 4096)
   assert attention > dense  # 8,192 keys a query in the LSH block.
+  # The LSH block's calls (2 x 4,096 queries x 4,096 keys) go to the
+  # kernel; the local blocks' (4,096 x 64) and all of the short run's stay
+  # with XLA.
+  by_xla, fused = preflight.attention_parts(long, 4096, 4096)
+  assert by_xla + fused == attention and fused > 50 * by_xla
+  assert preflight.attention_parts(short, 4096, 256)[1] == 0
+  # bfloat16 products: the same step at the bfloat16 rate.
+  fast = preflight.step_seconds(long, 1000, 1, 4096, 'bfloat16')
+  assert fast == pytest.approx(last / preflight.BFLOAT16_SPEEDUP)
+
+
+def test_the_time_estimate_counts_attention_the_kernel_would_not_take(
+  monkeypatch,
+):
+  """Without the kernel (`JADE_CHUNK_KERNEL=off`, no compiler, a GPU) every
+  attention product is counted at XLA's share: a slower estimate."""
+  from src.model import chunk_attention
+
+  monkeypatch.setattr(preflight, 'device_flops_per_second', lambda: 2e11)
+  long = ginconf.parse(
+    os.path.join(ROOT, 'gin', 'long_memory.gin'),
+    ('LSHSelfAttention.chunk_len = 2048',),
+  )
+  monkeypatch.setenv('JADE_CHUNK_KERNEL', 'off')
+  assert not chunk_attention.takes(8192, 2048, 1)
+  assert preflight.attention_parts(long, 4096, 4096)[1] == 0
+  slow = preflight.step_seconds(long, 1000, 1, 4096)
+  monkeypatch.setenv('JADE_CHUNK_KERNEL', 'always')
+  if chunk_attention.takes(8192, 2048, 1):  # The kernels built here.
+    assert preflight.step_seconds(long, 1000, 1, 4096) < 0.8 * slow
 
 
 def test_attention_text_names_each_class_as_bound():

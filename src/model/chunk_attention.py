@@ -161,8 +161,20 @@ def _fusable(q, k, v, chunk, kv_chunk, before, after, flags, dropout) -> bool:
     and q.shape[-2] == v.shape[-2]
     and q.shape[-2] % chunk == 0
     and (k is None or k.shape[-2] == q.shape[-2])
-    and (mode := kernel_mode()) != 'off'
-    and (mode == 'always' or q.shape[-2] * chunk * (before + 1) >= MIN_SCORES)
+    and takes(q.shape[-2], chunk, before)
+  )
+
+
+def takes(rows: int, chunk: int, before: int) -> bool:
+  """Whether a call of `rows` queries in chunks of `chunk`, each reading
+  `before` chunks back, runs the kernel here (its size, `JADE_CHUNK_KERNEL`,
+  XLA's CPU backend and the kernels built), given the rest of what it
+  needs (float32, Trax's mask, no dropout): what the pre-flight's time
+  estimate counts at the kernel's rate (`src.model.preflight`)."""
+  mode = kernel_mode()
+  return (
+    mode != 'off'
+    and (mode == 'always' or rows * chunk * (before + 1) >= MIN_SCORES)
     and kernels.available()
   )
 

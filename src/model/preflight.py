@@ -35,7 +35,7 @@ import time
 import jax
 
 from src.core.errors import UserError
-from src.model import reformer
+from src.model import chunk_attention, reformer
 
 F32 = 4
 BASELINE = 0.9e9  # CPU: JAX, Trax, compiled programs, data pipeline.
@@ -280,23 +280,27 @@ def predict_memory(setup) -> float:
 # ---- Time ----------------------------------------------------------------
 #
 # Seconds per step from the step's floating-point operations and the rate
-# this device multiplies matrices at (measured at start, ~0.2 s), each
-# part divided by the share of that rate it reaches: the dense products
-# (projections, feed-forwards, the output layer) `DENSE_EFFICIENCY`, the
-# attention's score and value products `ATTENTION_EFFICIENCY` (small
-# batched products, masks, the LSH sort and gathers run far below a large
-# matrix product). Fitted on a 2-core AVX2 Zen 3 against the
-# long-conversation walkthrough's four runs (BENCHMARKS.md "The
-# long-conversation walkthrough, four runs"): 16 windows of 256 with
-# chunks of 256 took 0.64 s a step, one window of 4,096 with chunks of
-# 2,048 2.38 s. With each run's measured rate these give 0.92-1.15x the
-# measured step in all four (one share for the whole step, 0.4, gave
-# 0.47-0.90x: 1.11 s for the 2.38 s step) and 0.49 s for
-# gin/long_chat.gin's 0.47. The progress line's ETA replaces the
+# this device multiplies float32 matrices at (measured at start, best of
+# 10 products: ~0.1 s; best of 3 read 97-203 GFLOP/s on one machine within
+# a day), each part divided by the share of that rate it reaches: the
+# dense products (projections, feed-forwards, the output layer)
+# `DENSE_EFFICIENCY`; the attention's score and value products computed
+# by XLA (Trax's `attend`: small batched products, masks, the LSH sort and
+# gathers) `ATTENTION_EFFICIENCY`, and those the fused CPU kernel takes
+# (`chunk_attention.takes`) `FUSED_ATTENTION_EFFICIENCY`; with bfloat16
+# products (`precision.products`) the rate is `BFLOAT16_SPEEDUP` times as
+# high. Fitted on a 2-core AVX-512 Zen 4 against the long-conversation
+# walkthrough's runs 1, 3 and 4 in float32 and bfloat16 (steps timed by
+# train.py's own loop: 16 windows of 256 with chunks of 256, 4 of 1,024
+# with chunks of 512, one of 4,096 with chunks of 2,048; BENCHMARKS.md "The
+# pre-flight's time, refitted"). The first fit (a 2-core AVX2 Zen 3, before
+# the fused kernel) had 0.46 and 0.14. The progress line's ETA replaces the
 # estimate once steps are timed.
 
-DENSE_EFFICIENCY = 0.46
-ATTENTION_EFFICIENCY = 0.14
+DENSE_EFFICIENCY = 0.40
+ATTENTION_EFFICIENCY = 0.17
+FUSED_ATTENTION_EFFICIENCY = 0.27
+BFLOAT16_SPEEDUP = 1.3
 DAY = 86400.0
 
 
@@ -313,27 +317,44 @@ def step_parts(
 ) -> tuple[float, float]:
   """`step_flops` as `(dense, attention)`: the products with weights, and
   the attention's scores and weighted values."""
-  m, a = setup.model, setup.attention
+  m = setup.model
   length = length or setup.max_len
   tokens = batch_per_device * length
-  d = m['d_model']
-  dense = count_weights(setup, vocab_size) - vocab_size * d  # No lookups.
-  heads, dk, dv = m['n_heads'], m['d_attention_key'], m['d_attention_value']
-  keys = 0.0  # Scores per query, summed over the blocks.
+  dense = count_weights(setup, vocab_size) - vocab_size * m['d_model']
+  return 3.0 * tokens * 2.0 * dense, sum(attention_parts(setup, tokens, length))
+
+
+def attention_parts(setup, tokens: int, length: int) -> tuple[float, float]:
+  """A step's attention products over `tokens` tokens on windows of
+  `length` (forward + backward) as `(by XLA, by the fused kernel)`: each
+  block's call goes to the kernel where `chunk_attention.takes` says it
+  will (its size, the CPU, the kernels built)."""
+  m, a = setup.model, setup.attention
+  per_key = (
+    3.0
+    * tokens
+    * m['n_heads']
+    * 2
+    * (m['d_attention_key'] + m['d_attention_value'])
+  )
+  parts = [0.0, 0.0]
   for name in setup.layer_attention or [setup.attention_name] * m['n_layers']:
     if 'LSH' in name:
-      span = (a.get('chunk_len') or 64) * (1 + (a.get('n_chunks_before') or 0))
-      keys += span * (a.get('n_hashes') or 1)
+      chunk, before = a.get('chunk_len') or 64, a.get('n_chunks_before') or 0
+      rows = length * (a.get('n_hashes') or 1)
     elif setup.local is not None:  # A local block of a mixed model.
-      keys += setup.local['chunk_len'] * (1 + setup.local['n_chunks_before'])
-    else:
-      keys += length / 2  # Causal full attention: half the scores on average.
-  attention = heads * keys * 2 * (dk + dv)
-  return 3.0 * tokens * 2.0 * dense, 3.0 * tokens * attention
+      chunk, before = setup.local['chunk_len'], setup.local['n_chunks_before']
+      rows = length
+    else:  # Causal full attention: half the scores on average, by XLA.
+      parts[0] += per_key * length / 2
+      continue
+    keys = chunk * (1 + before) * rows / length  # Scores per query.
+    parts[chunk_attention.takes(rows, chunk, before)] += per_key * keys
+  return parts[0], parts[1]
 
 
 def device_flops_per_second(
-  m: int = 1024, k: int = 512, n: int = 2048, repeats: int = 3
+  m: int = 1024, k: int = 512, n: int = 2048, repeats: int = 10
 ) -> float:
   """Measured rate of a float32 `[m, k] x [k, n]` matrix product on the
   first device (best of `repeats`); bench/train_speed.py's matmul peak is
@@ -351,11 +372,22 @@ def device_flops_per_second(
 
 
 def step_seconds(
-  setup, vocab_size: int, batch_per_device: int, length: int | None = None
+  setup,
+  vocab_size: int,
+  batch_per_device: int,
+  length: int | None = None,
+  products: str = 'float32',
 ) -> float:
-  """Estimated seconds per training step on this device."""
-  dense, attention = step_parts(setup, vocab_size, batch_per_device, length)
+  """Estimated seconds per training step on this device, its products in
+  `products` ('float32' or 'bfloat16', as `precision` resolved them)."""
+  length = length or setup.max_len
+  dense = step_parts(setup, vocab_size, batch_per_device, length)[0]
+  by_xla, fused = attention_parts(setup, batch_per_device * length, length)
   rate = device_flops_per_second()
-  return dense / (rate * DENSE_EFFICIENCY) + attention / (
-    rate * ATTENTION_EFFICIENCY
-  )
+  if products == 'bfloat16':
+    rate *= BFLOAT16_SPEEDUP
+  return (
+    dense / DENSE_EFFICIENCY
+    + by_xla / ATTENTION_EFFICIENCY
+    + fused / FUSED_ATTENTION_EFFICIENCY
+  ) / rate

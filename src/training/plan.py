@@ -217,11 +217,12 @@ def _preflight(setup, vocab_size: int, micro: int, window: int):
   """`(memory, limit, step seconds)` of a step on `window`-token windows,
   checked before anything is compiled; one micro-batch's activations are
   alive at a time."""
-  _check_products(setup, ginconf.precision())
+  products = ginconf.precision()
+  _check_products(setup, products)
   memory, limit = preflight.check(
     setup, vocab_size, micro, ginconf.output_loss(), window
   )
-  seconds = preflight.step_seconds(setup, vocab_size, micro, window)
+  seconds = preflight.step_seconds(setup, vocab_size, micro, window, products)
   return memory, limit, seconds
 
 
