@@ -157,7 +157,9 @@ def test_the_time_estimate_weighs_long_attention_chunks(monkeypatch):
   assert preflight.attention_parts(short, 4096, 256)[1] == 0
   # bfloat16 products: the same step at the bfloat16 rate.
   fast = preflight.step_seconds(long, 1000, 1, 4096, 'bfloat16')
-  assert fast == pytest.approx(last / preflight.BFLOAT16_SPEEDUP)
+  overhead = preflight.STEP_OVERHEAD
+  speedup = preflight.BFLOAT16_SPEEDUP
+  assert fast - overhead == pytest.approx((last - overhead) / speedup)
 
 
 def test_the_time_estimate_counts_attention_the_kernel_would_not_take(

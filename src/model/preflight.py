@@ -289,18 +289,22 @@ def predict_memory(setup) -> float:
 # gathers) `ATTENTION_EFFICIENCY`, and those the fused CPU kernel takes
 # (`chunk_attention.takes`) `FUSED_ATTENTION_EFFICIENCY`; with bfloat16
 # products (`precision.products`) the rate is `BFLOAT16_SPEEDUP` times as
-# high. Fitted on a 2-core AVX-512 Zen 4 against the long-conversation
-# walkthrough's runs 1, 3 and 4 in float32 and bfloat16 (steps timed by
-# train.py's own loop: 16 windows of 256 with chunks of 256, 4 of 1,024
-# with chunks of 512, one of 4,096 with chunks of 2,048; BENCHMARKS.md "The
-# pre-flight's time, refitted"). The first fit (a 2-core AVX2 Zen 3, before
-# the fused kernel) had 0.46 and 0.14. The progress line's ETA replaces the
-# estimate once steps are timed.
+# high; each step adds `STEP_OVERHEAD` (Trax's loop, the optimizer's
+# update, dispatch: a quarter of the quick start's 0.1 s step). Fitted on
+# a 2-core AVX-512 Zen 4 against the long-conversation walkthrough's runs
+# 1, 3 and 4 in float32 and bfloat16 (steps timed by train.py's own loop:
+# 16 windows of 256 with chunks of 256, 4 of 1,024 with chunks of 512, one
+# of 4,096 with chunks of 2,048; BENCHMARKS.md "Time pre-flight"): 0.90-
+# 1.13x of the measured steps, 0.87x on the quick start. The first fit (a
+# 2-core AVX2 Zen 3, before the fused kernel, no overhead) had 0.46 and
+# 0.14. The progress line's ETA replaces the estimate once steps are
+# timed.
 
-DENSE_EFFICIENCY = 0.40
+DENSE_EFFICIENCY = 0.46
 ATTENTION_EFFICIENCY = 0.17
 FUSED_ATTENTION_EFFICIENCY = 0.27
 BFLOAT16_SPEEDUP = 1.3
+STEP_OVERHEAD = 0.025  # Seconds a step beyond its products (loop, optimizer).
 DAY = 86400.0
 
 
@@ -386,8 +390,9 @@ def step_seconds(
   rate = device_flops_per_second()
   if products == 'bfloat16':
     rate *= BFLOAT16_SPEEDUP
-  return (
+  products_seconds = (
     dense / DENSE_EFFICIENCY
     + by_xla / ATTENTION_EFFICIENCY
     + fused / FUSED_ATTENTION_EFFICIENCY
   ) / rate
+  return products_seconds + STEP_OVERHEAD
