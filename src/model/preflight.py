@@ -321,11 +321,23 @@ def step_parts(
 ) -> tuple[float, float]:
   """`step_flops` as `(dense, attention)`: the products with weights, and
   the attention's scores and weighted values."""
-  m = setup.model
+  dense, by_xla, fused = _step_split(
+    setup, vocab_size, batch_per_device, length
+  )
+  return dense, by_xla + fused
+
+
+def _step_split(
+  setup, vocab_size: int, batch_per_device: int, length: int | None
+) -> tuple[float, float, float]:
+  """A step's products: `(dense, attention by XLA, attention by the fused
+  kernel)`."""
   length = length or setup.max_len
   tokens = batch_per_device * length
-  dense = count_weights(setup, vocab_size) - vocab_size * m['d_model']
-  return 3.0 * tokens * 2.0 * dense, sum(attention_parts(setup, tokens, length))
+  weights = (
+    count_weights(setup, vocab_size) - vocab_size * setup.model['d_model']
+  )
+  return (3.0 * tokens * 2.0 * weights, *attention_parts(setup, tokens, length))
 
 
 def attention_parts(setup, tokens: int, length: int) -> tuple[float, float]:
@@ -384,9 +396,9 @@ def step_seconds(
 ) -> float:
   """Estimated seconds per training step on this device, its products in
   `products` ('float32' or 'bfloat16', as `precision` resolved them)."""
-  length = length or setup.max_len
-  dense = step_parts(setup, vocab_size, batch_per_device, length)[0]
-  by_xla, fused = attention_parts(setup, batch_per_device * length, length)
+  dense, by_xla, fused = _step_split(
+    setup, vocab_size, batch_per_device, length
+  )
   rate = device_flops_per_second()
   if products == 'bfloat16':
     rate *= BFLOAT16_SPEEDUP
