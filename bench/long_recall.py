@@ -138,16 +138,24 @@ def write_practice(
 
 
 def _sample(rng, talk, words, tok, tokens: int, stated: bool):
-  """A conversation whose question comes about `tokens` tokens after the
-  statement (grown in small-talk conversations until it does)."""
+  """A conversation whose question comes 0.9-1.2x `tokens` tokens (of
+  `tok`) after the statement: its small talk is drawn again, longer or
+  shorter, until it does (a tokenizer of short pieces writes more tokens
+  a character; a first guess of 3 characters a token then overshot, at
+  ~24k past the context)."""
   chars = tokens * 3
-  while True:
+  for _ in range(SAMPLE_TRIES):
     conv = task.make(rng, talk, words, chars, 'word', stated)
     between = conv.turns[2:-2] if stated else conv.turns[:-2]
     count = sum(len(tok.encode(t)) + 2 for _, t in between)
-    if count >= 0.9 * tokens or chars > 40 * tokens:
-      return conv, count
-    chars = int(chars * 1.1 * tokens / max(count, 1))
+    if 0.9 * tokens <= count <= 1.2 * tokens or chars > 40 * tokens:
+      break
+    aim = 1.05 if count < 0.9 * tokens else 1.0
+    chars = max(50, int(chars * aim * tokens / max(count, 1)))
+  return conv, count
+
+
+SAMPLE_TRIES = 30  # Draws of a conversation's small talk at most.
 
 
 def score(

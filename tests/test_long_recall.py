@@ -187,3 +187,31 @@ def test_run_passes_each_bind_to_every_training_run(tmp_path, monkeypatch):
     ['run', str(tmp_path), '--bind', 'A.b = 1', '--bind', 'C.d = 2', '--x']
   )
   assert seen == [['--bind', 'A.b = 1', '--bind', 'C.d = 2', '--x']]
+
+
+def test_a_measured_distance_lands_near_its_tokens_for_any_tokenizer():
+  """`score`'s conversations put 0.9-1.2x the asked distance of tokens
+  between statement and question, whether the tokenizer writes one token
+  a character or one every six (a first guess of 3 characters a token
+  overshot a tokenizer of short pieces past the context)."""
+  from bench import long_recall as bench
+
+  class Chars:  # `step` characters a token.
+    def __init__(self, step):
+      self.step = step
+
+    def encode(self, text):
+      return list(range(0, len(text), self.step))
+
+  talk = [
+    [('user', f'tell me about topic number {i} please'), ('ai', 'sure, ' * i)]
+    for i in range(1, 40)
+  ]
+  for step in (1, 6):
+    rng = np.random.default_rng(step)
+    for tokens in (300, 2000):
+      conv, count = bench._sample(
+        rng, talk, ['lantern'], Chars(step), tokens, True
+      )
+      assert 0.9 * tokens <= count <= 1.2 * tokens, (step, tokens, count)
+      assert conv.value == 'lantern'
