@@ -137,6 +137,9 @@ def write_practice(
   print(f'{path}: {n} {kind} conversations ({len(words)} words)')
 
 
+SAMPLE_TRIES = 30  # Draws of a conversation's small talk at most.
+
+
 def _sample(rng, talk, words, tok, tokens: int, stated: bool):
   """A conversation whose question comes 0.9-1.2x `tokens` tokens (of
   `tok`) after the statement: its small talk is drawn again, longer or
@@ -153,9 +156,6 @@ def _sample(rng, talk, words, tok, tokens: int, stated: bool):
     aim = 1.05 if count < 0.9 * tokens else 1.0
     chars = max(50, int(chars * aim * tokens / max(count, 1)))
   return conv, count
-
-
-SAMPLE_TRIES = 30  # Draws of a conversation's small talk at most.
 
 
 def score(
