@@ -189,7 +189,7 @@ def test_train_py_turns_on_what_bfloat16_products_need(tmp_path):
     args += ['--bind', f"precision.products = '{kind}'"]
     r = run_script(args, {'XLA_FLAGS': ''})
     if kind == 'bfloat16' and not native:
-      assert r.returncode == 1
+      assert r.returncode == 2  # A UserError's exit (src/apps/cli.py).
       last = r.stderr.strip().splitlines()[-1]
       assert "'auto'" in last and 'Traceback' not in r.stderr
       continue

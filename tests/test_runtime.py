@@ -100,8 +100,15 @@ def test_bfloat16_products_on_a_cpu_without_ynnpack_are_refused():
   setup = ginconf.parse(TINY_GIN, ("precision.products = 'bfloat16'",))
   off = {'XLA_FLAGS': '--xla_cpu_experimental_ynn_fusion_type='}
   with mock.patch.dict(os.environ, off):
-    with pytest.raises(UserError, match='XLA_FLAGS=--xla_cpu_experimental'):
-      plan._check_products(setup, 'bfloat16')
+    # Any CPU: the one line names what this CPU lacks.
+    with mock.patch.object(xla, 'cpu_bf16_dot', return_value=True):
+      with pytest.raises(UserError, match='XLA_FLAGS=--xla_cpu_experimental'):
+        plan._check_products(setup, 'bfloat16')
+    with mock.patch.object(xla, 'cpu_bf16_dot', return_value=False):
+      with pytest.raises(
+        UserError, match="no bfloat16 dot instructions.*'auto'"
+      ):
+        plan._check_products(setup, 'bfloat16')
     plan._check_products(setup, 'float32')
   with mock.patch.dict(os.environ, {'XLA_FLAGS': xla.YNN_PRODUCTS}):
     plan._check_products(setup, 'bfloat16')
