@@ -10,8 +10,9 @@ Trax model and times each part alone under `jax.jit` (best of `--reps`):
 - in one LSH attention layer (its heads at once, under `vmap`, as Trax
   runs them when `n_parallel_heads` is unset): the query/key and value
   projections, the hashing,
-  the sort and the gathers into bucket order, the chunked attention
-  (`attend`: scores, softmax, scores x values), the unsort, the output
+  the sort and the gathers into bucket order (`gather_rows`' kernel where
+  it runs), the chunked attention (`attend`: scores, softmax, scores x
+  values; the fused kernel where it runs), the unsort, the output
   projection;
 - one whole attention branch (layer norm + the LSH layer, all heads) and
   one feed-forward branch (layer norm + the chunked feed-forward), as the
@@ -117,7 +118,7 @@ def head_parts(layer, weights, x, reps):
   (`vmap` over the heads): (name, fwd s, vjp s, FLOPs fwd)."""
   from trax.layers.research import efficient_attention as ea
 
-  from src.model import attention, lsh_hash
+  from src.model import attention, chunk_attention, gather_rows, lsh_hash
 
   n, buckets_n = x.shape[0], x.shape[0] // CHUNK
   wq, wv, wo = (layer.weight(weights, r) for r in ('q', 'v', 'o'))
@@ -140,10 +141,10 @@ def head_parts(layer, weights, x, reps):
     return sticker % n, sticker, undo
 
   def gather(q, v, st):
-    return jnp.take(q, st, axis=0), jnp.take(v, st, axis=0)
+    return gather_rows.take_rows(q, st), gather_rows.take_rows(v, st)
 
-  def attend(sq, sv, st):
-    return ea.attend(
+  def attend(sq, sv, st):  # The step's: the fused kernel where it runs.
+    return chunk_attention.attend(
       sq,
       k=None,
       v=sv,

@@ -18,6 +18,7 @@ from src.model import (
   decode_index,
   decode_select,
   ginconf,
+  kernels,
   lsh_hash,
 )
 
@@ -244,12 +245,39 @@ def test_scanned_buckets_are_trax_argmax_buckets():
     got = np.asarray(lsh_hash.bucket_ids(jnp.asarray(vecs), turns))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, want)
+    scanned = lsh_hash.scanned_ids(jnp.asarray(vecs), turns)
+    np.testing.assert_array_equal(np.asarray(scanned), want)
+    if kernels.available():  # The CPU kernel, and the scan where it cannot run.
+      fused = lsh_hash.fused_ids(jnp.asarray(vecs), turns)
+      np.testing.assert_array_equal(np.asarray(fused), want)
     layer = _lsh_layer(attention.FastLSHSelfAttention, n_hashes, n_buckets)
     ours = layer.hash_vectors(jnp.asarray(vecs), jax.random.PRNGKey(7))
     trax_ = ea.LSHSelfAttention.hash_vectors(
       layer, jnp.asarray(vecs), jax.random.PRNGKey(7)
     )
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(trax_))
+
+
+def test_the_hash_kernel_gives_the_scans_buckets_under_vmap():
+  """The CPU kernel's buckets (`lsh_hash.fused_ids`) are the scan's for
+  heads under `vmap` (leading dimensions on both inputs, or on the vectors
+  only), lengths that fill no tile (16 positions) and rotation counts
+  that fill no micro-tile (6 or 8 rotations), d 64 as the models hash."""
+  if not kernels.available():
+    pytest.skip('the CPU kernels cannot be built here')
+  rng = np.random.default_rng(1)
+  vecs = jnp.asarray(rng.standard_normal((3, 1037, 64)), jnp.float32)
+  for n_hashes, n_buckets in ((1, 512), (2, 38)):
+    keys = jax.random.split(jax.random.PRNGKey(n_buckets), 3)
+    draw = lsh_hash.draw_rotations
+    turns = jnp.stack([draw(k, 64, n_hashes, n_buckets) for k in keys])
+    fused = jax.jit(jax.vmap(lsh_hash.fused_ids))(vecs, turns)
+    scanned = jax.vmap(lsh_hash.scanned_ids)(vecs, turns)
+    assert fused.shape == (3, n_hashes, 1037) and fused.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(scanned))
+    shared = jax.vmap(lsh_hash.fused_ids, in_axes=(0, None))(vecs, turns[0])
+    np.testing.assert_array_equal(np.asarray(shared[0]), np.asarray(fused[0]))
+    assert int(jnp.max(fused)) < n_buckets and int(jnp.min(fused)) >= 0
 
 
 def _lsh_layer(cls, n_hashes, n_buckets):

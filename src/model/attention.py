@@ -48,6 +48,7 @@ from src.model import (
   decode_cache,
   decode_index,
   decode_state,
+  gather_rows,
   lsh_hash,
 )
 from src.model.decode_state import shifted, unwrap
@@ -473,8 +474,8 @@ def _unsorted(so, slogits, undo_sort, sticker, n_hashes: int, seqlen: int):
   outputs weighted by their share of the probability mass (Trax's)."""
   # Trax undoes the logits' sort with another sort; a gather is the same
   # permutation.
-  o = ea.permute_via_gather(so, undo_sort, sticker, axis=0)
-  logits = ea.permute_via_gather(slogits, undo_sort, sticker, axis=0)
+  o = gather_rows.permute_rows(so, undo_sort, sticker)
+  logits = gather_rows.permute_rows(slogits, undo_sort, sticker)
 
   if n_hashes > 1:
     o = jnp.reshape(o, (n_hashes, seqlen, o.shape[-1]))
@@ -520,8 +521,8 @@ def lsh_forward(
   sticker, undo_sort = _sort_order(buckets, seqlen, self._n_hashes)
 
   st = sticker % seqlen
-  sq = jnp.take(q, st, axis=0)
-  sv = jnp.take(v, st, axis=0)
+  sq = gather_rows.take_rows(q, st)
+  sv = gather_rows.take_rows(v, st)
 
   mask_fn = functools.partial(
     ea.mask_self_attention,

@@ -1,13 +1,17 @@
 """The project's CPU kernels: one library, built and registered with XLA.
 
-Two sources, compiled together (with `cpu_pool.h`, their one way of
+Four sources, compiled together (with `cpu_pool.h`, their one way of
 spreading work over XLA's threads, and `bf16.h`, their bfloat16 rounding
 and products) into one shared library:
 - `chunk_attention.cc`: Trax's chunked attention fused, forward and
   backward (`src.model.chunk_attention`);
 - `bf16_cast.cc`: float32 to bfloat16 as opaque calls, plain and
   transposed (`src.model.precision`: bfloat16 products XLA can hand to
-  YNNPACK).
+  YNNPACK);
+- `lsh_hash.cc`: Trax's LSH buckets (the rotations' products and their
+  argmax fused: `src.model.lsh_hash`);
+- `gather_rows.cc`: rows taken by index and their gradient (the LSH
+  layer's sort into bucket order and back: `src.model.gather_rows`).
 
 The library is compiled once per source, jaxlib and CPU with the system's
 C++ compiler (`c++`, ~4 s) into the kernels' folder beside the compilation
@@ -34,7 +38,12 @@ import jax
 from src.runtime import quiet
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / 'chunk_attention.cc', _HERE / 'bf16_cast.cc')
+SOURCES = (
+  _HERE / 'chunk_attention.cc',
+  _HERE / 'bf16_cast.cc',
+  _HERE / 'lsh_hash.cc',
+  _HERE / 'gather_rows.cc',
+)
 HEADERS = (_HERE / 'cpu_pool.h', _HERE / 'bf16.h')
 _OPTIONS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC', '-w')
 # XLA's name for each handler: the library's symbol.
@@ -43,6 +52,9 @@ TARGETS = {
   'jade_chunk_attention_backward': 'JadeChunkAttentionBackward',
   'jade_cast_bf16': 'JadeCastBf16',
   'jade_cast_transpose_bf16': 'JadeCastTransposeBf16',
+  'jade_lsh_buckets': 'JadeLshBuckets',
+  'jade_gather_rows': 'JadeGatherRows',
+  'jade_scatter_add_rows': 'JadeScatterAddRows',
 }
 
 
