@@ -6,6 +6,7 @@
   python bench/kernels.py --batched --bf16   # and with bfloat16 inputs
   python bench/kernels.py --ffi            # XLA's, then OpenBLAS's (FFI)
   python bench/kernels.py --fused          # Trax's attend, then the kernel
+  python bench/kernels.py --hash           # the LSH hash: XLA, then kernel
   python bench/kernels.py --split          # one device, then split in two:
   XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
     python bench/kernels.py --split
@@ -312,6 +313,47 @@ def fused(reps=5):
         print(f'  {part}, {label}: largest difference {diff:.1e}')
 
 
+def hashing(n: int, reps=5):
+  """The 4 heads' LSH hash of one layer of the benchmark model (d 64,
+  `n / 64` buckets, one round, `vmap` over the heads): XLA's scan over
+  the rotations (`lsh_hash.scanned_ids`), then the kernel
+  (`lsh_hash.fused_ids`), median and best of `reps`, and whether their
+  buckets agree."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from src.model import kernels, lsh_hash
+
+  heads, d, buckets = 4, 64, max(n // CHUNK, 2)
+  q = jnp.asarray(
+    np.random.default_rng(0).normal(size=(heads, n, d)), jnp.float32
+  )
+  keys = jax.random.split(jax.random.PRNGKey(0), heads)
+  turns = jnp.stack([lsh_hash.draw_rotations(k, d, 1, buckets) for k in keys])
+  flops = 2 * heads * n * d * (buckets // 2)
+  print(f'hash: {heads} heads, {n} positions, d {d}, {buckets} buckets')
+  contenders = [('XLA scan', lsh_hash.scanned_ids)]
+  if kernels.available():
+    contenders.append(('kernel', lsh_hash.fused_ids))
+  outs = []
+  for label, fn in contenders:
+    f = jax.jit(jax.vmap(fn))
+    outs.append(np.asarray(f(q, turns)))
+    times = []
+    for _ in range(reps):
+      t = time.perf_counter()
+      jax.block_until_ready(f(q, turns))
+      times.append(time.perf_counter() - t)
+    median, best = sorted(times)[reps // 2], min(times)
+    print(
+      f'  {label}: {1000 * median:.1f} ms median, {1000 * best:.1f} best '
+      f'({flops / best / 1e9:.0f} GFLOP/s)'
+    )
+  if len(outs) == 2:
+    print(f'  buckets that differ: {int((outs[0] != outs[1]).sum())}')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--length', type=int, default=32768)
@@ -339,7 +381,12 @@ def main():
     action='store_true',
     help="one LSH layer's attend by XLA, then by the fused kernel",
   )
+  parser.add_argument(
+    '--hash', action='store_true', help="one LSH layer's hash: XLA, kernel"
+  )
   args = parser.parse_args()
+  if args.hash:
+    return hashing(args.length)
   if args.fused:
     return fused()
   if args.split or args.ffi:
