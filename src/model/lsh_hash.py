@@ -74,8 +74,9 @@ def fused_ids(vecs, rotations):
   running maximum and minimum, the same first-maximum rule as the scan
   (the products' sums in another order: a near-tie can flip, as between
   any two products). On an AMD Zen 3 the 4 heads' hash of a 32k layer
-  took ~35 ms against the scan's ~130 (BENCHMARKS.md "The LSH hash as a
-  kernel"). Buckets are integers: nothing flows back through them."""
+  took 30-32 ms against the scan's 111-128 (BENCHMARKS.md "The LSH hash
+  and the row gathers as kernels"). Buckets are integers: nothing flows
+  back through them."""
   out = jax.ShapeDtypeStruct((rotations.shape[0], vecs.shape[0]), jnp.int32)
   call = jax.ffi.ffi_call('jade_lsh_buckets', out, vmap_method='broadcast_all')
   return call(jax.lax.stop_gradient(vecs), jax.lax.stop_gradient(rotations))
