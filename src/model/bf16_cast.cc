@@ -23,8 +23,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-struct NoState {};
-
+using jade::NoState;
 using jade::to_bf16;
 
 bool f32_to_bf16(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y) {

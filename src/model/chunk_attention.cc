@@ -22,14 +22,16 @@
 
 #include "bf16.h"
 #include "cpu_pool.h"
+#include "vec8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+using jade::kTileRows;
+using jade::v8;
+using jade::v8i;
 
 // exp of 8 floats (Cephes' expf: ~1 ulp); 0 below -87.
 inline v8 vexp(v8 x) {
@@ -66,16 +68,8 @@ inline float exp_row(float* row, int64_t width, float shift) {
   return sum;
 }
 
-// Rows of C a micro-tile holds: 8 x 16 floats in 16 vector registers
-// where the CPU has 32 (AVX-512), 6 x 16 in 12 where it has 16 (AVX2: 12
-// accumulators, two of B and A's broadcast; 4 x 16 left the two FMA units
-// waiting on their 4-cycle latency). The rows left over go 4, 2, 1 at a time.
-#if defined(__AVX512F__)
-constexpr int kTileRows = 8;
-#else
-constexpr int kTileRows = 6;
-#endif
-
+// A product's micro-tiles are `kTileRows` rows of C (vec8.h); the rows
+// left over go 4, 2, 1 at a time.
 // Rows [r, r + R) of C (+)= A B, columns [0, cols) in tiles of 16 (then
 // one at a time): see `gemm`.
 template <int R>

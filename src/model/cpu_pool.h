@@ -13,6 +13,9 @@
 
 namespace jade {
 
+// The state of a task that needs none (`run_all<NoState>`).
+struct NoState {};
+
 // Runs body(task, state) for every task in [0, tasks) on XLA's pool and this
 // thread (so a busy pool never stalls the call); each thread that works has
 // its own default-constructed State.

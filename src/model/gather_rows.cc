@@ -23,7 +23,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-struct NoState {};
+using jade::NoState;
 
 // The shapes of a call: `groups` leading entries of `m` indices, rows of
 // `d` floats, `n` rows to index.
@@ -60,10 +60,8 @@ constexpr int64_t kRowsATask = 1024;
 ffi::Error gather_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                        ffi::AnyBuffer idx, ffi::Result<ffi::AnyBuffer> out) {
   Rows r;
-  const auto xd = x.dimensions();
-  if (xd.size() < 2)
-    return ffi::Error::InvalidArgument("gather rows: [..., n, d] rows");
-  if (auto e = rows_of(x, idx, xd[xd.size() - 2], &r); e.failure()) return e;
+  if (auto e = rows_of(x, idx, 0, &r); e.failure()) return e;
+  r.n = x.dimensions()[x.dimensions().size() - 2];  // rows_of: rank >= 2.
   if (static_cast<int64_t>(out->element_count()) != r.groups * r.m * r.d)
     return ffi::Error::InvalidArgument("gather rows: output's size");
   if (r.n == 0 && r.m > 0)

@@ -1,8 +1,9 @@
 """The project's CPU kernels: one library, built and registered with XLA.
 
 Four sources, compiled together (with `cpu_pool.h`, their one way of
-spreading work over XLA's threads, and `bf16.h`, their bfloat16 rounding
-and products) into one shared library:
+spreading work over XLA's threads, `bf16.h`, their bfloat16 rounding and
+products, and `vec8.h`, their 8-float vectors and micro-tile height) into
+one shared library:
 - `chunk_attention.cc`: Trax's chunked attention fused, forward and
   backward (`src.model.chunk_attention`);
 - `bf16_cast.cc`: float32 to bfloat16 as opaque calls, plain and
@@ -44,7 +45,7 @@ SOURCES = (
   _HERE / 'lsh_hash.cc',
   _HERE / 'gather_rows.cc',
 )
-HEADERS = (_HERE / 'cpu_pool.h', _HERE / 'bf16.h')
+HEADERS = (_HERE / 'cpu_pool.h', _HERE / 'bf16.h', _HERE / 'vec8.h')
 _OPTIONS = ('-O3', '-march=native', '-std=c++17', '-shared', '-fPIC', '-w')
 # XLA's name for each handler: the library's symbol.
 TARGETS = {

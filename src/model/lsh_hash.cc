@@ -18,23 +18,18 @@
 #include <vector>
 
 #include "cpu_pool.h"
+#include "vec8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+using jade::kTileRows;  // Rotations a micro-tile takes (vec8.h).
+using jade::v8;
+using jade::v8i;
 
 constexpr int64_t kLanes = 16;  // Positions a tile holds: two vectors.
-// Rotations a micro-tile takes against 16 positions: 6 x 2 accumulators in
-// 16 vector registers (AVX2), 8 x 2 where there are 32 (AVX-512).
-#if defined(__AVX512F__)
-constexpr int kTileRows = 8;
-#else
-constexpr int kTileRows = 6;
-#endif
 
 // The running extremes of 16 positions over the rotations seen so far:
 // the largest and smallest rotated value and the first rotation with each.
@@ -89,7 +84,7 @@ struct Hash {
     const float* rot = rots + gh * half * d;
     const float* x = vecs + g * n * d;
     int32_t* o = out + gh * n;
-    xt.assign(d * kLanes, 0.f);
+    xt.resize(d * kLanes);  // Lanes past the last position: zeros, below.
     for (int64_t p = p0; p < p1; p += kLanes) {
       const int64_t m = std::min(kLanes, p1 - p);
       for (int64_t j = 0; j < m; ++j)
