@@ -10,10 +10,9 @@ GB/s where the kernel copies whole rows: at 32k positions the LSH layer's
 gathers and unsort took ~0.8 s of a ~10 s step on a Zen 3, ~0.7 s with
 the kernel (each call's fresh output is page-faulted either way), and the
 step ~0.5 s less (BENCHMARKS.md "The LSH hash and the row gathers as
-kernels"). The same values: a copy
-is exact, and the scatter adds a position's rows in the order they were
-taken (exactly XLA's sum for two hash rounds; for more, within float
-rounding).
+kernels"). The same values: a copy is exact, and the scatter adds a
+position's rows in the order they were taken (exactly XLA's sum for two
+hash rounds; for more, within float rounding).
 
 The kernel runs for float32 rows on XLA's CPU backend with the kernels
 built (`src.model.kernels`) and calls of `MIN_ROWS` rows or more; XLA's
