@@ -1,6 +1,8 @@
 """The row gathers' kernel (`src.model.gather_rows`): the same values and
 gradients as XLA's gather and Trax's `permute_via_gather`."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -95,3 +97,39 @@ def test_small_calls_keep_xlas_gather(monkeypatch):
   np.testing.assert_array_equal(
     np.asarray(gather_rows.take_rows(x, idx)), np.asarray(x)[[3, 3, 0, 9, 1]]
   )
+
+
+def test_jade_kernels_off_keeps_every_call_on_xla(monkeypatch):
+  """`JADE_KERNELS=off`: the gathers, the hash and the fused attention
+  compute as without a compiler (no call of ours in what XLA compiles),
+  with the same values; unset, the same calls are the kernels'."""
+  from src.model import chunk_attention, lsh_hash
+
+  n = 2 * gather_rows.MIN_ROWS
+  x, idx = _rows((n, 8)), jnp.arange(n, dtype=jnp.int32)[::-1]
+  vecs, rotations = _rows((n, 16), seed=1), _rows((1, 4, 16), seed=2)
+  q = _rows((n, 16), seed=3)
+  mask = functools.partial(ea.mask_self_attention, causal=True)
+
+  def calls():  # A new function each time: jit keeps what it traced.
+    def all_three(x, idx, vecs, rotations, q):
+      take = gather_rows.take_rows(x, idx)
+      ids = lsh_hash.bucket_ids(vecs, rotations)
+      out = chunk_attention.attend(
+        q, None, q, q_chunk_len=256, n_chunks_before=1, mask_fn=mask
+      )[0]
+      return take, ids, out
+
+    return jax.jit(all_three)
+
+  args = (x, idx, vecs, rotations, q)
+  monkeypatch.setattr(chunk_attention, 'MIN_SCORES', 0)
+  ours = calls().lower(*args).as_text()
+  found = calls()(*args)
+  assert 'jade_gather_rows' in ours and 'jade_lsh_buckets' in ours
+  assert 'jade_chunk_attention_forward' in ours
+  monkeypatch.setenv('JADE_KERNELS', 'off')
+  assert not kernels.ready() and not kernels.available()
+  assert 'jade_' not in calls().lower(*args).as_text()
+  for a, b in zip(found, calls()(*args)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

@@ -21,7 +21,10 @@ link, this user's own, 0700) and loaded from the held folder. Where that
 folder is off or unsafe, the build goes to a fresh private temporary
 folder, removed once loaded. Without a compiler (or where the library
 cannot be loaded) `ready()` is False and every caller computes without
-the kernels; `JADE_VERBOSE=1` says why in one line.
+the kernels; `JADE_VERBOSE=1` says why in one line. `JADE_KERNELS=off`
+does the same on purpose: none is built or run, and every caller computes
+as without a compiler (to rule the kernels out when something looks
+wrong; `JADE_CHUNK_KERNEL=off` turns off the fused attention alone).
 """
 
 from __future__ import annotations
@@ -116,19 +119,25 @@ def _private_folder() -> tuple[int, str | None]:
   return os.open(folder, flags), folder
 
 
+def switched_off() -> bool:
+  """`JADE_KERNELS=off`: no kernel is built or run in this process."""
+  return os.environ.get('JADE_KERNELS', 'on').strip().lower() == 'off'
+
+
 def ready() -> bool:
   """Builds (once per machine) and registers the kernels for XLA's CPU
-  backend; False where they cannot be (the callers then compute without
-  them)."""
-  return _library() is not None
+  backend; False where they cannot be or are `switched_off()` (the
+  callers then compute without them)."""
+  return not switched_off() and _library() is not None
 
 
 def native_bf16() -> bool:
   """Whether the kernels were built for bfloat16 dot instructions
   (AVX512-BF16): the attention kernel's products then read bfloat16 under
   `precision.products = 'bfloat16'` (float32 elsewhere)."""
-  library = _library()
-  return library is not None and bool(library.JadeNativeBf16())
+  if not ready():
+    return False
+  return bool(_library().JadeNativeBf16())
 
 
 @functools.cache
