@@ -288,6 +288,13 @@ def test_without_a_compiler_traxs_attend_runs_with_one_note(tmp_path):
   )
   assert not found['used'] and found['same'] == 0.0
   assert 'the CPU kernels are not used (no C++ compiler' in err
+  # A compiler that fails (one of the sources side by side): the same.
+  fake = tmp_path / 'c++'
+  fake.write_text('#!/bin/sh\necho "jade test: no such header" >&2\nexit 1\n')
+  fake.chmod(0o700)
+  found, err = _probe(JADE_COMPILE_CACHE='off', PATH=str(tmp_path))
+  assert not found['used'] and found['same'] == 0.0
+  assert 'the compiler failed: jade test: no such header' in err
   if shutil.which('c++') or shutil.which('g++'):
     found, _ = _probe(JADE_COMPILE_CACHE='off')  # Built, used.
     assert found['used'] and found['same'] < 1e-5
