@@ -1,5 +1,6 @@
 """The row gathers' kernel (`src.model.gather_rows`): the same values and
-gradients as XLA's gather and Trax's `permute_via_gather`."""
+gradients as XLA's gather and Trax's `permute_via_gather`; and
+`JADE_KERNELS=off`, which keeps it and the other kernels off."""
 
 import functools
 

@@ -52,6 +52,7 @@ SOURCES = (
 )
 HEADERS = (_HERE / 'cpu_pool.h', _HERE / 'bf16.h', _HERE / 'vec8.h')
 _OPTIONS = ('-O3', '-march=native', '-std=c++17', '-fPIC', '-w')
+_LINK = ('-shared',)  # The objects into one library.
 # XLA's name for each handler: the library's symbol.
 TARGETS = {
   'jade_chunk_attention_forward': 'JadeChunkAttentionForward',
@@ -75,7 +76,7 @@ def _library_name() -> str:
   digest = hashlib.sha256()
   for path in (*SOURCES, *HEADERS):
     digest.update(path.name.encode() + b'\0' + path.read_bytes())
-  digest.update(' '.join((*_OPTIONS, '-shared')).encode())
+  digest.update(' '.join((*_OPTIONS, *_LINK)).encode())
   digest.update(compile_cache.machine_key().encode())
   return f'kernels-{digest.hexdigest()[:16]}.so'
 
@@ -98,7 +99,7 @@ def _build(folder_fd: int, name: str):
       for source, obj in zip(SOURCES, objects)
     ]
     _compile_all(jobs)
-    _compile_all([[compiler, '-shared', *objects, '-o', out]])
+    _compile_all([[compiler, *_LINK, *objects, '-o', out]])
     data = Path(out).read_bytes()
   tmp = f'.{name}.{os.getpid()}'
   flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, 'O_NOFOLLOW', 0)
