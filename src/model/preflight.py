@@ -82,7 +82,8 @@ def count_weights(setup, vocab_size: int) -> int:
   query/key, value and output projections), feed-forward and layer norms,
   and the output layer (over the concatenated halves, `2 d_model`, or
   their mean, `d_model`: `output_layer.halves`; a tied one also has its
-  copy map, features x `d_model`: `output_layer.tied`).
+  copy map, features x `d_model`, and one tied 'only' has no kernel of
+  its own: `output_layer.tied`).
   Within 20% of Trax's count (tested); building the model to count
   exactly would cost seconds at every start.
   """
@@ -107,8 +108,10 @@ def count_weights(setup, vocab_size: int) -> int:
   # layer norm and output layer: both read 2 x d_model features (d_model
   # with output_layer.halves = 'mean').
   features = output_features(setup)
-  copy = features * d if _output(setup).tied else 0
-  output = 2 * features + features * vocab_size + vocab_size + copy
+  tied = _output(setup).tied
+  copy = features * d if tied else 0
+  own = 0 if tied == 'only' else features * vocab_size
+  output = 2 * features + own + vocab_size + copy
   return vocab_size * d + positions + layers + output
 
 

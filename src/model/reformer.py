@@ -153,10 +153,11 @@ class Output:
   """What the output layer reads (gin: `output_layer`)."""
 
   halves: str = 'concat'  # 'concat' (Trax's) or 'mean' of the two halves.
-  tied: bool = False  # Also scores tokens through the token embedding.
+  tied: bool | str = False  # Also (True) or only ('only') scores tokens
+  # through the token embedding.
 
 
-def output_layer(halves: str = 'concat', tied: bool = False) -> Output:
+def output_layer(halves: str = 'concat', tied: bool | str = False) -> Output:
   """What the output layer reads (gin: output_layer).
 
   Args:
@@ -168,7 +169,12 @@ def output_layer(halves: str = 'concat', tied: bool = False) -> Output:
     tied: True also scores each token through its embedding's vector
       (`src.model.tied`: a learned map of `h`, starting at 0, against the
       embedding): what a layer copies scores its token whether or not
-      the token was often a training target.
+      the token was often a training target. 'only' scores tokens
+      through the embedding alone: no token has an output column of its
+      own, with which training learns which tokens answers hold and
+      holds down the others, a copied word never asked for in training
+      among them (BENCHMARKS.md "An output read through the embedding
+      alone").
 
   Returns:
     The choice.
@@ -178,11 +184,12 @@ def output_layer(halves: str = 'concat', tied: bool = False) -> Output:
       f"output_layer.halves = {halves!r}: write 'concat' or 'mean' in the "
       'gin file'
     )
-  if not isinstance(tied, bool):
+  if not isinstance(tied, bool) and tied != 'only':
     raise UserError(
-      f'output_layer.tied = {tied!r}: write True or False in the gin file'
+      f"output_layer.tied = {tied!r}: write True, False or 'only' in the "
+      'gin file'
     )
-  return Output(halves, bool(tied))
+  return Output(halves, tied)
 
 
 def _mean_of_halves(a, b):
@@ -270,17 +277,18 @@ def _read_output(lm, output: Output):
     (join,) = [s for s in lm.sublayers if isinstance(s, tl.Concatenate)]
     _replace(lm, join, tl.Fn('MeanOfHalves', _mean_of_halves))
   if output.tied:
-    _tie(lm)
+    _tie(lm, output)
 
 
-def _tie(lm):
+def _tie(lm, output: Output):
   """Makes `lm` also score tokens through its token embedding
   (`src.model.tied`): its embedding passes its matrix on, its output
   layer reads it."""
   (embedding,) = [s for s in lm.sublayers if type(s) is tl.Embedding]
   vocab_size = embedding._vocab_size
   _replace(lm, embedding, tied.TiedEmbedding(vocab_size, embedding._d_feature))
-  _replace(lm, lm.sublayers[-1], tied.TiedOutput(vocab_size))
+  own = output.tied is True  # 'only': no column of a token's own.
+  _replace(lm, lm.sublayers[-1], tied.TiedOutput(vocab_size, own))
 
 
 def _zero_dense(layer):

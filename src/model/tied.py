@@ -50,16 +50,21 @@ class TiedEmbedding(tl.Embedding):
 class TiedOutput(tl.Layer):
   """`(h, matrix)` -> logits `h @ kernel(matrix) + bias`; weights
   `(kernel, bias, copy)`, the first two drawn as Trax's `Dense` draws
-  them, `copy` (`C`, `[features, d_model]`) zeros."""
+  them, `copy` (`C`, `[features, d_model]`) zeros. With `own=False`
+  (`output_layer.tied = 'only'`) tokens are scored through the embedding
+  alone, `(h C) . e_t + b_t`: weights `(bias, copy)`, `copy` drawn as a
+  `Dense` kernel (there is no column of a token's own for `C` to grow
+  beside)."""
 
   # A fine-tune may grow a trained model's Trax output layer (a `Dense`)
   # into this one: its kernel and bias, then its last `GROWN_WEIGHTS`
   # (`copy`) at zero (`src.training.finetune.grown_output`).
   GROWN_WEIGHTS = 1
 
-  def __init__(self, vocab_size: int):
+  def __init__(self, vocab_size: int, own: bool = True):
     super().__init__(n_in=2, n_out=1, name=f'TiedOutput_{vocab_size}')
     self._vocab_size = vocab_size
+    self._own = own
 
   def forward(self, inputs):
     # `h C` first: a reply token's logits then cost `features x d_model +
@@ -67,22 +72,26 @@ class TiedOutput(tl.Layer):
     # `features x d_model x vocab` (`kernel_and_bias`, for training,
     # which scores many rows with one kernel).
     h, matrix = inputs
-    kernel, bias, copy = self.weights
-    return jnp.matmul(h, kernel) + jnp.matmul(h @ copy, matrix.T) + bias
+    *kernel, bias, copy = self.weights
+    tied = jnp.matmul(h @ copy, matrix.T) + bias
+    return tied + jnp.matmul(h, kernel[0]) if kernel else tied
 
   def kernel_and_bias(self, matrix):
-    """The kernel (`[features, vocab]`: the own one plus `copy` against
-    the embedding's matrix, `[vocab, d_model]`) and the bias."""
-    kernel, bias, copy = self.weights
-    return kernel + copy @ matrix.T, bias
+    """The kernel (`[features, vocab]`: the own one, if any, plus `copy`
+    against the embedding's matrix, `[vocab, d_model]`) and the bias."""
+    *kernel, bias, copy = self.weights
+    through = copy @ matrix.T
+    return (kernel[0] + through if kernel else through), bias
 
   def init_weights_and_state(self, input_signature):
     features = input_signature[0].shape[-1]
-    rng_kernel, rng_bias = jax.random.split(self.rng)
-    kernel = init.GlorotUniformInitializer()(
-      (features, self._vocab_size), rng_kernel
-    )
-    bias = init.RandomNormalInitializer(1e-6)((self._vocab_size,), rng_bias)
     d_model = input_signature[1].shape[-1]
+    rng_kernel, rng_bias = jax.random.split(self.rng)
+    bias = init.RandomNormalInitializer(1e-6)((self._vocab_size,), rng_bias)
+    glorot = init.GlorotUniformInitializer()
+    if not self._own:
+      self.weights = (bias, glorot((features, d_model), rng_kernel))
+      return
+    kernel = glorot((features, self._vocab_size), rng_kernel)
     copy = jnp.zeros((features, d_model), np.float32)
     self.weights = (kernel, bias, copy)

@@ -189,9 +189,11 @@ def _name(kind) -> str:
 def grown_output(setup, source_setup) -> bool:
   """Whether a fine-tune grows the pretrained output layer into a tied
   one (`output_layer.tied = True` on a model trained without it; the
-  copy map starts at zero: `src.model.tied`)."""
+  copy map starts at zero: `src.model.tied`). A layer tied 'only' has
+  no kernel of its own to grow from a `Dense`: it is never grown."""
   mine, theirs = setup.output, source_setup.output
-  return mine.tied and not theirs.tied and mine.halves == theirs.halves
+  grows = mine.tied is True and not theirs.tied
+  return grows and mine.halves == theirs.halves
 
 
 def growth(setup, source_setup) -> list[str]:
@@ -232,8 +234,8 @@ def check_settings(
   if mine != theirs and not grown_output(setup, source.setup):
     raise UserError(
       f'{gin_path}: sets output_layer (halves {mine.halves!r}, tied '
-      f'{mine.tied}), but the pretrained model ({source.gin_path}) has '
-      f'halves {theirs.halves!r}, tied {theirs.tied}; a fine-tune keeps '
+      f'{mine.tied!r}), but the pretrained model ({source.gin_path}) has '
+      f'halves {theirs.halves!r}, tied {theirs.tied!r}; a fine-tune keeps '
       'the output layer (it may only grow a tied one: output_layer.tied = '
       'True): remove the binding'
     )
