@@ -557,17 +557,19 @@ def test_full_attention_model_trains_samples_and_chats(tmp_path, capsys):
   assert isinstance(s.reply('Hello there'), str)
 
 
-def test_a_tied_model_trains_and_chats_through_its_embedding(tmp_path):
+@pytest.mark.parametrize('how', ['True', "'only'"])
+def test_a_tied_model_trains_and_chats_through_its_embedding(tmp_path, how):
   """`output_layer.tied = True`: the output layer also scores tokens
   through the token embedding (a learned map of the halves against each
-  token's vector); a run trains it, saves it with the model, and the chat
-  reads it: token by token and as a block = the eval forward pass; an
-  export of it gives the run's logits."""
+  token's vector); 'only': through it alone (no kernel of its own). A run
+  trains it, saves it with the model, and the chat reads it: token by
+  token and as a block = the eval forward pass; an export of it gives the
+  run's logits."""
   from src.model import preflight, tied
 
   from .conftest import MICRO
 
-  tie = ('output_layer.tied = True',)
+  tie = (f'output_layer.tied = {how}',)
   out = _trained_with(tmp_path / 'tied', tie[0], steps=3)
   setup = ginconf.parse(
     os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin'),
@@ -593,8 +595,10 @@ def test_a_tied_model_trains_and_chats_through_its_embedding(tmp_path):
   h, matrix = trax.layers.Serial(*body).pure_fn(
     x, tuple(w[:-1]), tuple(st[:-1]), jax.random.PRNGKey(0)
   )[0]
-  kernel, bias, copy = w[-1]
-  want = h[0] @ kernel + bias + (h[0] @ copy) @ matrix.T
+  *kernel, bias, copy = w[-1]
+  assert len(kernel) == (how == 'True')  # 'only': no kernel of its own.
+  want = bias + (h[0] @ copy) @ matrix.T
+  want = want + h[0] @ kernel[0] if kernel else want
   np.testing.assert_allclose(whole[0], want, atol=1e-4, rtol=1e-4)
   predict = ginconf.model(300, 'predict')
   one = trax.shapes.ShapeDtype((1, 1), np.int32)

@@ -322,7 +322,8 @@ def test_a_finetune_grows_the_output_layer_into_a_tied_one(tmp_path):
   """`output_layer.tied = True` on a model trained without it: the trained
   weights, the copy map at zero (the same function at the first step),
   said in one line; its model.gin keeps it, and a tuned tied model then
-  scores through it. Another change of the output layer is refused."""
+  scores through it. Another change of the output layer (the halves, or
+  tied 'only', which has no kernel to grow from) is refused."""
   source, out = str(tmp_path / 'src'), str(tmp_path / 'ft')
   trainer.train(train_settings(source, steps=1), MICRO, log=lambda x: None)
   settings = finetune_settings(out, source, steps=1)
@@ -330,8 +331,10 @@ def test_a_finetune_grows_the_output_layer_into_a_tied_one(tmp_path):
     settings.values, settings.source, settings.given - {'vocab-size'}
   )
   mean = "output_layer.halves = 'mean'"
-  with pytest.raises(UserError, match=r'sets output_layer .*remove the'):
-    trainer.train(settings, (*MICRO, mean), log=lambda x: None)
+  only = "output_layer.tied = 'only'"  # No kernel of its own to grow from.
+  for binding in (mean, only):
+    with pytest.raises(UserError, match=r'sets output_layer .*remove the'):
+      trainer.train(settings, (*MICRO, binding), log=lambda x: None)
   lines = []
   bindings = (*MICRO, 'output_layer.tied = True', 'lr_schedule.peak = 0.0')
   loop = trainer.train(settings, bindings, log=lines.append)

@@ -488,17 +488,21 @@ def test_chunked_model_shares_the_models_weights():
   assert losses.chunked_model(m, 0) is None
 
 
-def test_a_tied_models_chunked_loss_and_gradients_are_its_logits():
+@pytest.mark.parametrize('how', ['True', "'only'"])
+def test_a_tied_models_chunked_loss_and_gradients_are_its_logits(how):
   """`output_layer.tied`: the training loss (the chunked one, fed the
   kernel with the embedding's part) and its gradient equal Trax's loss on
   the full logits; the gate starts at 0 and has a gradient there (it can
   grow); once open, the matrix's gradient sums both of its uses (every
-  token's row: the tokens read in, and all scored out)."""
+  token's row: the tokens read in, and all scored out). 'only' has no
+  kernel of its own: its copy map starts drawn, not at zero."""
   import jax
 
-  setup = ginconf.parse(TINY_GIN, ('output_layer.tied = True',))
+  setup = ginconf.parse(TINY_GIN, (f'output_layer.tied = {how}',))
   m = ginconf.init_model(40, 'eval', 64, seed=0)
-  assert setup.output.tied and not np.any(m.weights[-1][2])
+  assert setup.output.tied == {'True': True, "'only'": 'only'}[how]
+  assert len(m.weights[-1]) == (3 if how == 'True' else 2)
+  assert np.any(m.weights[-1][-1]) == (how != 'True')
   rng = np.random.default_rng(2)
   x = np.asarray(rng.integers(1, 20, (2, 64)), np.int32)  # Not 20-39.
   mask = np.asarray(rng.integers(0, 2, (2, 64)), np.float32)
@@ -510,9 +514,9 @@ def test_a_tied_models_chunked_loss_and_gradients_are_its_logits():
     return layer.pure_fn((x, x, mask), w, st, key)[0]
 
   for gate in (0.0, 0.5):
-    kernel, bias, copy = m.weights[-1]
+    *own, bias, copy = m.weights[-1]
     copy = np.float32(gate) * rng.normal(size=copy.shape).astype(np.float32)
-    m.weights = (*m.weights[:-1], (kernel, bias, copy))
+    m.weights = (*m.weights[:-1], (*own, bias, copy))
     want, g_want = jax.value_and_grad(loss_of, 1)(
       full, (m.weights, ()), (m.state, ())
     )
@@ -749,3 +753,5 @@ def test_the_output_layers_reading_is_a_model_setting():
   assert 'output_layer.tied = True' in ginconf.model_bindings(text, 'model.gin')
   with pytest.raises(UserError, match='tiny.gin: output_layer.tied = 1'):
     ginconf.parse(TINY_GIN, ('output_layer.tied = 1',))
+  with pytest.raises(UserError, match="True, False or 'only' in the gin"):
+    ginconf.parse(TINY_GIN, ("output_layer.tied = 'alone'",))
