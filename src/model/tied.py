@@ -20,6 +20,16 @@ scores a copied rare token through that token's own embedding vector.
 Since it starts at zero, a trained model's output layer can grow into
 this one at `--init-from` (`src.training.finetune.grown_output`).
 
+With `output_layer.tied = 'only'` the layer has no column of a token's
+own: `logits_t = (h C) . e_t + b_t`. The own columns learn which tokens
+training answers hold and hold the others down where an answer goes,
+over a copy the map had found: the long-conversation model then named a
+word no practice answer held 37 times in 60 after its second run,
+'only' 54
+(BENCHMARKS.md "An output read through the embedding alone"). With no
+column to grow beside, `C` starts drawn, and a `Dense` output is never
+grown into this form.
+
 The matrix reaches the output layer the way Trax passes values, on the
 stack: `TiedEmbedding` puts it under the embedded tokens, every layer
 between leaves it there, and `TiedOutput` (the model's last layer) reads
@@ -73,8 +83,10 @@ class TiedOutput(tl.Layer):
     # which scores many rows with one kernel).
     h, matrix = inputs
     *kernel, bias, copy = self.weights
-    tied = jnp.matmul(h @ copy, matrix.T) + bias
-    return tied + jnp.matmul(h, kernel[0]) if kernel else tied
+    through = jnp.matmul(h @ copy, matrix.T)
+    if kernel:  # Summed in the order it always was.
+      return jnp.matmul(h, kernel[0]) + through + bias
+    return through + bias
 
   def kernel_and_bias(self, matrix):
     """The kernel (`[features, vocab]`: the own one, if any, plus `copy`
