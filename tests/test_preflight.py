@@ -52,6 +52,20 @@ def test_chunked_logits_are_cheaper_than_full_ones():
   assert chunked.logits == want < full.logits / 15
 
 
+def test_an_output_tied_only_holds_fewer_weights_and_multiplies_as_many():
+  """`output_layer.tied = 'only'` holds no kernel of its own (fewer
+  weights to keep), yet training makes one from the embedding and
+  multiplies it: the step's products are those of `tied = True`."""
+  both = ginconf.parse(TINY_GIN, ('output_layer.tied = True',))
+  only = ginconf.parse(TINY_GIN, ("output_layer.tied = 'only'",))
+  features = 2 * only.model['d_model']
+  held = preflight.count_weights(both, 500) - preflight.count_weights(only, 500)
+  assert held == features * 500
+  assert preflight.step_flops(only, 500, 4, 128) == preflight.step_flops(
+    both, 500, 4, 128
+  )
+
+
 MEASURE = """
 import resource, subprocess, sys
 r = subprocess.run(sys.argv[1:], capture_output=True, text=True)

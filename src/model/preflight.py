@@ -340,6 +340,8 @@ def _step_split(
   weights = (
     count_weights(setup, vocab_size) - vocab_size * setup.model['d_model']
   )
+  if _output(setup).tied == 'only':  # Its kernel is made, then multiplied.
+    weights += output_features(setup) * vocab_size
   return (3.0 * tokens * 2.0 * weights, *attention_parts(setup, tokens, length))
 
 
