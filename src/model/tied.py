@@ -23,12 +23,11 @@ this one at `--init-from` (`src.training.finetune.grown_output`).
 With `output_layer.tied = 'only'` the layer has no column of a token's
 own: `logits_t = (h C) . e_t + b_t`. The own columns learn which tokens
 training answers hold and hold the others down where an answer goes,
-over a copy the map had found: the long-conversation model then named a
-word no practice answer held 37 times in 60 after its second run,
-'only' 54
-(BENCHMARKS.md "An output read through the embedding alone"). With no
-column to grow beside, `C` starts drawn, and a `Dense` output is never
-grown into this form.
+over a copy the map had found: after its second run the long-conversation
+model named a word no practice answer held 37 times in 60, and 54 with
+'only' (BENCHMARKS.md "An output read through the embedding alone").
+With no column to grow beside, `C` starts drawn, and a `Dense` output is
+never grown into this form.
 
 The matrix reaches the output layer the way Trax passes values, on the
 stack: `TiedEmbedding` puts it under the embedded tokens, every layer
