@@ -5,7 +5,7 @@ once (a word, a number, a name), small talk, then the question.
       [--conversations 4000] [--most-chars 80000] [--seed 0]
   python bench/long_recall.py score RUN --from data/smalltalk
       [--distances 1000,4000,12000,24000] [--samples 6] [--n-hashes H]
-      [--json FILE]
+      [--unseen] [--talk FOLDER] [--json FILE]
   python bench/long_recall.py run WORK --from data/smalltalk [--seeds 0,1,2]
       [--config PRESET ...] [--data DIR] [--n-hashes H] [--bind GIN ...]
   python bench/long_recall.py probe RUN --from data/smalltalk
@@ -36,7 +36,11 @@ the question, and the same number with nothing stated (the control: what
 guessing scores). A reply is right when it names the word as a word of
 its own: "statement" does not name "state" (up to the thirteenth round
 of BENCHMARKS.md's recall sections the score counted the word inside a
-longer one).
+longer one). `--unseen` states and asks in phrasings no training
+conversation uses (`long_recall.WORD_UNSEEN`) and `--talk FOLDER` draws
+the small talk between from another folder: a stand-in for chats whose
+phrasing and small talk the model never read (e.g. chatterbot's coding,
+computers, tech_support and trivia, which the README's data line skips).
 
 `probe` looks inside instead of asking: the teacher-forced
 log-probability (nats) of the last AI turn ("The word was X.") of
@@ -140,7 +144,7 @@ def write_practice(
 SAMPLE_TRIES = 30  # Draws of a conversation's small talk at most.
 
 
-def _sample(rng, talk, words, tok, tokens: int, stated: bool):
+def _sample(rng, talk, words, tok, tokens: int, stated: bool, unseen=False):
   """A conversation whose question comes 0.9-1.2x `tokens` tokens (of
   `tok`) after the statement: its small talk is drawn again, longer or
   shorter, until it does (a tokenizer of short pieces writes more tokens
@@ -148,7 +152,7 @@ def _sample(rng, talk, words, tok, tokens: int, stated: bool):
   ~24k past the context)."""
   chars = tokens * 3
   for _ in range(SAMPLE_TRIES):
-    conv = task.make(rng, talk, words, chars, 'word', stated)
+    conv = task.make(rng, talk, words, chars, 'word', stated, unseen)
     between = conv.turns[2:-2] if stated else conv.turns[:-2]
     count = sum(len(tok.encode(t)) + 2 for _, t in between)
     if 0.9 * tokens <= count <= 1.2 * tokens or chars > 40 * tokens:
@@ -159,13 +163,27 @@ def _sample(rng, talk, words, tok, tokens: int, stated: bool):
 
 
 def score(
-  run: str, source: str, distances, samples: int, n_hashes=None, seen=False
+  run: str,
+  source: str,
+  distances,
+  samples: int,
+  n_hashes=None,
+  seen=False,
+  unseen=False,
+  talk_from=None,
 ):
+  """Rows of right answers by distance (module doc). `unseen`: the word
+  stated and asked in phrasings no training conversation uses
+  (`long_recall.WORD_UNSEEN`); `talk_from`: the small talk between drawn
+  from this folder instead of `source` (words still `source`'s held-out
+  ones): together, a stand-in for a user's own chats."""
   from bench.serve import _post, start_server
   from src.data import tokenizer
 
   talk, (trained, held) = _talk(source)
   held = trained if seen else held
+  if talk_from:
+    talk = task.small_talk(chatformat.read_data(talk_from))
   tok = tokenizer.load(run)
   port, http_server = start_server(run, n_hashes)
   rows = []
@@ -175,7 +193,7 @@ def score(
         rng = np.random.default_rng([distance, 7])
         right, measured, replies = 0, [], []
         for _ in range(samples):
-          conv, count = _sample(rng, talk, held, tok, distance, stated)
+          conv, count = _sample(rng, talk, held, tok, distance, stated, unseen)
           body = {
             'messages': [
               {'role': 'assistant' if r == 'ai' else 'user', 'content': t}
@@ -466,6 +484,18 @@ def main(argv=None):
     '--seen', action='store_true', help='ask for training words instead'
   )
   parser.add_argument(
+    '--unseen',
+    action='store_true',
+    help='score, run: the word stated and asked in phrasings no training '
+    'conversation uses',
+  )
+  parser.add_argument(
+    '--talk',
+    metavar='FOLDER',
+    help='score, run: the small talk between drawn from FOLDER (e.g. '
+    "chatterbot's categories the README leaves out of training)",
+  )
+  parser.add_argument(
     '--invented',
     action='store_true',
     help='probe: ask for invented words (no guess can find them)',
@@ -533,6 +563,8 @@ def main(argv=None):
       args.samples,
       args.n_hashes,
       args.seen,
+      args.unseen,
+      args.talk,
     )
     if args.json:  # Not into RUN: a model folder is read, never written.
       with open(args.json, 'w') as f:
@@ -547,7 +579,15 @@ def main(argv=None):
   binds = [part for b in args.bind for part in ('--bind', b)]
   for seed in [int(s) for s in args.seeds.split(',')]:
     out, seconds = train(args.path, configs, data, seed, [*binds, *extra])
-    rows = score(out, args.source, distances, args.samples, n_hashes)
+    rows = score(
+      out,
+      args.source,
+      distances,
+      args.samples,
+      n_hashes,
+      unseen=args.unseen,
+      talk_from=args.talk,
+    )
     results.append({'seed': seed, 'seconds': seconds, 'rows': rows})
     with open(os.path.join(args.path, 'long_recall.json'), 'w') as f:
       json.dump(results, f, indent=1)

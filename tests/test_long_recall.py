@@ -215,3 +215,34 @@ def test_a_measured_distance_lands_near_its_tokens_for_any_tokenizer():
       )
       assert 0.9 * tokens <= count <= 1.2 * tokens, (step, tokens, count)
       assert conv.value == 'lantern'
+
+
+def test_unseen_phrasings_are_none_that_training_conversations_use():
+  """`make(..., unseen=True)`: the word stated and asked in
+  `WORD_UNSEEN`'s phrasings, none of which the training data (`WORD`) or
+  the practice (`PRACTICE`) writes: the score's stand-in for a user's own
+  way of saying it."""
+
+  def bare(p):
+    return re.sub(r'\{\w*\}', '', p).strip(' .?:').lower()
+
+  trained = {
+    bare(p)
+    for group in (long_recall.WORD, long_recall.PRACTICE)
+    for phrasings in group
+    for p in phrasings
+  }
+  for phrasings in long_recall.WORD_UNSEEN[:3]:
+    for p in phrasings:
+      assert bare(p) not in trained, p
+  rng = np.random.default_rng(2)
+  asked = set()
+  for _ in range(40):
+    conv = long_recall.make(rng, TALK, ['lantern'], 100, 'word', unseen=True)
+    said, ask = conv.turns[0][1], conv.turns[-2][1]
+    assert 'lantern' in said and said in {
+      p.format('lantern') for p in long_recall.WORD_UNSEEN[0]
+    }
+    assert ask in long_recall.WORD_UNSEEN[2] and conv.turns[-1][1] == 'lantern'
+    asked.add(ask)
+  assert len(asked) == len(long_recall.WORD_UNSEEN[2])

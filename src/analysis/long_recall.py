@@ -59,6 +59,35 @@ WORD = (
   ),
 )
 
+# A word stated and asked for in phrasings no training conversation
+# uses (neither `WORD` nor the practice's `PRACTICE`): the measurement's
+# stand-in for a user's own ways of saying it (`make(..., unseen=True)`).
+WORD_UNSEEN = (
+  (
+    "Don't let me forget this: {}.",
+    'Hold on to {} for me.',
+    "I'm going to quiz you later, so memorise {}.",
+    'Store this somewhere safe: {}',
+    "Today's magic word? {}",
+    'Before we chat, one thing to note down: {}.',
+  ),
+  (
+    'Will do.',
+    'Stored.',
+    'Consider it done.',
+    '{}, understood.',
+    'Absolutely.',
+  ),
+  (
+    'Quick quiz: which word did I want you to memorise?',
+    'Earlier I gave you a word. Which one was it?',
+    'What did I ask you to hold on to, again?',
+    'What word did I mention right at the start?',
+    'Memory test! What was the word from the beginning of our chat?',
+  ),
+  ('{}',),
+)
+
 NUMBER = (
   (
     'Please remember the number {}.',
@@ -142,7 +171,15 @@ def _small_talk_for(rng, talk, chars: int):
   return turns, used
 
 
-def make(rng, talk, words, filler_chars: int, kind: str = 'word', stated=True):
+def make(
+  rng,
+  talk,
+  words,
+  filler_chars: int,
+  kind: str = 'word',
+  stated=True,
+  unseen=False,
+):
   """One conversation: the statement and its acknowledgement, whole small
   talk conversations of at least `filler_chars` characters, the question
   and (last) the answer.
@@ -154,8 +191,10 @@ def make(rng, talk, words, filler_chars: int, kind: str = 'word', stated=True):
     kind: 'word', 'number' or 'name'.
     stated: False for the control (the statement and its acknowledgement
       are left out; the rest is drawn alike).
+    unseen: a word stated and asked in `WORD_UNSEEN`'s phrasings.
   """
   phrasing = {'word': WORD, 'number': NUMBER, 'name': NAME}[kind]
+  phrasing = WORD_UNSEEN if unseen and kind == 'word' else phrasing
   if kind == 'word':
     value = _pick(rng, words)
   elif kind == 'number':
