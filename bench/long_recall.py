@@ -2,7 +2,8 @@
 once (a word, a number, a name), small talk, then the question.
 
   python bench/long_recall.py data OUT --from data/smalltalk
-      [--conversations 4000] [--most-chars 80000] [--seed 0]
+      [--conversations 4000] [--most-chars 80000] [--seed 0] [--unseen]
+      [--talk FOLDER]
   python bench/long_recall.py score RUN --from data/smalltalk
       [--distances 1000,4000,12000,24000] [--samples 6] [--n-hashes H]
       [--unseen] [--talk FOLDER] [--json FILE]
@@ -109,10 +110,22 @@ def _talk(source: str):
   return task.small_talk(conversations), task.split(words)
 
 
-def write_data(out: str, source: str, n: int, most_chars: int, seed: int):
+def write_data(
+  out: str,
+  source: str,
+  n: int,
+  most_chars: int,
+  seed: int,
+  unseen=False,
+  talk_from=None,
+):
   talk, (train_words, _) = _talk(source)
+  if talk_from:  # Words still `source`'s: none the score asks for.
+    talk = task.small_talk(chatformat.read_data(talk_from))
   rng = np.random.default_rng([seed, 1])
-  convs = task.training_set(rng, talk, train_words, n, most_chars)
+  convs = task.training_set(
+    rng, talk, train_words, n, most_chars, unseen=unseen
+  )
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, 'long-chats.txt')
   with open(path, 'w', encoding='utf-8') as f:
@@ -487,12 +500,13 @@ def main(argv=None):
     '--unseen',
     action='store_true',
     help='score, run: the word stated and asked in phrasings no training '
-    'conversation uses',
+    "conversation uses; data: write the data in those phrasings (a user's "
+    'own, for a check as the hidden one)',
   )
   parser.add_argument(
     '--talk',
     metavar='FOLDER',
-    help='score, run: the small talk between drawn from FOLDER (e.g. '
+    help='data, score, run: the small talk between drawn from FOLDER (e.g. '
     "chatterbot's categories the README leaves out of training)",
   )
   parser.add_argument(
@@ -531,7 +545,15 @@ def main(argv=None):
   distances = [int(d) for d in args.distances.split(',')]
   n = args.conversations or 4000
   if args.what == 'data':
-    write_data(args.path, args.source, n, args.most_chars, args.seed)
+    write_data(
+      args.path,
+      args.source,
+      n,
+      args.most_chars,
+      args.seed,
+      args.unseen,
+      args.talk,
+    )
     return
   if args.what == 'practice':
     write_practice(

@@ -85,7 +85,7 @@ WORD_UNSEEN = (
     'What word did I mention right at the start?',
     'Memory test! What was the word from the beginning of our chat?',
   ),
-  ('{}',),
+  ('{}', 'You said {}.', 'That was {}.', '{}, right?'),
 )
 
 NUMBER = (
@@ -232,18 +232,21 @@ def with_distractor(rng, conv: Conversation, other: str) -> list:
 KINDS = ('word', 'word', 'word', 'number', 'name')  # Drawn alike: words 3/5.
 
 
-def training_set(rng, talk, words, n: int, most_chars: int, short=0.85):
+def training_set(
+  rng, talk, words, n: int, most_chars: int, short=0.85, unseen=False
+):
   """`n` conversations, kinds drawn from `KINDS`. A share `short` of them
   have 50-2,000 characters of small talk (statement and question in one
   training window: many different examples of finding what was said),
   the others 2,000 to `most_chars`, log-uniform (as many at each scale:
   what a long conversation looks like, its start spliced to its end in
-  training)."""
+  training). `unseen`: words in `WORD_UNSEEN`'s phrasings (a stand-in
+  for a user's data in phrasings of their own)."""
   out = []
   for _ in range(n):
     lo, hi = (50, 2000) if rng.random() < short else (2000, most_chars)
     chars = int(np.exp(rng.uniform(np.log(lo), np.log(max(hi, lo + 1)))))
-    out.append(make(rng, talk, words, chars, _pick(rng, KINDS)))
+    out.append(make(rng, talk, words, chars, _pick(rng, KINDS), True, unseen))
   return out
 
 
