@@ -13,7 +13,7 @@ once (a word, a number, a name), small talk, then the question.
       [--chars 100,600] [--samples 40] [--seen | --invented] [--distractor]
       [--bind GIN]
   python bench/long_recall.py practice OUT --from data/smalltalk
-      [--conversations 12000] [--seed 0] [--lookup]
+      [--conversations 12000] [--seed 0] [--lookup] [--memo SHARE]
 
 `data` writes training conversations in the line format
 (`src/analysis/long_recall.py`: each states one value at its start and
@@ -138,14 +138,16 @@ def write_data(
 
 
 def write_practice(
-  out: str, source: str, n: int, seed: int, lookup: bool = False
+  out: str, source: str, n: int, seed: int, lookup: bool = False, memo=0.0
 ):
   talk, (_, held) = _talk(source)
   found = common.chatterbot_words(12, lower=True)
   words = sorted(found - set(held))  # Never a word the measurement asks.
   rng = np.random.default_rng([seed, 3 if lookup else 2])
-  make = task.lookup_practice if lookup else task.practice
-  convs = [make(rng, talk, words) for _ in range(n)]
+  if lookup:
+    convs = [task.lookup_practice(rng, talk, words) for _ in range(n)]
+  else:
+    convs = [task.practice(rng, talk, words, memo=memo) for _ in range(n)]
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, 'practice.txt')
   with open(path, 'w', encoding='utf-8') as f:
@@ -524,6 +526,13 @@ def main(argv=None):
     action='store_true',
     help='practice: several ordinary words said, each asked for',
   )
+  parser.add_argument(
+    '--memo',
+    type=float,
+    default=0.0,
+    help='practice: the share of facts said to be kept with no name to '
+    'ask them by ("Remember zuvo." ... "What did I ask you to keep?")',
+  )
   parser.add_argument('--chars', default='100,600')
   parser.add_argument(
     '--bind',
@@ -562,6 +571,7 @@ def main(argv=None):
       args.conversations or 12_000,
       args.seed,
       args.lookup,
+      args.memo,
     )
     return
   if args.what == 'probe':

@@ -283,6 +283,30 @@ PRACTICE = (
   ('Repeat after me: {}', 'Say this back: {}', 'Can you say {}?',
    'Echo: {}', 'Copy this: {}', 'Please write {}'),
 )  # fmt: skip
+# A value said to be kept, with no name to ask it by ("Remember zuvo."),
+# asked for as what was said ("What did I ask you to keep?"): (intro,
+# statement, acknowledgement, question, answer). None of `WORD`'s or
+# `WORD_UNSEEN`'s phrasings: a model that answers `WORD_UNSEEN` after
+# this practice answers phrasings it never read.
+MEMO = (
+  ('', 'Okay, ', 'Hey, ', 'One more thing: ', 'Listen, ', 'So, '),
+  ('remember {v}.', 'please keep {v} in mind.', 'can you remember {v}?',
+   "the word I'm thinking of is {v}.", "here's one for you: {v}.",
+   "{v}. That's the word.", 'your word for today: {v}',
+   'I picked a word: {v}.', 'save this word: {v}', 'write down {v}.',
+   'keep track of {v} for me.', 'a word for later: {v}',
+   'mark this one: {v}', "I'll test you on this: {v}.", 'my pick is {v}.'),
+  PRACTICE[2] + ('Remembered.', 'I will keep it.'),
+  ('What was it?', 'What did I tell you at first?', 'Which word did I pick?',
+   'What was the word I was thinking of?',
+   'Do you remember what I said first?', 'What did I ask you to keep?',
+   'Can you repeat the word from before?',
+   'What did I want you to write down?', 'And my word from earlier?',
+   'What was my pick?', 'Test time: what was it?',
+   'What did I give you to remember?'),
+  ('{v}', 'It was {v}.', '{v}, you told me.', 'You said {v}.',
+   'The word is {v}.'),
+)  # fmt: skip
 _C, _V = 'bdfghklmnprstvz', 'aeiou'
 
 
@@ -303,16 +327,27 @@ def _value(rng, words) -> str:
   return _pick(rng, NAMES)
 
 
-def practice(rng, talk, words, most_chars: int = 3000) -> list:
+def practice(rng, talk, words, most_chars: int = 3000, memo=0.0) -> list:
   """One practice conversation's `(role, text)` turns: 1-3 facts or
   repeats, 30 to `most_chars` characters of small talk (log-uniform),
-  then the facts asked for in a random order."""
+  then the facts asked for in a random order. `memo`: the share of facts
+  said to be kept with no name to ask them by (`MEMO`; one a conversation
+  at most, as its question could not tell two apart)."""
   repeat = PRACTICE[5]
   turns, facts = [], []
   for _ in range(int(rng.integers(1, 4))):
     if rng.random() < 0.3:
       said = ' '.join(_value(rng, words) for _ in range(rng.integers(1, 4)))
       turns += [('user', _pick(rng, repeat).format(said)), ('ai', said)]
+      continue
+    if memo and rng.random() < memo and None not in dict(facts):
+      v = _value(rng, words)
+      facts.append((None, v))
+      text = _pick(rng, MEMO[0]) + _pick(rng, MEMO[1]).format(v=v)
+      turns += [
+        ('user', text[0].upper() + text[1:]),
+        ('ai', _pick(rng, MEMO[2])),
+      ]
       continue
     k = _pick(rng, PRACTICE_KEYS)
     if k in dict(facts):
@@ -361,8 +396,9 @@ def _asked(rng, talk, turns, facts, most_chars: int) -> list:
   turns = turns + _small_talk_for(rng, talk, chars)[0]
   for i in rng.permutation(len(facts)):
     k, v = facts[i]
-    turns.append(('user', _pick(rng, ask).format(k=k)))
-    turns.append(('ai', _pick(rng, answer).format(k=k, v=v)))
+    asks, answers = (MEMO[3], MEMO[4]) if k is None else (ask, answer)
+    turns.append(('user', _pick(rng, asks).format(k=k)))
+    turns.append(('ai', _pick(rng, answers).format(k=k, v=v)))
   if turns[0][0] != 'user':
     turns.insert(0, ('user', 'Hi.'))
   return turns
