@@ -246,3 +246,28 @@ def test_unseen_phrasings_are_none_that_training_conversations_use():
     assert ask in long_recall.WORD_UNSEEN[2] and 'lantern' in conv.turns[-1][1]
     asked.add(ask)
   assert len(asked) == len(long_recall.WORD_UNSEEN[2])
+
+
+def test_memo_practice_asks_for_the_one_value_it_said_to_keep():
+  """`practice(..., memo=1)`: a value said to be kept with no name to ask
+  it by (`MEMO`), at most one a conversation, asked for in `MEMO`'s
+  questions and answered with that value; none of `WORD_UNSEEN`'s
+  phrasings, so the score's unseen phrasings stay unseen."""
+  rng = np.random.default_rng(3)
+  said_asked = long_recall.WORD_UNSEEN[:3]  # What the prompt holds.
+  unseen = {p.split('{}')[0] for g in said_asked for p in g}
+  asked = 0
+  for _ in range(200):
+    turns = long_recall.practice(rng, TALK, ['alpha', 'bravo'], 200, memo=1)
+    memos = [i for i, (r, t) in enumerate(turns) if t in long_recall.MEMO[3]]
+    assert len(memos) <= 1
+    for i in memos:
+      answer = turns[i + 1][1]
+      frame = ' '.join(long_recall.MEMO[4])
+      value = next(w for w in re.findall(r'\w+', answer) if w not in frame)
+      said = ' '.join(t for r, t in turns[:i] if r == 'user')
+      assert value in said, (turns, answer)
+      asked += 1
+    for _, text in turns:
+      assert not any(text.startswith(u) for u in unseen if len(u) > 3), text
+  assert asked > 100

@@ -85,7 +85,7 @@ WORD_UNSEEN = (
     'What word did I mention right at the start?',
     'Memory test! What was the word from the beginning of our chat?',
   ),
-  ('{}', 'You said {}.', 'That was {}.', '{}, right?'),
+  ('{}', 'You said {}.', 'I have it: {}.', '{}, right?'),
 )
 
 NUMBER = (
@@ -344,10 +344,8 @@ def practice(rng, talk, words, most_chars: int = 3000, memo=0.0) -> list:
       v = _value(rng, words)
       facts.append((None, v))
       text = _pick(rng, MEMO[0]) + _pick(rng, MEMO[1]).format(v=v)
-      turns += [
-        ('user', text[0].upper() + text[1:]),
-        ('ai', _pick(rng, MEMO[2])),
-      ]
+      text = text if text.startswith(v) else text[0].upper() + text[1:]
+      turns += [('user', text), ('ai', _pick(rng, MEMO[2]))]
       continue
     k = _pick(rng, PRACTICE_KEYS)
     if k in dict(facts):
