@@ -104,9 +104,13 @@ RECIPE = tuple(
 )
 
 
-def _talk(source: str):
+def _talk(source: str, talk_from=None):
+  """`(talk, (train_words, held_words))`: the words from `source`, the
+  small talk from `talk_from` when given (else `source`'s)."""
   conversations = chatformat.read_data(source)
   words = task.word_list(conversations)
+  if talk_from:
+    conversations = chatformat.read_data(talk_from)
   return task.small_talk(conversations), task.split(words)
 
 
@@ -119,9 +123,8 @@ def write_data(
   unseen=False,
   talk_from=None,
 ):
-  talk, (train_words, _) = _talk(source)
-  if talk_from:  # Words still `source`'s: none the score asks for.
-    talk = task.small_talk(chatformat.read_data(talk_from))
+  # Words still `source`'s with `talk_from`: none the score asks for.
+  talk, (train_words, _) = _talk(source, talk_from)
   rng = np.random.default_rng([seed, 1])
   convs = task.training_set(
     rng, talk, train_words, n, most_chars, unseen=unseen
@@ -195,10 +198,8 @@ def score(
   from bench.serve import _post, start_server
   from src.data import tokenizer
 
-  talk, (trained, held) = _talk(source)
+  talk, (trained, held) = _talk(source, talk_from)
   held = trained if seen else held
-  if talk_from:
-    talk = task.small_talk(chatformat.read_data(talk_from))
   tok = tokenizer.load(run)
   port, http_server = start_server(run, n_hashes)
   rows = []
