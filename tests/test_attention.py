@@ -16,6 +16,7 @@ from src.inference.decoding import Decoder
 from src.model import (
   attention,
   decode_index,
+  decode_keys,
   decode_select,
   ginconf,
   kernels,
@@ -206,6 +207,28 @@ def test_a_wide_layer_reads_its_candidates_from_the_whole_cache(monkeypatch):
   assert _decoder(2, longer).block == 64  # No local layer here: 64.
   monkeypatch.setattr(decode_select, 'WIDE_MIN', 10**9)  # Gathered:
   assert _decoder(2, longer).block == 128  # a multiple of the chunk.
+
+
+def test_a_wide_layer_reads_only_the_cache_a_block_can_reach(monkeypatch):
+  """A wide layer's block reads the shortest prefix of its key cache
+  holding every position it ranks (`decode_keys.PREFIX_SHARES`: here 8,
+  32 and 128 of 128): the logits of reads that end in each (blocks, and
+  tokens after them) are those of reading the whole cache, to rounding,
+  and the same prefix is taken again at the same positions."""
+  monkeypatch.setattr(decode_select, 'WIDE_MIN', 64)
+  ids = [int(t) for t in np.random.default_rng(3).integers(3, 60, 100)]
+
+  def reads():
+    d = _decoder(2)
+    out = [d.feed(ids[:4], blocks=False), d.feed(ids[4:20], blocks=True)]
+    out += [d.feed(ids[20:90], blocks=True), d.feed(ids[90:], blocks=False)]
+    return np.stack(out)
+
+  prefixed = reads()
+  np.testing.assert_array_equal(reads(), prefixed)
+  monkeypatch.setattr(decode_keys, 'PREFIX_SHARES', (1,))
+  np.testing.assert_allclose(prefixed, reads(), atol=1e-5, rtol=1e-5)
+  assert (prefixed.argmax(-1) == reads().argmax(-1)).all()
 
 
 def test_a_start_block_holds_whole_lsh_chunks(monkeypatch):

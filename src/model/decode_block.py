@@ -180,18 +180,17 @@ def _attend_all(self, x, weights, q, qb, ring, own, buckets, keys, q_start):
 def _attend_memory_all(self, x, weights, queries, buckets, keys, n_keep):
   """`_attend_all` for a layer that `reads_memory`: each token's
   candidates (`queries`: the block's `q`, `qb` and positions) as a mask
-  over the whole key cache (`decode_select.keep_mask`), read with one
-  product per head."""
+  over the key cache (`decode_select.keep_mask`), read with one product
+  per head from the part of it the block can reach
+  (`decode_keys.attend_filled`)."""
   batch = x.shape[0]
   q, qb, positions = queries
 
   def head(x_b, w_h, per):
-    keep = jax.vmap(decode_select.keep_mask, in_axes=(None, 0, 0, None))(
-      per['buckets'], per['qb'], positions, n_keep
-    )
-    return decode_keys.attend_memory(
-      self, x_b, per['q'], positions, keep, per['keys'], w_h
-    )
+    return decode_keys.attend_filled(
+      self, x_b, per['q'], positions, per['buckets'], per['qb'], n_keep,
+      per['keys'], w_h,
+    )  # fmt: skip
 
   def example(a):
     return decode_state.by_example(a, batch, self._n_heads)

@@ -54,6 +54,49 @@ def attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng):
   return ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
 
 
+# The key-cache prefixes a block of a layer that `reads_memory` reads (as
+# shares of its memory): the shortest that holds every position its
+# queries may rank, so a short conversation does not pay for the whole
+# cache (32 tokens over a 32k cache: ~32 ms a block, whatever the
+# position). A one-token step reads the whole cache: under a switch its
+# key cache was copied, 3-4x the step's time (BENCHMARKS.md, "A long chat
+# read today").
+PREFIX_SHARES = (16, 4, 1)
+
+
+def attend_filled(self, x_rows, q, positions, buckets, qb, n_keep, keys, w):
+  """`attend_memory` over the candidates `decode_select.keep_mask` marks,
+  read from the shortest prefix of the memory (`PREFIX_SHARES`) holding
+  every position up to the last query's + 1 (all the ranking reads:
+  positions after it are never kept). The same positions and scores as
+  over the whole cache; only the sums' rounding may differ, and a block
+  at the same positions always takes the same prefix.
+
+  Args:
+    x_rows, q, positions: a block's inputs, queries (`[length, d_qk]`)
+      and positions (`[length]`, consecutive).
+    buckets: `[n_hashes, mem]` each memory position's buckets.
+    qb: `[length, n_hashes]` the queries' buckets.
+    n_keep: candidates a token keeps (at most `mem`).
+    keys: `[mem, width]` the key cache. w: one head's weights.
+  """
+  mem = keys.shape[0]
+  sizes = sorted({max(1, mem // share) for share in PREFIX_SHARES})
+
+  def over(size):
+    def read(_):
+      keep = jax.vmap(decode_select.keep_mask, in_axes=(None, 0, 0, None))(
+        buckets[:, :size], qb, positions, n_keep
+      )
+      return attend_memory(self, x_rows, q, positions, keep, keys[:size], w)
+
+    return read
+
+  need = positions[-1] + 2  # The last query ranks up to its next position.
+  index = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < need)
+  return jax.lax.switch(index, [over(size) for size in sizes], None)
+
+
 def attend_memory(self, x_rows, q, positions, keep, keys, weights):
   """Attention of a block's queries (`q`, `[length, d_qk]`, at
   `positions`; inputs `x_rows`) over the whole key cache `keys` (`[mem,
