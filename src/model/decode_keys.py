@@ -59,8 +59,9 @@ def attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng):
 # queries may rank, so a short conversation does not pay for the whole
 # cache (32 tokens over a 32k cache: ~32 ms a block, whatever the
 # position). A one-token step reads the whole cache: under a switch its
-# key cache was copied, 3-4x the step's time (BENCHMARKS.md, "A long chat
-# read today").
+# key cache was copied, 3-4x the step's time (BENCHMARKS.md, "The
+# lookup's temperature at chat time, where the walkthrough's step goes,
+# and a long chat read today").
 PREFIX_SHARES = (16, 4, 1)
 
 
