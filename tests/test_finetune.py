@@ -241,7 +241,9 @@ def test_a_finetune_may_read_the_attention_otherwise(exported, tmp_path):
   """How the attention reads (`finetune.READING`: chunks, hash rounds,
   buckets) may change in a fine-tune, as a curriculum reads longer windows
   with longer chunks: the run says so, trains, and its model.gin keeps the
-  new reading (the chat reads it so); the weights' settings may not."""
+  new reading (the chat reads it so); the weights' settings may not. How
+  many slices are computed at once (`n_parallel_heads`) may differ too,
+  unsaid: the same function."""
   out = str(tmp_path / 'ft')
   settings = finetune_settings(out, exported['dir'], steps=1)
   settings = settings.__class__(
@@ -249,7 +251,8 @@ def test_a_finetune_may_read_the_attention_otherwise(exported, tmp_path):
   )
   lines = []
   wider = ('LSHSelfAttention.chunk_len = 32', 'LSHSelfAttention.n_hashes = 2')
-  loop = trainer.train(settings, gin_bindings=wider, log=lines.append)
+  at_once = ('LSHSelfAttention.n_parallel_heads = 4',)
+  loop = trainer.train(settings, gin_bindings=wider + at_once, log=lines.append)
   assert loop.step == 1
   said = [line for line in lines if 'reads its attention otherwise' in line]
   assert said == [

@@ -163,12 +163,15 @@ def test_the_time_estimate_weighs_long_attention_chunks(monkeypatch):
   dense, attention = preflight.step_parts(long, 1000, 1, 4096)
   assert dense + attention == preflight.step_flops(long, 1000, 1, 4096)
   assert attention > dense  # 8,192 keys a query in the LSH block.
-  # The LSH block's calls (2 x 4,096 queries x 4,096 keys) go to the
-  # kernel; the local blocks' (4,096 x 64) and all of the short run's stay
-  # with XLA.
+  # Every call of both runs goes to the kernel: the LSH block's (2 x 4,096
+  # queries x 4,096 keys), the local blocks' (4,096 x 64), the short run's
+  # (256 x 64 the smallest); a call below `MIN_SCORES` stays with XLA.
   by_xla, fused = preflight.attention_parts(long, 4096, 4096)
-  assert by_xla + fused == attention and fused > 50 * by_xla
-  assert preflight.attention_parts(short, 4096, 256)[1] == 0
+  assert by_xla == 0 and fused == attention
+  assert preflight.attention_parts(short, 4096, 256)[0] == 0
+  small = ginconf.parse(gin, ('SelfAttention.chunk_len = 8',))
+  by_xla, fused = preflight.attention_parts(small, 4096, 256)
+  assert by_xla > 0 and fused > 0  # Local 256 x 16 by XLA, LSH fused.
   # bfloat16 products: the same step at the bfloat16 rate.
   fast = preflight.step_seconds(long, 1000, 1, 4096, 'bfloat16')
   overhead = preflight.STEP_OVERHEAD

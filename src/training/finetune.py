@@ -26,8 +26,10 @@ from src.model import settings as settings_table
 from src.storage import checkpoints, modelfolder, snapshots
 
 INIT_FILE = rundir.INIT
-# Settings that may differ from the pretrained model's.
-MAY_DIFFER = ('dropout',)
+# Settings that may differ from the pretrained model's: dropout, and how
+# many batch x head slices an attention computes at once (the same
+# function; only speed and memory depend on it).
+MAY_DIFFER = ('dropout', 'n_parallel_heads')
 # How an attention layer reads (no weight depends on these): a fine-tune
 # may read longer windows with longer chunks, as the long-conversation
 # curriculum does (BENCHMARKS "Recall in a long chat, fifth round").
@@ -259,8 +261,9 @@ def check_settings(
       raise UserError(
         f'{gin_path}: sets {group}.{key} = {mine.get(key)!r}, but the '
         f'pretrained model ({source.gin_path}) has {theirs.get(key)!r}; a '
-        "fine-tune run keeps the model's settings (only dropout and the "
-        f"attention's {', '.join(READING)} may differ): remove it from the "
+        "fine-tune run keeps the model's settings (only dropout, "
+        "n_parallel_heads and the attention's "
+        f"{', '.join(READING)} may differ): remove it from the "
         'gin file (gin/finetune.gin binds none)'
       )
   return changed
