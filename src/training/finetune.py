@@ -263,7 +263,7 @@ def check_settings(
         f'pretrained model ({source.gin_path}) has {theirs.get(key)!r}; a '
         "fine-tune run keeps the model's settings (only dropout, "
         "n_parallel_heads and the attention's "
-        f"{', '.join(READING)} may differ): remove it from the "
+        f'{", ".join(READING)} may differ): remove it from the '
         'gin file (gin/finetune.gin binds none)'
       )
   return changed
