@@ -235,3 +235,51 @@ def test_nul_bytes_and_unicode_line_separators(tmp_path):
     'one\u2028two\n|aigenerationstart| ok |endofgeneration|\n', 'b.txt'
   )
   assert [t.text for t in convs[0].turns] == ['one\u2028two', 'ok']
+
+
+def test_a_finetune_copies_its_pretrained_runs_cache(tmp_path, monkeypatch):
+  """`reuse` (a fine-tune's pretrained run): its cache of the same data
+  and tokenizer is copied and checked as our own, not built again; a
+  damaged one, or one whose file is a link, is built again; the source
+  is never written."""
+  data = tmp_path / 'data'
+  write_data(data)
+  tok, c = prepare(data, tmp_path / 'pre')
+  good = np.array(c.tokens)
+  lines = []
+
+  def no_parsing(*a, **k):
+    raise AssertionError('parsed again')
+
+  with monkeypatch.context() as m:
+    m.setattr(chatformat, 'parse_text', no_parsing)
+    _, copy = corpus.prepare(
+      str(data), str(tmp_path / 'ft'), markers=MARKERS, vocab_size=120,
+      tok=tok, reuse=str(tmp_path / 'pre'), log=lines.append,
+    )  # fmt: skip
+  assert [line for line in lines if 'copied from' in line] == [
+    f'token cache: train copied from {c.folder} (the same data and tokenizer)'
+  ]
+  assert copy.folder.startswith(str(tmp_path / 'ft'))
+  np.testing.assert_array_equal(copy.tokens, good)
+  np.testing.assert_array_equal(copy.conversation_ends, c.conversation_ends)
+  # Damaged in the source (the same size): built, the source untouched.
+  path = os.path.join(c.folder, 'tokens.bin')
+  bad = np.random.default_rng(0).bytes(os.path.getsize(path))
+  with open(path, 'wb') as f:
+    f.write(bad)
+  for i, spoil in enumerate(('damaged', 'link')):
+    if spoil == 'link':
+      os.remove(path)
+      os.symlink(str(tmp_path / 'ft' / 'cache'), path)
+    lines = []
+    _, built = corpus.prepare(
+      str(data), str(tmp_path / f'ft{i}'), markers=MARKERS, vocab_size=120,
+      tok=tok, reuse=str(tmp_path / 'pre'), log=lines.append,
+    )  # fmt: skip
+    assert not [line for line in lines if 'copied from' in line]
+    np.testing.assert_array_equal(built.tokens, good)
+    assert not [
+      n for n in os.listdir(os.path.dirname(built.folder)) if '.tmp' in n
+    ]
+  assert os.path.islink(path)  # The source as it was left.

@@ -420,6 +420,67 @@ def _build_cache(out_dir, name, key, scanned, tok, parse_kwargs, workers, log):
   return meta
 
 
+def _copy_limits(n_bytes: int) -> dict[str, int]:
+  """The most each file of a cache of `n_bytes` of text may hold: a token
+  is at least one byte of text (4 bytes each at most), a conversation at
+  least one token; the slack covers a turn's markers."""
+  slack = 1 << 20
+  return {
+    'meta.json': slack,
+    'tokens.bin': 4 * n_bytes + slack,
+    'roles.bin': n_bytes + slack,
+    'conversations.npy': 8 * n_bytes + slack,
+  }
+
+
+def _copied(src: str, tmp: str, n_bytes: int) -> dict | None:
+  """Copies the cache folder `src` into `tmp` (plain files only, each
+  within `_copy_limits`) and checks the copy as a cache of our own is
+  checked (`_read_meta`); None when `src` is not an intact cache."""
+  for name, limit in _copy_limits(n_bytes).items():
+    path = os.path.join(src, name)
+    with (
+      files.open_regular(path, limit) as f,
+      open(os.path.join(tmp, name), 'xb') as out,
+    ):
+      left = limit + 1  # A file that grows while read is cut, then fails.
+      while left > 0 and (block := f.read(min(8 << 20, left))):
+        out.write(block)
+        left -= len(block)
+  meta, _ = _read_meta(tmp)
+  return meta
+
+
+def _reuse_cache(out_dir, name, key, reuse: str, n_bytes: int, log):
+  """The cache `name-key` of the run folder `reuse` (a fine-tune's
+  pretrained run: the same data read by the same tokenizer) copied into
+  out-dir's cache, checked as our own: its meta, or None when `reuse`
+  holds no intact one (then the cache is built)."""
+  src = os.path.join(reuse, CACHE_DIR, f'{name}-{key}')
+  if os.path.islink(src) or not os.path.isdir(src):
+    return None
+  cache_root = os.path.join(out_dir, CACHE_DIR)
+  made = [d for d in (out_dir, cache_root) if not os.path.exists(d)]
+  tmp = os.path.join(cache_root, f'.tmp-{name}-{key}-{os.getpid()}')
+  os.makedirs(tmp, exist_ok=True)
+  try:
+    meta = _copied(src, tmp, n_bytes)
+  except (OSError, UserError):
+    meta = None
+  if meta is None or meta.get('key') != key:
+    shutil.rmtree(tmp, ignore_errors=True)
+    for d in reversed(made):
+      with contextlib.suppress(OSError):
+        os.rmdir(d)
+    return None
+  for old in os.listdir(cache_root):
+    if old.startswith(f'{name}-'):
+      files.remove_inside(os.path.join(cache_root, old), out_dir)
+  os.replace(tmp, os.path.join(cache_root, f'{name}-{key}'))
+  log(f'token cache: {name} copied from {src} (the same data and tokenizer)')
+  return meta
+
+
 def prepare(
   data: str,
   out_dir: str,
@@ -432,6 +493,7 @@ def prepare(
   tok: tokenizer.Tokenizer | None = None,
   workers: int | None = None,
   save_tokenizer: bool = True,
+  reuse: str | None = None,
   log=print,
 ):
   """Prepares `data` (a file or folder) for training, reusing the cache.
@@ -450,6 +512,8 @@ def prepare(
     workers: Processes for tokenizing (default: the CPU count).
     save_tokenizer: Save a newly trained tokenizer once the corpus is
       ready (False: the caller saves it, e.g. after a held-out corpus).
+    reuse: Another run folder (a fine-tune's pretrained run) whose cache
+      of the same data and tokenizer is copied rather than built again.
     log: Where messages go.
 
   Returns:
@@ -473,7 +537,9 @@ def prepare(
       'building it again'
     )
   hit = meta is not None
-  if not hit:
+  if not hit and reuse:
+    meta = _reuse_cache(out_dir, name, key, reuse, scanned.n_bytes, log)
+  if meta is None:
     meta = _build_cache(
       out_dir, name, key, scanned, tok, parse_kwargs, workers, log
     )

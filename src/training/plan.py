@@ -174,7 +174,9 @@ def _data(s, fine, leader, markers, window, batch_size, cluster, log) -> dict:
   the held-out share (`views`), and the batches of `window`-token windows
   (`batches`)."""
   adopted, data_settings = _given_tokenizer(s, fine, leader, markers)
-  corpora = _prepare_data(data_settings, markers, log, adopted)
+  # A fine-tune copies its pretrained run's caches of the same data.
+  reuse = fine.source.path if fine is not None and fine.source else None
+  corpora = _prepare_data(data_settings, markers, log, adopted, reuse)
   _, train_corpus, eval_corpus, replay_corpus = corpora
   views = _views(s, train_corpus, eval_corpus)
   replay_view = None if replay_corpus is None else _view(replay_corpus)
@@ -429,7 +431,7 @@ def _batches(s, max_len, batch_size, cluster, train_views, eval_view, log):
   return train_batches, eval_batches
 
 
-def _prepare_data(s: Section, markers, log, tok=None):
+def _prepare_data(s: Section, markers, log, tok=None, reuse=None):
   """Tokenizer and token caches; out-dir is as before if anything fails."""
   out_dir = s['out-dir']
   existed = os.path.isdir(out_dir)
@@ -443,6 +445,7 @@ def _prepare_data(s: Section, markers, log, tok=None):
       'repeat_limit': s['repeat-limit'],
       'collapse': s['collapse-repeats'],
       'save_tokenizer': False,  # Saved below, once every corpus is ready.
+      'reuse': reuse,
       'log': log,
     }
     tok, train_corpus = corpus.prepare(s['data'], out_dir, tok=tok, **options)
