@@ -336,3 +336,37 @@ def test_blas_ffi_products_and_gradients_equal_xlas():
   )
   with pytest.raises(Exception, match='jade batched matmul'):
     jax.block_until_ready(wrong(a, jnp.ones((2, 3, 4), jnp.float32)))
+
+
+@pytest.mark.slow
+def test_preset_steps_times_each_variant(tmp_path):
+  """bench/preset_steps.py: a preset's steps timed under each variant (an
+  environment setting, a gin binding), in a fresh process each."""
+  import json
+
+  preset = tmp_path / 'preset.json'
+  preset.write_text(
+    json.dumps({
+      'train': {
+        'data': DATA, 'gin': os.path.join(ROOT, 'gin', 'tiny.gin'),
+        'vocab-size': 300, 'batch-size': 2,
+        'gin-bindings': ['ReformerLM.d_ff = 64'],
+      }
+    })
+  )  # fmt: skip
+  result = subprocess.run(
+    [sys.executable, 'bench/preset_steps.py', str(preset), '--data', DATA]
+    + ['--steps', '4', '--skip', '1', '--rounds', '1']
+    + ['--variant', 'xla|JADE_CHUNK_KERNEL=off']
+    + ['--variant', 'bad||ReformerLM.n_layers = -1'],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert any(
+    ' xla: ' in x and 'ms median' in x and '(3 steps)' in x for x in lines
+  )
+  assert any(' bad: failed' in x for x in lines)

@@ -258,7 +258,8 @@ def test_a_finetune_copies_its_pretrained_runs_cache(tmp_path, monkeypatch):
       tok=tok, reuse=str(tmp_path / 'pre'), log=lines.append,
     )  # fmt: skip
   assert [line for line in lines if 'copied from' in line] == [
-    f'token cache: train copied from {c.folder} (the same data and tokenizer)'
+    f'token cache (train): copied from {tmp_path / "pre"} (same data and '
+    'tokenizer)'
   ]
   assert copy.folder.startswith(str(tmp_path / 'ft'))
   np.testing.assert_array_equal(copy.tokens, good)

@@ -477,7 +477,7 @@ def _reuse_cache(out_dir, name, key, reuse: str, n_bytes: int, log):
     if old.startswith(f'{name}-'):
       files.remove_inside(os.path.join(cache_root, old), out_dir)
   os.replace(tmp, os.path.join(cache_root, f'{name}-{key}'))
-  log(f'token cache: {name} copied from {src} (the same data and tokenizer)')
+  log(f'token cache ({name}): copied from {reuse} (same data and tokenizer)')
   return meta
 
 
