@@ -321,10 +321,13 @@ def _lsh_layer(cls, n_hashes, n_buckets):
 
 
 @pytest.mark.parametrize('n_hashes', [1, 2])
-def test_training_forward_is_traxs(n_hashes):
+def test_training_forward_is_traxs(n_hashes, monkeypatch):
   """`FastLSHSelfAttention`'s forward (scanned hashing, keys sorted alone,
   permutations inverted by scatter and gather) gives Trax's LSH forward's
-  outputs, new state and gradients exactly."""
+  outputs, new state and gradients exactly (both through Trax's `attend`:
+  the fused kernel's sums differ by rounding, pinned in
+  tests/test_chunk_attention.py)."""
+  monkeypatch.setenv('JADE_CHUNK_KERNEL', 'off')
   length, d = 256, 16
   ours_layer = _lsh_layer(attention.FastLSHSelfAttention, n_hashes, 8)
   trax_layer = _lsh_layer(ea.LSHSelfAttention, n_hashes, 8)

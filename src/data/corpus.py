@@ -512,8 +512,8 @@ def prepare(
     workers: Processes for tokenizing (default: the CPU count).
     save_tokenizer: Save a newly trained tokenizer once the corpus is
       ready (False: the caller saves it, e.g. after a held-out corpus).
-    reuse: Another run folder (a fine-tune's pretrained run) whose cache
-      of the same data and tokenizer is copied rather than built again.
+    reuse: A run folder (a fine-tune's pretrained run) whose cache of
+      the same data and tokenizer is copied, not built again.
     log: Where messages go.
 
   Returns:
@@ -528,14 +528,8 @@ def prepare(
   if tok is None:
     tok = _tokenizer(out_dir, scanned, parse_kwargs, vocab_size, log)
   key = cache_key(scanned.digest, tok, parse_kwargs)
-  cache_root = os.path.join(out_dir, CACHE_DIR)
-  folder = os.path.join(cache_root, f'{name}-{key}')
-  meta, problem = _read_meta(folder)
-  if problem:
-    log(
-      f'note: the token cache in {folder} is damaged ({problem}); '
-      'building it again'
-    )
+  folder = os.path.join(out_dir, CACHE_DIR, f'{name}-{key}')
+  meta = _read_cache(folder, log)
   hit = meta is not None
   if not hit and reuse:
     meta = _reuse_cache(out_dir, name, key, reuse, scanned.n_bytes, log)
@@ -546,3 +540,14 @@ def prepare(
   if save_tokenizer:
     tokenizer.save(out_dir, tok)
   return tok, _open(folder, meta, scanned.n_bytes, hit=hit)
+
+
+def _read_cache(folder: str, log) -> dict | None:
+  """The meta of the intact cache `folder`, or None (said when damaged)."""
+  meta, problem = _read_meta(folder)
+  if problem:
+    log(
+      f'note: the token cache in {folder} is damaged ({problem}); '
+      'building it again'
+    )
+  return meta
