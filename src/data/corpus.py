@@ -393,31 +393,44 @@ def _tokenizer(out_dir, scanned, parse_kwargs, vocab_size: int, log):
   )
 
 
-def _build_cache(out_dir, name, key, scanned, tok, parse_kwargs, workers, log):
-  """Builds the cache `name-key` in a temporary folder and renames it into
-  place (replacing older caches of `name`); a failure leaves nothing."""
+def _into_place(out_dir: str, name: str, key: str, fill) -> dict | None:
+  """Makes the cache `name-key` in a temporary folder (`fill(tmp)`: its
+  meta, or None for nothing) and renames it into place, replacing older
+  caches of `name`; a failure or None leaves nothing behind."""
   cache_root = os.path.join(out_dir, CACHE_DIR)
-  folder = os.path.join(cache_root, f'{name}-{key}')
+  made = [d for d in (out_dir, cache_root) if not os.path.exists(d)]
+  tmp = os.path.join(cache_root, f'.tmp-{name}-{key}-{os.getpid()}')
+  os.makedirs(tmp, exist_ok=True)
+  meta = None
+  try:
+    meta = fill(tmp)
+  finally:
+    if meta is None:
+      shutil.rmtree(tmp, ignore_errors=True)
+      for d in reversed(made):  # Leave no trace of a failed first run.
+        with contextlib.suppress(OSError):
+          os.rmdir(d)
+  if meta is None:
+    return None
+  for old in os.listdir(cache_root):
+    if old.startswith(f'{name}-'):
+      files.remove_inside(os.path.join(cache_root, old), out_dir)
+  os.replace(tmp, os.path.join(cache_root, f'{name}-{key}'))
+  return meta
+
+
+def _build_cache(out_dir, name, key, scanned, tok, parse_kwargs, workers, log):
+  """Builds the cache `name-key` (`_into_place`)."""
   if workers is None:
     workers = os.cpu_count() or 1
   if scanned.n_bytes < PARALLEL_MIN_BYTES:
     workers = 1
-  made = [d for d in (out_dir, cache_root) if not os.path.exists(d)]
-  tmp = os.path.join(cache_root, f'.tmp-{name}-{key}-{os.getpid()}')
-  os.makedirs(tmp, exist_ok=True)
-  try:
-    meta = _build(tmp, scanned, tok, parse_kwargs, workers, key, log)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    for d in reversed(made):  # Leave no trace of a failed first run.
-      with contextlib.suppress(OSError):
-        os.rmdir(d)
-    raise
-  for old in os.listdir(cache_root):
-    if old.startswith(f'{name}-'):
-      files.remove_inside(os.path.join(cache_root, old), out_dir)
-  os.replace(tmp, folder)
-  return meta
+  return _into_place(
+    out_dir,
+    name,
+    key,
+    lambda tmp: _build(tmp, scanned, tok, parse_kwargs, workers, key, log),
+  )
 
 
 def _copy_limits(n_bytes: int) -> dict[str, int]:
@@ -433,22 +446,26 @@ def _copy_limits(n_bytes: int) -> dict[str, int]:
   }
 
 
-def _copied(src: str, tmp: str, n_bytes: int) -> dict | None:
+def _copied(src: str, tmp: str, n_bytes: int, key: str) -> dict | None:
   """Copies the cache folder `src` into `tmp` (plain files only, each
   within `_copy_limits`) and checks the copy as a cache of our own is
-  checked (`_read_meta`); None when `src` is not an intact cache."""
-  for name, limit in _copy_limits(n_bytes).items():
-    path = os.path.join(src, name)
-    with (
-      files.open_regular(path, limit) as f,
-      open(os.path.join(tmp, name), 'xb') as out,
-    ):
-      left = limit + 1  # A file that grows while read is cut, then fails.
-      while left > 0 and (block := f.read(min(8 << 20, left))):
-        out.write(block)
-        left -= len(block)
+  checked (`_read_meta`, and its key); None when `src` is not an intact
+  cache of `key`."""
+  try:
+    for name, limit in _copy_limits(n_bytes).items():
+      path = os.path.join(src, name)
+      with (
+        files.open_regular(path, limit) as f,
+        open(os.path.join(tmp, name), 'xb') as out,
+      ):
+        left = limit + 1  # A file that grows while read is cut, then fails.
+        while left > 0 and (block := f.read(min(8 << 20, left))):
+          out.write(block)
+          left -= len(block)
+  except (OSError, UserError):
+    return None
   meta, _ = _read_meta(tmp)
-  return meta
+  return meta if meta is not None and meta.get('key') == key else None
 
 
 def _reuse_cache(out_dir, name, key, reuse: str, n_bytes: int, log):
@@ -459,25 +476,11 @@ def _reuse_cache(out_dir, name, key, reuse: str, n_bytes: int, log):
   src = os.path.join(reuse, CACHE_DIR, f'{name}-{key}')
   if os.path.islink(src) or not os.path.isdir(src):
     return None
-  cache_root = os.path.join(out_dir, CACHE_DIR)
-  made = [d for d in (out_dir, cache_root) if not os.path.exists(d)]
-  tmp = os.path.join(cache_root, f'.tmp-{name}-{key}-{os.getpid()}')
-  os.makedirs(tmp, exist_ok=True)
-  try:
-    meta = _copied(src, tmp, n_bytes)
-  except (OSError, UserError):
-    meta = None
-  if meta is None or meta.get('key') != key:
-    shutil.rmtree(tmp, ignore_errors=True)
-    for d in reversed(made):
-      with contextlib.suppress(OSError):
-        os.rmdir(d)
-    return None
-  for old in os.listdir(cache_root):
-    if old.startswith(f'{name}-'):
-      files.remove_inside(os.path.join(cache_root, old), out_dir)
-  os.replace(tmp, os.path.join(cache_root, f'{name}-{key}'))
-  log(f'token cache ({name}): copied from {reuse} (same data and tokenizer)')
+  meta = _into_place(
+    out_dir, name, key, lambda tmp: _copied(src, tmp, n_bytes, key)
+  )
+  if meta is not None:
+    log(f'token cache ({name}): copied from {reuse} (same data and tokenizer)')
   return meta
 
 
