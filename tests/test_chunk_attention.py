@@ -159,6 +159,45 @@ def test_under_vmap_each_head_reads_its_own_positions(always):
   assert _close(outs[0][0], outs[1][0]) and _close(outs[0][1], outs[1][1])
 
 
+def _bucketed(rng, n, buckets):
+  """Positions (one-based) in LSH's order: by a random bucket, then by
+  position, so each chunk's keys ascend within a bucket."""
+  bucket = rng.integers(0, buckets, n)
+  return np.lexsort((np.arange(n), bucket)).astype(np.int32) + 1
+
+
+@pytest.mark.parametrize('bf16', [False, True])
+def test_skipping_tiles_the_mask_zeroes_changes_no_bit(always, bf16):
+  """The kernel skips tiles of keys that come after every query of a pass
+  (probability 0 under the causal mask): outputs and gradients equal, bit
+  for bit, those of scoring every tile, with LSH's bucketed order, a local
+  layer's, and rows whose every key is masked (scored in full)."""
+  rng = np.random.default_rng(3)
+  n, d = 1024, 32
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  q, k, v = normal(2, n, d), normal(2, n, d), normal(2, n, d + 8)
+  bucketed = jnp.asarray(np.stack([_bucketed(rng, n, 4) for _ in '01']))
+  in_order = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32), (2, n))
+  padded = in_order.at[:, :64].multiply(-1)  # Chunk 0: every key masked.
+  calls = [(bucketed, bucketed, 64, 1, 3), (in_order, in_order, 128, 1, 1)]
+  calls += [(in_order, padded, 64, 1, 5), (bucketed, bucketed, 256, 0, 3)]
+  flag = chunk_attention._BF16 if bf16 else 0
+  for qi, ki, chunk, before, flags in calls:
+    results = []
+    for every in (0, chunk_attention._EVERY_TILE):
+      fl = flags | flag | every
+
+      def run(q, k, v, qi=qi, ki=ki, chunk=chunk, before=before, fl=fl):
+        one = lambda *a: chunk_attention.fused(*a, chunk, before, fl)  # noqa: E731
+        return jax.vmap(one)(q, k, v, qi, ki)
+
+      out, back = jax.vjp(run, q, k, v)
+      results.append((*out, *back((jnp.sin(out[0]), jnp.cos(out[1])))))
+    for a, b in zip(*results):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.all(np.isfinite(np.asarray(results[0][0])))
+
+
 def _count_trax(monkeypatch):
   calls = []
   real = ea.attend

@@ -140,6 +140,7 @@ struct Shape {
   int64_t group;  // Chunks one backward task takes (see Backward).
   bool causal, exclude_self, masked;
   bool bf16;  // Products of bfloat16 inputs (flag 8 where the CPU has them).
+  bool every_tile;  // Flag 16: score every key tile (see `Call::mark_tiles`).
 
   // The chunk whose keys fill slot `a` of chunk c's window (Trax's
   // `look_adjacent`: the `before` chunks ahead of it, wrapped, then itself).
@@ -148,6 +149,9 @@ struct Shape {
     return k < 0 ? k + chunks : k;
   }
   int64_t row_blocks() const { return (chunk + rows - 1) / rows; }
+  // Tiles of 16 keys a chunk (the products' column tiles; the last may be
+  // shorter).
+  int64_t tiles() const { return (chunk + 15) / 16; }
   // Row stride of a chunk's transposed keys: padded, so the rows of a
   // power-of-two chunk do not all fall in the same cache sets.
   int64_t ldt() const { return chunk + 16; }
@@ -162,11 +166,11 @@ inline float masked(const Shape& s, float dot, int32_t qi, int32_t ki) {
   return dot;
 }
 
-// Trax's mask over the `chunk` scores of one query row against keys `ki`.
+// Trax's mask over `cols` scores of one query row against keys `ki`.
 inline void mask_row(const Shape& s, float* row, int32_t qi,
-                     const int32_t* ki) {
+                     const int32_t* ki, int64_t cols) {
   int64_t j = 0;
-  for (; j + 8 <= s.chunk; j += 8) {
+  for (; j + 8 <= cols; j += 8) {
     v8 x = *reinterpret_cast<v8*>(row + j);
     const v8i k = *reinterpret_cast<const v8i*>(ki + j);
     if (s.causal) x = qi < k ? x - 1e9f : x;
@@ -174,7 +178,7 @@ inline void mask_row(const Shape& s, float* row, int32_t qi,
     if (s.masked) x = k < 0 ? x - 1e9f : x;
     *reinterpret_cast<v8*>(row + j) = x;
   }
-  for (; j < s.chunk; ++j) row[j] = masked(s, row[j], qi, ki[j]);
+  for (; j < cols; ++j) row[j] = masked(s, row[j], qi, ki[j]);
 }
 
 // The largest of row[0 .. width).
@@ -204,7 +208,20 @@ struct Scratch {
   int64_t kt_of = -1, vt_of = -1;  // The (batch, chunk) they hold.
   std::vector<uint32_t> kp, vp, kn, vn, ra, qn, gn, ga, tmp;
   int64_t kp_of = -1, vp_of = -1, kn_of = -1, vn_of = -1;
+  std::vector<uint8_t> live;  // [before + 1, tiles]: the pass's live tiles.
 };
+
+// Calls fn(j0, cols) for each run of consecutive live tiles of a slot
+// (`live`: its `s.tiles()` flags).
+template <class F>
+void live_runs(const Shape& s, const uint8_t* live, F fn) {
+  for (int64_t t = 0; t < s.tiles();) {
+    int64_t e = t;
+    while (e < s.tiles() && live[e]) ++e;
+    if (e > t) fn(t * 16, std::min(e * 16, s.chunk) - t * 16);
+    t = e + 1;
+  }
+}
 
 // The inputs of one call.
 struct Call {
@@ -278,10 +295,47 @@ struct Call {
                     n, accumulate);
   }
 
+  // Which tiles of 16 keys of each slot the pass's `m` rows from `row0`
+  // read into `w.live`; whether any is dead. Under the causal mask a tile
+  // whose keys all come after every row's position scores 1e9 below the
+  // row's live keys (`mask_row`), so its probabilities are exactly 0: its
+  // scores and its dP need no products (sorted by bucket, then position,
+  // LSH chunks end in such tiles: 20-48% of a walkthrough run's).
+  bool mark_tiles(int64_t b, int64_t c, int64_t row0, int64_t m,
+                  Scratch& w) const {
+    w.live.assign((s.before + 1) * s.tiles(), 1);
+    if (!s.causal || s.every_tile) return false;
+    const int32_t last = *std::max_element(qi + row0, qi + row0 + m);
+    bool dead = false;
+    for (int64_t a = 0; a <= s.before; ++a) {
+      const int32_t* kc = ki + b * s.n + s.key_chunk(c, a) * s.chunk;
+      for (int64_t t = 0; t < s.tiles(); ++t) {
+        const int64_t j0 = t * 16, j1 = std::min(j0 + 16, s.chunk);
+        const bool out = *std::min_element(kc + j0, kc + j1) > last;
+        w.live[a * s.tiles() + t] = !out;
+        dead |= out;
+      }
+    }
+    return dead;
+  }
+
   // Masked scores of `m` query rows from `row0` (chunk c, batch b) into
-  // `w.p` ([m, width]).
+  // `w.p` ([m, width]); dead tiles (`mark_tiles`) -inf. A row with no key
+  // scored above -1e8 (every key masked: its softmax reads the masked
+  // scores) is scored again with every tile.
   void scores(int64_t b, int64_t c, int64_t row0, int64_t m,
               Scratch& w) const {
+    if (!mark_tiles(b, c, row0, m, w)) return live_scores(b, c, row0, m, w);
+    live_scores(b, c, row0, m, w);
+    for (int64_t i = 0; i < m; ++i)
+      if (row_max(w.p.data() + i * s.width, s.width) < -1e8f) {
+        w.live.assign(w.live.size(), 1);
+        return live_scores(b, c, row0, m, w);
+      }
+  }
+
+  void live_scores(int64_t b, int64_t c, int64_t row0, int64_t m,
+                   Scratch& w) const {
     const uint32_t* qp = nullptr;  // The rows' pairs, once for every slot.
     if (s.bf16) {
       window_pairs(k, s.d, b, c, false, w.kp, w.kp_of, w.tmp);
@@ -291,18 +345,33 @@ struct Call {
     }
     float* p = w.p.data();
     for (int64_t a = 0; a <= s.before; ++a) {
-      const int64_t kc = s.key_chunk(c, a);
-      if (s.bf16)
-        product_bf16(m, s.chunk, s.d, qp,
-                     w.kp.data() + a * Shape::pairs(s.d) * s.ldt(), s.ldt(),
-                     p + a * s.chunk, s.width, false);
-      else
-        gemm(m, s.chunk, s.d, q + row0 * s.d, s.d, 1,
-             w.kt.data() + a * s.d * s.ldt(), s.ldt(), p + a * s.chunk,
-             s.width, false);
+      const int32_t* kc = ki + b * s.n + s.key_chunk(c, a) * s.chunk;
+      const uint8_t* live = w.live.data() + a * s.tiles();
+      float* pa = p + a * s.chunk;
+      live_runs(s, live, [&](int64_t j0, int64_t cols) {
+        if (s.bf16)
+          product_bf16(m, cols, s.d, qp,
+                       w.kp.data() + a * Shape::pairs(s.d) * s.ldt() + j0,
+                       s.ldt(), pa + j0, s.width, false);
+        else
+          gemm(m, cols, s.d, q + row0 * s.d, s.d, 1,
+               w.kt.data() + a * s.d * s.ldt() + j0, s.ldt(), pa + j0,
+               s.width, false);
+        for (int64_t i = 0; i < m; ++i)
+          mask_row(s, pa + i * s.width + j0, qi[row0 + i], kc + j0, cols);
+      });
+      fill_dead(live, m, pa, -INFINITY);
+    }
+  }
+
+  // `value` in the dead tiles' columns of `m` rows of a slot's scores.
+  void fill_dead(const uint8_t* live, int64_t m, float* pa,
+                 float value) const {
+    for (int64_t t = 0; t < s.tiles(); ++t) {
+      if (live[t]) continue;
+      const int64_t j0 = t * 16, j1 = std::min(j0 + 16, s.chunk);
       for (int64_t i = 0; i < m; ++i)
-        mask_row(s, p + i * s.width + a * s.chunk, qi[row0 + i],
-                 ki + b * s.n + kc * s.chunk);
+        std::fill(pa + i * s.width + j0, pa + i * s.width + j1, value);
     }
   }
 };
@@ -391,14 +460,20 @@ struct Backward {
       in.window(in.v, s.dv, b, c, w.vt, w.vt_of);
     }
     for (int64_t a = 0; a <= s.before; ++a) {  // g = dP = dO V^T.
-      if (s.bf16)
-        Call::product_bf16(m, s.chunk, s.dv, gop,
-                           w.vp.data() + a * Shape::pairs(s.dv) * s.ldt(),
-                           s.ldt(), g + a * s.chunk, s.width, false);
-      else
-        gemm(m, s.chunk, s.dv, go + row0 * s.dv, s.dv, 1,
-             w.vt.data() + a * s.dv * s.ldt(), s.ldt(), g + a * s.chunk,
-             s.width, false);
+      const uint8_t* live = w.live.data() + a * s.tiles();
+      float* ga = g + a * s.chunk;
+      live_runs(s, live, [&](int64_t j0, int64_t cols) {
+        if (s.bf16)
+          Call::product_bf16(
+              m, cols, s.dv, gop,
+              w.vp.data() + a * Shape::pairs(s.dv) * s.ldt() + j0, s.ldt(),
+              ga + j0, s.width, false);
+        else
+          gemm(m, cols, s.dv, go + row0 * s.dv, s.dv, 1,
+               w.vt.data() + a * s.dv * s.ldt() + j0, s.ldt(), ga + j0,
+               s.width, false);
+      });
+      in.fill_dead(live, m, ga, 0.f);  // P is 0 there: dS is 0.
     }
     // dS = P (dP - <dO, O> + dlse). With bfloat16 products <dO, O> is
     // sum_j P dP, as autodiff sums it: O read P and V rounded, and dS is a
@@ -520,6 +595,7 @@ ffi::Error shape_of(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   s->exclude_self = flags & 2;
   s->masked = flags & 4;
   s->bf16 = (flags & 8) && jade::kNativeBf16;
+  s->every_tile = flags & 16;
   return ffi::Error::Success();
 }
 

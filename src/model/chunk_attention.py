@@ -48,6 +48,10 @@ from src.model import kernels
 
 _CAUSAL, _EXCLUDE_SELF, _MASKED = 1, 2, 4
 _BF16 = 8  # Products of bfloat16 inputs (where the CPU has AVX512-BF16).
+# Score every tile of keys, even those the causal mask gives probability 0
+# (which the kernel skips: the same results, bit for bit; tests compare):
+# `JADE_CHUNK_SKIP=off`, to measure what skipping saves.
+_EVERY_TILE = 16
 _TARGETS = ('jade_chunk_attention_forward', 'jade_chunk_attention_backward')
 # Scores of a call (queries x keys a query reads) below which Trax's
 # `attend` runs. The kernel is faster from the walkthrough's smallest
@@ -218,4 +222,6 @@ def attend(
   k = k / jnp.sqrt(jnp.asarray(k.shape[-1], k.dtype))
   qi = jnp.broadcast_to(qi.astype(jnp.int32), q.shape[:-1])
   ki = jnp.broadcast_to(ki.astype(jnp.int32), k.shape[:-1])
+  if os.environ.get('JADE_CHUNK_SKIP', 'on').lower() == 'off':
+    flags |= _EVERY_TILE
   return fused(q, k, v, qi, ki, q_chunk_len, n_chunks_before, flags)
