@@ -298,9 +298,9 @@ struct Call {
   // Which tiles of 16 keys of each slot the pass's `m` rows from `row0`
   // read into `w.live`; whether any is dead. Under the causal mask a tile
   // whose keys all come after every row's position scores 1e9 below the
-  // row's live keys (`mask_row`), so its probabilities are exactly 0: its
-  // scores and its dP need no products (sorted by bucket, then position,
-  // LSH chunks end in such tiles: 20-48% of a walkthrough run's).
+  // row's live keys (`mask_row`), so its probabilities are exactly 0: none
+  // of the seven products needs it (sorted by bucket, then position, LSH
+  // chunks end in such tiles: 20-48% of a walkthrough run's).
   bool mark_tiles(int64_t b, int64_t c, int64_t row0, int64_t m,
                   Scratch& w) const {
     w.live.assign((s.before + 1) * s.tiles(), 1);
@@ -374,6 +374,45 @@ struct Call {
         std::fill(pa + i * s.width + j0, pa + i * s.width + j1, value);
     }
   }
+
+  // C (+)= A B over a slot's keys: A `m` rows of the slot's probabilities
+  // or dS (`pa`, `width` apart), B the slot's rows of keys or values
+  // (float rows `bk`, or paired across keys: `bn`), summed over the live
+  // tiles only (A is 0 in the others: the same sums). `written`: whether C
+  // holds a sum yet; the caller zeroes C if no slot wrote it.
+  void by_keys(int64_t m, int64_t dim, const float* pa, const uint8_t* live,
+               const float* bk, const uint32_t* bn, float* c, bool& written,
+               Scratch& w) const {
+    live_runs(s, live, [&](int64_t j0, int64_t cols) {
+      if (s.bf16)
+        product_bf16(m, dim, cols, rows_paired(m, cols, pa + j0, s.width, w),
+                     bn + (j0 / 2) * dim, dim, c, dim, written);
+      else
+        gemm(m, dim, cols, pa + j0, s.width, 1, bk + j0 * dim, dim, c, dim,
+             written);
+      written = true;
+    });
+  }
+
+  // C (+)= A^T B for a slot's keys (C's rows): A as in `by_keys`, B `m`
+  // rows (float `b`, or paired across them: `bn`); a dead tile's keys get
+  // nothing (A is 0 there): their rows of C are kept (`add`) or zeroed.
+  void to_keys(int64_t m, int64_t dim, const float* pa, const uint8_t* live,
+               const float* b, const uint32_t* bn, float* c, bool add,
+               Scratch& w) const {
+    live_runs(s, live, [&](int64_t j0, int64_t cols) {
+      if (s.bf16)
+        product_t_bf16(m, cols, dim, pa + j0, s.width, bn, c + j0 * dim, add,
+                       w);
+      else
+        gemm(cols, dim, m, pa + j0, 1, s.width, b, dim, c + j0 * dim, dim,
+             add);
+    });
+    for (int64_t t = 0; t < s.tiles() && !add; ++t)
+      if (!live[t])
+        std::fill(c + t * 16 * dim, c + std::min(t * 16 + 16, s.chunk) * dim,
+                  0.f);
+  }
 };
 
 struct Forward {
@@ -403,26 +442,19 @@ struct Forward {
     }
     if (s.bf16)
       in.window_pairs(in.v, s.dv, b, c, true, w.vn, w.vn_of, w.tmp);
+    bool written = false;
     for (int64_t a = 0; a <= s.before; ++a) {
       const int64_t k0 = b * s.n + s.key_chunk(c, a) * s.chunk;
-      if (s.bf16)
-        Call::product_bf16(m, s.dv, s.chunk,
-                           in.rows_paired(m, s.chunk, p + a * s.chunk,
-                                          s.width, w),
-                           w.vn.data() + a * Shape::pairs(s.chunk) * s.dv,
-                           s.dv, o + row0 * s.dv, s.dv, a > 0);
-      else
-        gemm(m, s.dv, s.chunk, p + a * s.chunk, s.width, 1, in.v + k0 * s.dv,
-             s.dv, o + row0 * s.dv, s.dv, a > 0);
+      in.by_keys(m, s.dv, p + a * s.chunk, w.live.data() + a * s.tiles(),
+                 in.v + k0 * s.dv,
+                 s.bf16 ? w.vn.data() + a * Shape::pairs(s.chunk) * s.dv
+                        : nullptr,
+                 o + row0 * s.dv, written, w);
     }
+    if (!written) std::fill(o + row0 * s.dv, o + (row0 + m) * s.dv, 0.f);
   }
 };
 
-// A backward task takes a group of `s.group` consecutive chunks: the key
-// gradients of a group are summed in place (a chunk's own rows first, then
-// what later chunks of the group read of it); what a group's first chunks
-// read of the chunks before it (or, wrapping, of the last) goes to `edge`,
-// added once every task is done (`fold_edges`).
 struct Backward {
   Call in;
   const float *o, *lse, *go, *glse;
@@ -498,17 +530,14 @@ struct Backward {
                               s.dv);
     }
     const int64_t edge_rows = s.chunk * (s.d + s.dv);
+    bool written = false;
     for (int64_t a = s.before; a >= 0; --a) {  // Own chunk first.
       const int64_t k0 = b * s.n + s.key_chunk(c, a) * s.chunk;
-      if (s.bf16)  // dQ = dS K.
-        Call::product_bf16(m, s.d, s.chunk,
-                           in.rows_paired(m, s.chunk, g + a * s.chunk,
-                                          s.width, w),
-                           w.kn.data() + a * Shape::pairs(s.chunk) * s.d, s.d,
-                           gq + row0 * s.d, s.d, a < s.before);
-      else
-        gemm(m, s.d, s.chunk, g + a * s.chunk, s.width, 1, in.k + k0 * s.d,
-             s.d, gq + row0 * s.d, s.d, a < s.before);
+      const uint8_t* live = w.live.data() + a * s.tiles();
+      in.by_keys(m, s.d, g + a * s.chunk, live, in.k + k0 * s.d,  // dQ = dS K.
+                 s.bf16 ? w.kn.data() + a * Shape::pairs(s.chunk) * s.d
+                        : nullptr,
+                 gq + row0 * s.d, written, w);
       // dK, dV of the keys read (dS^T Q, P^T dO), summed in place, or into
       // the edge slot of the chunk `j` before the group.
       float *to_k = gk + k0 * s.d, *to_v = gv + k0 * s.dv;
@@ -519,18 +548,12 @@ struct Backward {
         to_v = to_k + s.chunk * s.d;
         add = c > first || rb > 0;
       }
-      if (s.bf16) {
-        in.product_t_bf16(m, s.chunk, s.d, g + a * s.chunk, s.width,
-                          w.qn.data(), to_k, add, w);
-        in.product_t_bf16(m, s.chunk, s.dv, p + a * s.chunk, s.width,
-                          w.gn.data(), to_v, add, w);
-        continue;
-      }
-      gemm(s.chunk, s.d, m, g + a * s.chunk, 1, s.width, in.q + row0 * s.d,
-           s.d, to_k, s.d, add);
-      gemm(s.chunk, s.dv, m, p + a * s.chunk, 1, s.width, go + row0 * s.dv,
-           s.dv, to_v, s.dv, add);
+      in.to_keys(m, s.d, g + a * s.chunk, live, in.q + row0 * s.d,
+                 w.qn.data(), to_k, add, w);
+      in.to_keys(m, s.dv, p + a * s.chunk, live, go + row0 * s.dv,
+                 w.gn.data(), to_v, add, w);
     }
+    if (!written) std::fill(gq + row0 * s.d, gq + (row0 + m) * s.d, 0.f);
   }
 
   void fold_edges() const {
