@@ -152,6 +152,7 @@ struct Shape {
   // Tiles of 16 keys a chunk (the products' column tiles; the last may be
   // shorter).
   int64_t tiles() const { return (chunk + 15) / 16; }
+  int64_t tile_end(int64_t t) const { return std::min(t * 16 + 16, chunk); }
   // Row stride of a chunk's transposed keys: padded, so the rows of a
   // power-of-two chunk do not all fall in the same cache sets.
   int64_t ldt() const { return chunk + 16; }
@@ -218,7 +219,7 @@ void live_runs(const Shape& s, const uint8_t* live, F fn) {
   for (int64_t t = 0; t < s.tiles();) {
     int64_t e = t;
     while (e < s.tiles() && live[e]) ++e;
-    if (e > t) fn(t * 16, std::min(e * 16, s.chunk) - t * 16);
+    if (e > t) fn(t * 16, s.tile_end(e - 1) - t * 16);
     t = e + 1;
   }
 }
@@ -310,8 +311,8 @@ struct Call {
     for (int64_t a = 0; a <= s.before; ++a) {
       const int32_t* kc = ki + b * s.n + s.key_chunk(c, a) * s.chunk;
       for (int64_t t = 0; t < s.tiles(); ++t) {
-        const int64_t j0 = t * 16, j1 = std::min(j0 + 16, s.chunk);
-        const bool out = *std::min_element(kc + j0, kc + j1) > last;
+        const bool out =
+            *std::min_element(kc + t * 16, kc + s.tile_end(t)) > last;
         w.live[a * s.tiles() + t] = !out;
         dead |= out;
       }
@@ -369,9 +370,9 @@ struct Call {
                  float value) const {
     for (int64_t t = 0; t < s.tiles(); ++t) {
       if (live[t]) continue;
-      const int64_t j0 = t * 16, j1 = std::min(j0 + 16, s.chunk);
       for (int64_t i = 0; i < m; ++i)
-        std::fill(pa + i * s.width + j0, pa + i * s.width + j1, value);
+        std::fill(pa + i * s.width + t * 16, pa + i * s.width + s.tile_end(t),
+                  value);
     }
   }
 
@@ -379,7 +380,8 @@ struct Call {
   // or dS (`pa`, `width` apart), B the slot's rows of keys or values
   // (float rows `bk`, or paired across keys: `bn`), summed over the live
   // tiles only (A is 0 in the others: the same sums). `written`: whether C
-  // holds a sum yet; the caller zeroes C if no slot wrote it.
+  // holds a sum yet (some slot of a pass always has a live tile: `scores`
+  // scores a pass with none in full).
   void by_keys(int64_t m, int64_t dim, const float* pa, const uint8_t* live,
                const float* bk, const uint32_t* bn, float* c, bool& written,
                Scratch& w) const {
@@ -410,8 +412,7 @@ struct Call {
     });
     for (int64_t t = 0; t < s.tiles() && !add; ++t)
       if (!live[t])
-        std::fill(c + t * 16 * dim, c + std::min(t * 16 + 16, s.chunk) * dim,
-                  0.f);
+        std::fill(c + t * 16 * dim, c + s.tile_end(t) * dim, 0.f);
   }
 };
 
@@ -451,10 +452,14 @@ struct Forward {
                         : nullptr,
                  o + row0 * s.dv, written, w);
     }
-    if (!written) std::fill(o + row0 * s.dv, o + (row0 + m) * s.dv, 0.f);
   }
 };
 
+// A backward task takes a group of `s.group` consecutive chunks: the key
+// gradients of a group are summed in place (a chunk's own rows first, then
+// what later chunks of the group read of it); what a group's first chunks
+// read of the chunks before it (or, wrapping, of the last) goes to `edge`,
+// added once every task is done (`fold_edges`).
 struct Backward {
   Call in;
   const float *o, *lse, *go, *glse;
@@ -553,7 +558,6 @@ struct Backward {
       in.to_keys(m, s.dv, p + a * s.chunk, live, go + row0 * s.dv,
                  w.gn.data(), to_v, add, w);
     }
-    if (!written) std::fill(gq + row0 * s.d, gq + (row0 + m) * s.d, 0.f);
   }
 
   void fold_edges() const {
