@@ -40,3 +40,35 @@ def test_random_offsets_place_each_training_window_on_the_grid():
       np.testing.assert_array_equal(row, table[start : start + 32])
       starts.add(start)
   assert len(starts) > 6 and max(starts) > 32
+
+
+def test_a_windows_gradient_is_the_full_tables():
+  """The rows a window reads are taken from each axis by coordinate, the
+  `[max_len, d_model]` table never built: the same values and gradients as
+  taking them from that table."""
+  layer = _layer('train', 'random')
+  layer.rng = jax.random.key(3)
+  x = np.random.default_rng(0).normal(size=(2, 40, 8)).astype(np.float32)
+  starts = jax.random.randint(layer.rng, (2,), 0, 128 - 40 + 1)
+  at = starts[:, None] + np.arange(40)[None, :]
+
+  def by_table(weights):
+    table = jax.numpy.concatenate(
+      [
+        jax.numpy.broadcast_to(w, (1, 8, 16, w.shape[-1])).reshape(128, -1)
+        for w in weights
+      ],
+      -1,
+    )
+    return jax.numpy.sum((x + table[at]) ** 2)
+
+  def by_layer(weights):
+    out, _ = layer.pure_fn(x, weights, layer.state, layer.rng)
+    return jax.numpy.sum(out**2)
+
+  weights = layer.weights
+  np.testing.assert_allclose(by_layer(weights), by_table(weights), rtol=1e-6)
+  for got, want in zip(
+    jax.grad(by_layer)(weights), jax.grad(by_table)(weights), strict=True
+  ):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

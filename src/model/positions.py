@@ -56,25 +56,17 @@ class AxialPositions(tl.AxialPositionalEncoding):
       offset=offset,
     )
 
-  def _table(self):
-    """`[max_len, d_model]`: every position's embedding."""
-    parts = []
-    for ax_emb in self.weights:
-      full = jnp.broadcast_to(ax_emb, (1, *self._shape, ax_emb.shape[-1]))
-      parts.append(jnp.reshape(full, (-1, ax_emb.shape[-1])))
-    return jnp.concatenate(parts, -1)
-
-  def _one_position(self, position):
-    """`[1, d_model]`: the embedding of `position`, without the table."""
+  def _rows(self, at):
+    """`[*at.shape, d_model]`: the embeddings of positions `at` (integers),
+    each axis's row taken by its coordinate: the `[max_len, d_model]` table
+    is never built (at 32k that was a 16 MB broadcast and concatenation a
+    step, and its gradient a reduction of that size)."""
     parts = []
     for axis, ax_emb in enumerate(self.weights):
       size = self._shape[axis]
-      stride = 1
-      for later in self._shape[axis + 1 :]:
-        stride *= later
-      coord = (position // stride) % size
+      stride = math.prod(self._shape[axis + 1 :])
       table = jnp.reshape(ax_emb, (size, ax_emb.shape[-1]))
-      parts.append(fastmath.dynamic_slice_in_dim(table, coord, 1, axis=0))
+      parts.append(jnp.take(table, (at // stride) % size, axis=0))
     return jnp.concatenate(parts, -1)
 
   def forward(self, inputs):
@@ -92,22 +84,19 @@ class AxialPositions(tl.AxialPositionalEncoding):
       if isinstance(position, BlockRead):
         position, real = position.state, position.n
       self.state = position + real
-      at = position + jnp.arange(length)
-      rows = jax.vmap(self._one_position)(at)[:, 0]
+      rows = self._rows(position + jnp.arange(length))
       return inputs + rows[None].astype(inputs.dtype)
     grid = math.prod(self._shape)
     if length >= grid:
       return super().forward(inputs)
     random = self._mode == 'train' and self._offset == 'random'
-    table = self._table()
     if random:
       starts = jax.random.randint(
         self.rng, (inputs.shape[0],), 0, grid - length + 1
       )
-      at = starts[:, None] + jnp.arange(length)[None, :]
-      emb = jnp.take(table, at, axis=0)
+      emb = self._rows(starts[:, None] + jnp.arange(length)[None, :])
     else:
-      emb = table[None, :length]
+      emb = self._rows(jnp.arange(length))[None]
     if self._dropout:
       keep = fastmath.random.bernoulli(self.rng, 1.0 - self._dropout, emb.shape)
       emb = emb * keep.astype(emb.dtype) / (1.0 - self._dropout)
