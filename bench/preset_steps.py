@@ -9,11 +9,21 @@ per variant per round, variants in turn (ABAB: this machine's speed drifts
 by more than most changes), each in a fresh process into a fresh out-dir,
 and prints the median and mean of each run's step times (steps after the
 first `--skip`, each timed to its result: compilation and the data's
-first batches excluded). A variant is `LABEL|ENV=VALUE ...|BINDING;...`:
-environment settings and gin bindings (`--bind`) for that variant.
+first batches excluded) and the median of its steps' minor page faults
+(fresh memory the kernel maps and zeroes; Linux). A variant is
+`LABEL|ENV=VALUE ...|BINDING;...`: environment settings and gin bindings
+(`--bind`) for that variant.
 
 A fine-tune preset (`init-from`) needs its pretrained run: pass
 `--init-from RUN`.
+
+`--trace DIR`: each run also records a JAX profile of 10 steps after
+`--skip` into DIR/LABEL-ROUND and prints where a step goes: the time XLA's
+CPU threads spent in each operation (its own time, nested ones taken out;
+a kernel's helper tasks on XLA's pool are not recorded, only the call),
+the time a step had at least one operation running, and the heaviest
+operations (their HLO names: `XLA_FLAGS=--xla_dump_to=...` names them).
+A profiled run's step times include the profile's own cost.
 """
 
 from __future__ import annotations
@@ -29,10 +39,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK = 'PRESET_STEPS'
+STEP = 'preset_steps.step'  # The profile's name for one timed step.
+TRACED = 10  # Steps a `--trace` records.
 
 
-def child(argv: list[str], skip: int):
-  """train.py's run with each step timed to its result."""
+def child(argv: list[str], skip: int, trace: str = ''):
+  """train.py's run with each step timed to its result (and, with
+  `trace`, steps `skip`..`skip + TRACED` profiled into that folder)."""
   sys.path.insert(0, ROOT)
   import train
   from src import runtime
@@ -44,19 +57,96 @@ def child(argv: list[str], skip: int):
   from src.config import jsonconfig
   from src.training import loop, trainer
 
-  times = []
+  times, faults = [], []
   step = loop.JadeLoop._run_one_step
 
   def timed(self, *a, **k):
-    start = time.perf_counter()
-    out = jax.block_until_ready(step(self, *a, **k))
+    if trace and len(times) == skip:
+      jax.profiler.start_trace(trace)
+    start, first = time.perf_counter(), minor_faults()
+    with jax.profiler.TraceAnnotation(STEP):
+      out = jax.block_until_ready(step(self, *a, **k))
     times.append(time.perf_counter() - start)
+    faults.append(minor_faults() - first)
+    if trace and len(times) == skip + TRACED:
+      jax.profiler.stop_trace()
     return out
 
   loop.JadeLoop._run_one_step = timed
   trainer.train(jsonconfig.from_args(args, 'train'), gin_bindings=args.bind)
   kept = times[skip:] or times
-  print(f'{MARK} {statistics.median(kept)} {statistics.mean(kept)} {len(kept)}')
+  faulted = statistics.median(faults[skip:] or faults)
+  print(
+    f'{MARK} {statistics.median(kept)} {statistics.mean(kept)} {len(kept)} '
+    f'{faulted}'
+  )
+
+
+def minor_faults() -> int:
+  """This process's minor page faults so far (fresh pages the kernel
+  mapped and zeroed; Linux), or 0 where unknown."""
+  try:
+    with open('/proc/self/stat') as f:
+      return int(f.read().rpartition(')')[2].split()[7])
+  except (OSError, ValueError, IndexError):
+    return 0
+
+
+def trace_summary(folder: str, top: int = 12) -> list[str]:
+  """Lines saying where the traced steps went (module doc, `--trace`)."""
+  import glob
+  import gzip
+  import json
+  from collections import Counter
+
+  files = glob.glob(
+    os.path.join(folder, '**', '*.trace.json.gz'), recursive=True
+  )
+  if not files:
+    return [f'  no profile in {folder}']
+  with gzip.open(max(files, key=os.path.getmtime)) as f:
+    events = json.load(f)['traceEvents']
+  names = {
+    (e['pid'], e['tid']): e['args']['name']
+    for e in events
+    if e.get('ph') == 'M' and e.get('name') == 'thread_name'
+  }
+  steps = [e for e in events if e.get('ph') == 'X' and e['name'] == STEP]
+  ops = [
+    e
+    for e in events
+    if e.get('ph') == 'X'
+    and names.get((e.get('pid'), e.get('tid')), '').startswith('tf_XLA')
+    and not e['name'].startswith(('ThunkExecutor', 'ThreadpoolListener'))
+  ]
+  own, spans = Counter(), []
+  for key in {(e['pid'], e['tid']) for e in ops}:
+    stack = []  # Open operations on this thread, outermost first.
+    for e in sorted(
+      (e for e in ops if (e['pid'], e['tid']) == key),
+      key=lambda e: (e['ts'], -e['dur']),
+    ):
+      while stack and stack[-1]['ts'] + stack[-1]['dur'] <= e['ts']:
+        stack.pop()
+      if stack:
+        own[stack[-1]['name']] -= e['dur']
+      own[e['name']] += e['dur']
+      stack.append(e)
+      spans.append((e['ts'], e['ts'] + e['dur']))
+  busy, end = 0.0, float('-inf')
+  for start, stop in sorted(spans):  # The union of every operation's span.
+    busy += max(0.0, stop - max(start, end))
+    end = max(end, stop)
+  n = max(1, len(steps))
+  wall = sum(e['dur'] for e in steps) / n / 1000
+  lines = [
+    f'  profile of {len(steps)} steps: {wall:.1f} ms a step, an operation '
+    f"running {busy / n / 1000:.1f} ms of it, operations' own time "
+    f'{sum(own.values()) / n / 1000:.1f} ms (all threads)'
+  ]
+  for name, us in own.most_common(top):
+    lines.append(f'    {us / n / 1000:7.2f} ms  {name}')
+  return lines
 
 
 def variant(text: str) -> tuple[str, dict, list[str]]:
@@ -75,8 +165,11 @@ def main():
   parser.add_argument('--skip', type=int, default=10)
   parser.add_argument('--rounds', type=int, default=2)
   parser.add_argument('--variant', action='append', required=True)
-  if sys.argv[1:2] == ['--child']:  # --child SKIP TRAIN_ARGS...
-    return child(sys.argv[3:], int(sys.argv[2]))
+  parser.add_argument(
+    '--trace', default='', help='also profile each run into this folder'
+  )
+  if sys.argv[1:2] == ['--child']:  # --child SKIP TRACE TRAIN_ARGS...
+    return child(sys.argv[4:], int(sys.argv[2]), sys.argv[3])
   args = parser.parse_args()
   variants = [variant(v) for v in args.variant]
   print(
@@ -85,6 +178,11 @@ def main():
   )
   for r in range(args.rounds):
     for label, env, binds in variants:
+      trace = (
+        os.path.abspath(os.path.join(args.trace, f'{label}-{r + 1}'))
+        if args.trace
+        else ''
+      )
       out = tempfile.mkdtemp(prefix='preset-steps-')
       shutil.rmtree(out)
       cmd = [
@@ -92,6 +190,7 @@ def main():
         os.path.abspath(__file__),
         '--child',
         str(args.skip),
+        trace,
         '--config',
         args.preset,
         '--data',
@@ -125,11 +224,14 @@ def main():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
         print(f'  round {r + 1} {label}: failed ({" ".join(tail)})')
         continue
-      median, mean, n = lines[-1].split()[1:]
+      median, mean, n, faulted = lines[-1].split()[1:]
       print(
         f'  round {r + 1} {label}: {1000 * float(median):.1f} ms median, '
-        f'{1000 * float(mean):.1f} mean ({n} steps)'
+        f'{1000 * float(mean):.1f} mean ({n} steps), '
+        f'{float(faulted):.0f} page faults a step'
       )
+      if trace:
+        print('\n'.join(trace_summary(trace)))
 
 
 if __name__ == '__main__':

@@ -356,7 +356,8 @@ def test_preset_steps_times_each_variant(tmp_path):
   )  # fmt: skip
   result = subprocess.run(
     [sys.executable, 'bench/preset_steps.py', str(preset), '--data', DATA]
-    + ['--steps', '4', '--skip', '1', '--rounds', '1']
+    + ['--steps', '12', '--skip', '1', '--rounds', '1']
+    + ['--trace', str(tmp_path / 'trace')]
     + ['--variant', 'xla|JADE_CHUNK_KERNEL=off']
     + ['--variant', 'bad||ReformerLM.n_layers = -1'],
     cwd=ROOT,
@@ -367,6 +368,51 @@ def test_preset_steps_times_each_variant(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert any(
-    ' xla: ' in x and 'ms median' in x and '(3 steps)' in x for x in lines
+    ' xla: ' in x and '(11 steps), ' in x and 'page faults a step' in x
+    for x in lines
   )
   assert any(' bad: failed' in x for x in lines)
+  # The profile of steps 2-11: read back, its heaviest operations named.
+  at = next(i for i, x in enumerate(lines) if 'profile of 10 steps' in x)
+  assert lines[at + 1].split()[1] == 'ms', lines[at : at + 3]
+
+
+def test_preset_steps_trace_summary_counts_own_time_and_busy_time(tmp_path):
+  """A step's operations: a loop whose body ran two products (its own
+  time is the rest), on two threads at once part of the time."""
+  import gzip
+  import json
+
+  spec = importlib.util.spec_from_file_location(
+    'preset_steps', os.path.join(ROOT, 'bench', 'preset_steps.py')
+  )
+  preset_steps = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(preset_steps)
+
+  def x(tid, name, ts, dur):
+    return {'ph': 'X', 'pid': 1, 'tid': tid, 'name': name, 'ts': ts, 'dur': dur}
+
+  meta = [
+    {'ph': 'M', 'name': 'thread_name', 'pid': 1, 'tid': t, 'args': {'name': n}}
+    for t, n in ((1, 'python'), (2, 'tf_XLAEigen/1'), (3, 'tf_XLAEigen/2'))
+  ]
+  events = meta + [
+    x(1, preset_steps.STEP, 0, 10_000),
+    x(2, 'ThunkExecutor::Execute', 0, 9_000),  # Bookkeeping: left out.
+    x(2, 'while.1', 1_000, 5_000),
+    x(2, 'dot.1', 1_500, 1_000),
+    x(2, 'dot.2', 3_000, 2_000),
+    x(3, 'fusion.1', 4_000, 3_000),
+  ]
+  folder = tmp_path / 'plugins' / 'profile' / 'run'
+  folder.mkdir(parents=True)
+  with gzip.open(folder / 'host.trace.json.gz', 'wt') as f:
+    json.dump({'traceEvents': events}, f)
+  lines = preset_steps.trace_summary(str(tmp_path))
+  assert lines[0].split(':')[1].split(',')[:2] == [
+    ' 10.0 ms a step',
+    ' an operation running 6.0 ms of it',  # 1-6 ms and 4-7 ms: 1-7 ms.
+  ], lines
+  assert 'own time 8.0 ms' in lines[0]  # The loop's 5 and the fusion's 3.
+  own = {line.split()[2]: float(line.split()[0]) for line in lines[1:]}
+  assert own == {'fusion.1': 3.0, 'dot.2': 2.0, 'while.1': 2.0, 'dot.1': 1.0}
