@@ -10,7 +10,7 @@ by more than most changes), each in a fresh process into a fresh out-dir,
 and prints the median and mean of each run's step times (steps after the
 first `--skip`, each timed to its result: compilation and the data's
 first batches excluded) and the median of its steps' minor page faults
-(fresh memory the kernel maps and zeroes; Linux). A variant is
+(fresh memory the kernel maps and zeroes). A variant is
 `LABEL|ENV=VALUE ...|BINDING;...`: environment settings and gin bindings
 (`--bind`) for that variant.
 
@@ -84,12 +84,12 @@ def child(argv: list[str], skip: int, trace: str = ''):
 
 def minor_faults() -> int:
   """This process's minor page faults so far (fresh pages the kernel
-  mapped and zeroed; Linux), or 0 where unknown."""
+  mapped and zeroed), or 0 where the system does not count them."""
   try:
-    with open('/proc/self/stat') as f:
-      return int(f.read().rpartition(')')[2].split()[7])
-  except (OSError, ValueError, IndexError):
+    import resource
+  except ImportError:  # Windows.
     return 0
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def trace_summary(folder: str, top: int = 12) -> list[str]:
@@ -97,7 +97,7 @@ def trace_summary(folder: str, top: int = 12) -> list[str]:
   import glob
   import gzip
   import json
-  from collections import Counter
+  from collections import Counter, defaultdict
 
   files = glob.glob(
     os.path.join(folder, '**', '*.trace.json.gz'), recursive=True
@@ -119,13 +119,13 @@ def trace_summary(folder: str, top: int = 12) -> list[str]:
     and names.get((e.get('pid'), e.get('tid')), '').startswith('tf_XLA')
     and not e['name'].startswith(('ThunkExecutor', 'ThreadpoolListener'))
   ]
+  by_thread = defaultdict(list)
+  for e in ops:
+    by_thread[e['pid'], e['tid']].append(e)
   own, spans = Counter(), []
-  for key in {(e['pid'], e['tid']) for e in ops}:
+  for thread_ops in by_thread.values():
     stack = []  # Open operations on this thread, outermost first.
-    for e in sorted(
-      (e for e in ops if (e['pid'], e['tid']) == key),
-      key=lambda e: (e['ts'], -e['dur']),
-    ):
+    for e in sorted(thread_ops, key=lambda e: (e['ts'], -e['dur'])):
       while stack and stack[-1]['ts'] + stack[-1]['dur'] <= e['ts']:
         stack.pop()
       if stack:
