@@ -545,3 +545,35 @@ def test_the_training_step_is_compiled_once(caplog):
     and 'single_device_update_fn' in r.getMessage()
   ]
   assert len(compiles) == 1
+
+
+UNGUARDED = r"""
+import sys
+sys.path.insert(0, {root!r})
+from tests.conftest import MICRO, train_settings  # bootstraps the process
+from src.data import corpus
+from src.training import trainer
+corpus.PARALLEL_MIN_BYTES = 0  # The sample data tokenized by 2 workers...
+corpus.PIECE_BYTES = 1000  # ...in pieces.
+trainer.train(train_settings({out!r}, steps=1), gin_bindings=MICRO)
+"""
+
+
+def test_a_script_that_trains_without_the_main_guard_is_told_the_fix(
+  tmp_path,
+):
+  """The tokenizer's spawned workers re-run the script that started them:
+  one that calls train() at its top level trained again in each (and
+  the first run waited on them). Refused in the worker, and the first run
+  names the fix, in seconds."""
+  script = tmp_path / 'my_training.py'
+  script.write_text(UNGUARDED.format(root=ROOT, out=str(tmp_path / 'run')))
+  result = run_script([str(script)], timeout=120)
+  assert result.returncode != 0
+  assert 'train() was called while a worker process was starting' in (
+    result.stderr
+  )
+  last = result.stderr.strip().splitlines()[-1]
+  assert 'a tokenizing process stopped' in last
+  assert 'my_training.py calls train() outside `if __name__ ==' in last
+  assert not (tmp_path / 'run' / 'model.pkl.gz').exists()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -184,8 +185,20 @@ _worker: dict = {}
 
 
 def _init_worker(model_proto: bytes, markers, parse_kwargs: dict):
+  _worker['init'] = (model_proto, markers, parse_kwargs)
   _worker['tok'] = tokenizer.Tokenizer(model_proto, markers)
   _worker['parse'] = parse_kwargs
+
+
+def _encode_task(init: tuple, piece: Piece):
+  """A worker's task. The tokenizer comes with each task, built once a
+  worker, not as the pool's `initargs`: those are written whole into a
+  starting worker's pipe, and a worker that stopped as it started (a
+  script re-run by `spawn`) left that write, and the run, waiting
+  forever."""
+  if _worker.get('init') != init:
+    _init_worker(*init)
+  return _encode_piece(piece)
 
 
 def _encode_piece(piece: Piece, num_threads: int = 1):
@@ -210,14 +223,12 @@ def _encoded_pieces(scanned: Scan, tok, parse_kwargs, workers: int):
   # `multiprocessing.Pool`: a worker that dies (killed for memory, or one
   # that cannot start) fails the map, where a Pool waited forever.
   pool = futures.ProcessPoolExecutor(
-    workers,
-    mp_context=multiprocessing.get_context('spawn'),
-    initializer=_init_worker,
-    initargs=init,
+    workers, mp_context=multiprocessing.get_context('spawn')
   )
+  task = functools.partial(_encode_task, init)
   try:
     try:
-      yield from zip(scanned.pieces, pool.map(_encode_piece, scanned.pieces))
+      yield from zip(scanned.pieces, pool.map(task, scanned.pieces))
     except OSError as e:
       # A worker that dies while the map still starts the others breaks
       # the pool under them: the next start fails on its closed queue.
@@ -229,10 +240,27 @@ def _encoded_pieces(scanned: Scan, tok, parse_kwargs, workers: int):
     raise UserError(
       f'{where}: a tokenizing process stopped before it finished '
       '(out of memory? killed?); nothing was cached: free some memory and '
-      'run again'
+      f'run again{_script_hint()}'
     ) from e
   finally:
     pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _script_hint() -> str:
+  """Where the main module is a script of the user's (not the project's
+  own, not an interactive session): the other way a worker stops as it
+  starts, a script that trains at its top level (`spawn` re-runs it in
+  every worker)."""
+  main = sys.modules.get('__main__')
+  path = getattr(main, '__file__', None)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  ours = {os.path.realpath(root), os.path.realpath(os.path.join(root, 'bench'))}
+  if not path or os.path.dirname(os.path.realpath(path)) in ours:
+    return ''
+  return (
+    f' (or {os.path.basename(path)} calls train() outside `if __name__ == '
+    "'__main__':`)"
+  )
 
 
 def _sample(scanned: Scan, parse_kwargs) -> list:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -53,12 +54,26 @@ def _start_from(loop: JadeLoop, source: modelfolder.ModelFolder, setup):
   loop.update_weights_and_state(weights=weights)
 
 
+def _refuse_in_a_starting_worker():
+  """The tokenizer's worker processes start by re-running the script that
+  started training (Python's `spawn`): a script that calls `train()` at
+  its top level would train again in each of them, and the first run
+  would wait for them. Refused there with the fix."""
+  if getattr(multiprocessing.current_process(), '_inheriting', False):
+    raise UserError(
+      'train() was called while a worker process was starting: the script '
+      'that calls it runs again in each tokenizing worker; call it under '
+      "`if __name__ == '__main__':`"
+    )
+
+
 def train(settings: Section, gin_bindings=(), log=print) -> JadeLoop | None:
   """Trains (or resumes) a run as configured; returns the finished Loop.
 
   The out-dir is locked for the run (`runlock`): one run per out-dir. With
   `coordinator` set this process first joins the others of the run
   (`src.training.distributed`); only process 0 locks and writes out-dir."""
+  _refuse_in_a_starting_worker()
   cluster = distributed.start(settings)
   prefix = cluster.prefix
   if prefix:
