@@ -579,6 +579,16 @@ struct Backward {
   }
 };
 
+// Query rows a pass of a chunk of `chunk` rows whose window is `width`
+// keys: on AVX2 (6-row tiles) 48, measured best for chunks of 512 and 2,048
+// on a Zen 3 (1.1-1.2x against 16; BENCHMARKS.md).
+int64_t pass_rows(int64_t chunk, int64_t width) {
+  return chunk <= 64       ? chunk
+         : kTileRows == 6  ? 48
+         : width > 2048    ? 16
+                           : 32;
+}
+
 // The shape of a call, checked: any mismatch is the call's error.
 ffi::Error shape_of(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer qi, ffi::AnyBuffer ki, int64_t chunk,
@@ -611,12 +621,7 @@ ffi::Error shape_of(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   s->before = before;
   s->chunks = s->n / chunk;
   s->width = (before + 1) * chunk;
-  // Rows a pass: on AVX2 (6-row tiles) 48, measured best for chunks of 512
-  // and 2,048 on a Zen 3 (1.1-1.2x against 16; BENCHMARKS.md).
-  s->rows = chunk <= 64       ? chunk
-            : kTileRows == 6  ? 48
-            : s->width > 2048 ? 16
-                              : 32;
+  s->rows = pass_rows(chunk, s->width);
   s->group = std::clamp<int64_t>(s->chunks / (4 * std::max<int64_t>(threads, 1)), 1, 16);
   s->causal = flags & 1;
   s->exclude_self = flags & 2;
@@ -718,3 +723,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeChunkAttentionBackward, backward_impl,
                                   .Attr<int64_t>("chunk")
                                   .Attr<int64_t>("before")
                                   .Attr<int64_t>("flags"));
+
+// Query rows a pass of this build's kernel (`chunk_attention.live_share`:
+// which key tiles the causal mask lets it skip).
+extern "C" int64_t JadeChunkPassRows(int64_t chunk, int64_t width) {
+  return pass_rows(chunk, width);
+}

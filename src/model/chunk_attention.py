@@ -194,6 +194,38 @@ def takes(rows: int, chunk: int, before: int) -> bool:
   )
 
 
+def live_share(
+  length: int, chunk: int, before: int, n_hashes: int = 1, n_buckets: int = 0
+) -> float:
+  """The share of key tiles the kernel scores in a causal call on windows
+  of `length` tokens, chunks of `chunk` sorted rows each reading `before`
+  chunks back; the others it skips (their keys all come after every query
+  of a pass). Counted on one window sorted as LSH sorts it (by hash round,
+  bucket, then position), with each round's `n_buckets` buckets drawn at
+  random (`n_buckets = 0`: by position, a local layer): 0.81, 0.57 and
+  0.52 for the walkthrough's LSH layers in runs 1, 3 and 4 with AVX2's
+  passes of 48 rows, where the kernel counted 0.80, 0.59 and 0.52 on
+  trained buckets (BENCHMARKS.md "Skipping the key tiles the mask
+  zeroes"). 1.0 where nothing is skipped (`JADE_CHUNK_SKIP=off`, no
+  kernel)."""
+  if os.environ.get('JADE_CHUNK_SKIP') == 'off' or not kernels.ready():
+    return 1.0
+  rng = np.random.default_rng(0)
+  at = np.tile(np.arange(length), n_hashes)
+  if n_buckets:
+    rounds = np.repeat(np.arange(n_hashes), length)
+    at = at[np.lexsort((at, rng.integers(0, n_buckets, at.size), rounds))]
+  if at.size % chunk:
+    return 1.0  # Not a call the kernel takes.
+  at = at.reshape(-1, chunk)
+  tiles = np.minimum.reduceat(at, np.arange(0, chunk, 16), axis=1)
+  rows = kernels.pass_rows(chunk, (before + 1) * chunk)
+  last = np.maximum.reduceat(at, np.arange(0, chunk, rows), axis=1)
+  live = [np.roll(tiles, back, 0)[:, None] <= last[..., None] for back in
+          range(before + 1)]  # fmt: skip
+  return float(np.mean(live))
+
+
 def attend(
   q, k=None, v=None, q_chunk_len=None, kv_chunk_len=None,
   n_chunks_before=0, n_chunks_after=0, mask_fn=None, q_info=None,

@@ -165,6 +165,12 @@ def native_bf16() -> bool:
   return bool(_library().JadeNativeBf16())
 
 
+def pass_rows(chunk: int, width: int) -> int:
+  """Query rows the built attention kernel takes a pass, for chunks of
+  `chunk` rows reading `width` keys (its tile shape, this CPU's)."""
+  return int(_library().JadeChunkPassRows(chunk, width))
+
+
 @functools.cache
 def _library():
   """The loaded library, its handlers registered; None where it cannot be."""
@@ -187,6 +193,8 @@ def _library():
       capsule = jax.ffi.pycapsule(getattr(library, symbol))
       jax.ffi.register_ffi_target(target, capsule, platform='cpu')
     library.JadeNativeBf16.restype = ctypes.c_int
+    library.JadeChunkPassRows.restype = ctypes.c_int64
+    library.JadeChunkPassRows.argtypes = (ctypes.c_int64, ctypes.c_int64)
     return library
   except (OSError, AttributeError) as e:
     quiet.note(

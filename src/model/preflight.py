@@ -30,6 +30,7 @@ the estimate against measured peaks within 35%.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax
@@ -290,20 +291,25 @@ def predict_memory(setup) -> float:
 # `DENSE_EFFICIENCY`; the attention's score and value products computed
 # by XLA (Trax's `attend`: small batched products, masks, the LSH sort and
 # gathers) `ATTENTION_EFFICIENCY`, and those the fused CPU kernel takes
-# (`chunk_attention.takes`) `FUSED_ATTENTION_EFFICIENCY`; with bfloat16
-# products (`precision.products`) the rate is `BFLOAT16_SPEEDUP` times as
-# high; each step adds `STEP_OVERHEAD` (Trax's loop, the optimizer's
-# update, dispatch: a quarter of the quick start's 0.1 s step). Fitted on
-# a 2-core AVX-512 Zen 4 against the long-conversation walkthrough's runs
-# 1, 3 and 4 in float32 and bfloat16 (steps timed by train.py's own loop:
-# 16 windows of 256 with chunks of 256, 4 of 1,024 with chunks of 512, one
-# of 4,096 with chunks of 2,048; BENCHMARKS.md "Time pre-flight"): 0.90-
-# 1.13x of the measured steps, 0.87x on the quick start. The first fit (a
+# (`chunk_attention.takes`) `FUSED_ATTENTION_EFFICIENCY`, counting only
+# the key tiles it scores (`chunk_attention.live_share`: the causal mask
+# lets it skip 20-48% of the walkthrough's); with bfloat16 products
+# (`precision.products`) the rate is `BFLOAT16_SPEEDUP` times as high; each
+# step adds `STEP_OVERHEAD` (Trax's loop, the optimizer's update, dispatch:
+# a quarter of the quick start's 0.1 s step). Fitted on the long-
+# conversation walkthrough's runs (steps timed by train.py's own loop: 16
+# windows of 256 with chunks of 256, 4 of 1,024 with chunks of 512, one of
+# 4,096 with chunks of 2,048; BENCHMARKS.md "Time pre-flight"): on a
+# 2-core AVX-512 Zen 4 before the kernel skipped tiles the dense share
+# was 0.46 and the kernel's 0.27 (0.90-1.13x of the measured steps in
+# float32 and bfloat16); on a 2-core AVX2 Zen 4 with the skip, 0.63 and
+# 0.26 (its dense products reach more of its smaller rate). 0.54 between
+# them: within ~15% of either machine's dense time. The first fit (a
 # 2-core AVX2 Zen 3, before the fused kernel, no overhead) had 0.46 and
 # 0.14. The progress line's ETA replaces the estimate once steps are
 # timed.
 
-DENSE_EFFICIENCY = 0.46
+DENSE_EFFICIENCY = 0.54
 ATTENTION_EFFICIENCY = 0.17
 FUSED_ATTENTION_EFFICIENCY = 0.27
 BFLOAT16_SPEEDUP = 1.3
@@ -360,18 +366,33 @@ def attention_parts(setup, tokens: int, length: int) -> tuple[float, float]:
   )
   parts = [0.0, 0.0]
   for name in setup.layer_attention or [setup.attention_name] * m['n_layers']:
+    hashes, buckets = 1, 0  # A local layer's rows in position order.
     if 'LSH' in name:
       chunk, before = a.get('chunk_len') or 64, a.get('n_chunks_before') or 0
-      rows = length * (a.get('n_hashes') or 1)
+      hashes = a.get('n_hashes') or 1
+      buckets = _buckets(a.get('n_buckets'), length, chunk)
     elif setup.local is not None:  # A local block of a mixed model.
       chunk, before = setup.local['chunk_len'], setup.local['n_chunks_before']
-      rows = length
     else:  # Causal full attention: half the scores on average, by XLA.
       parts[0] += per_key * length / 2
       continue
-    keys = chunk * (1 + before) * rows / length  # Scores per query.
-    parts[chunk_attention.takes(rows, chunk, before)] += per_key * keys
+    keys = chunk * (1 + before) * hashes  # Scores per query.
+    if chunk_attention.takes(length * hashes, chunk, before):
+      # The kernel skips the tiles of keys the causal mask zeroes.
+      live = chunk_attention.live_share(length, chunk, before, hashes, buckets)
+      parts[1] += per_key * keys * live
+    else:
+      parts[0] += per_key * keys
   return parts[0], parts[1]
+
+
+def _buckets(n_buckets, length: int, chunk: int) -> int:
+  """Buckets a hash round of a window of `length` sorts into: the gin's
+  number, or the product of a factorized list, or (unset) Trax's default
+  of two per chunk."""
+  if isinstance(n_buckets, (list, tuple)):
+    return math.prod(n_buckets)
+  return n_buckets or 2 * max(1, length // chunk)
 
 
 def device_flops_per_second(
