@@ -252,6 +252,8 @@ def _script_hint() -> str:
   starts, a script that trains at its top level (`spawn` re-runs it in
   every worker)."""
   main = sys.modules.get('__main__')
+  if getattr(main, '__spec__', None) is not None:
+    return ''  # `python -m MODULE` (pytest, a package's tool): not named.
   path = getattr(main, '__file__', None)
   root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   ours = {os.path.realpath(root), os.path.realpath(os.path.join(root, 'bench'))}

@@ -58,7 +58,9 @@ def _refuse_in_a_starting_worker():
   """The tokenizer's worker processes start by re-running the script that
   started training (Python's `spawn`): a script that calls `train()` at
   its top level would train again in each of them, and the first run
-  would wait for them. Refused there with the fix."""
+  would wait for them. Refused there with the fix (`_inheriting` is
+  multiprocessing's own mark of a process still starting, the one its
+  `spawn` checks)."""
   if getattr(multiprocessing.current_process(), '_inheriting', False):
     raise UserError(
       'train() was called while a worker process was starting: the script '
