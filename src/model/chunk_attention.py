@@ -194,6 +194,12 @@ def takes(rows: int, chunk: int, before: int) -> bool:
   )
 
 
+def skips_dead_tiles() -> bool:
+  """Whether the kernel skips the key tiles the causal mask zeroes (unless
+  `JADE_CHUNK_SKIP=off`): the call's flag and the pre-flight's count."""
+  return os.environ.get('JADE_CHUNK_SKIP', 'on').lower() != 'off'
+
+
 def live_share(
   length: int, chunk: int, before: int, n_hashes: int = 1, n_buckets: int = 0
 ) -> float:
@@ -208,7 +214,7 @@ def live_share(
   the tiles dead on trained buckets (BENCHMARKS.md "Skipping the key
   tiles the mask zeroes"). 1.0 where nothing is skipped
   (`JADE_CHUNK_SKIP=off`, no kernel)."""
-  if os.environ.get('JADE_CHUNK_SKIP') == 'off' or not kernels.ready():
+  if not skips_dead_tiles() or not kernels.ready():
     return 1.0
   rng = np.random.default_rng(0)
   at = np.tile(np.arange(length), n_hashes)
@@ -261,6 +267,6 @@ def attend(
   k = k / jnp.sqrt(jnp.asarray(k.shape[-1], k.dtype))
   qi = jnp.broadcast_to(qi.astype(jnp.int32), q.shape[:-1])
   ki = jnp.broadcast_to(ki.astype(jnp.int32), k.shape[:-1])
-  if os.environ.get('JADE_CHUNK_SKIP', 'on').lower() == 'off':
+  if not skips_dead_tiles():
     flags |= _EVERY_TILE
   return fused(q, k, v, qi, ki, q_chunk_len, n_chunks_before, flags)
