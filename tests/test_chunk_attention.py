@@ -337,3 +337,22 @@ def test_without_a_compiler_traxs_attend_runs_with_one_note(tmp_path):
   if shutil.which('c++') or shutil.which('g++'):
     found, _ = _probe(JADE_COMPILE_CACHE='off')  # Built, used.
     assert found['used'] and found['same'] < 1e-5
+
+
+@pytest.mark.parametrize(
+  'kernel, skip, mode, skips',
+  [
+    (' off', ' OFF ', 'off', False),
+    ('Always ', 'on', 'always', True),
+    ('anything', 'no', 'on', True),
+  ],
+)
+def test_the_switches_read_as_jade_kernels_does(
+  monkeypatch, kernel, skip, mode, skips
+):
+  """`JADE_CHUNK_KERNEL` and `JADE_CHUNK_SKIP` read case and spaces as
+  `JADE_KERNELS` does (" off" turned nothing off before)."""
+  monkeypatch.setenv('JADE_CHUNK_KERNEL', kernel)
+  monkeypatch.setenv('JADE_CHUNK_SKIP', skip)
+  assert chunk_attention.kernel_mode() == mode
+  assert chunk_attention.skips_dead_tiles() is skips

@@ -73,7 +73,7 @@ def kernel_mode() -> str:
   """`JADE_CHUNK_KERNEL`: 'on' (the default: calls of `MIN_SCORES` or more),
   'off' (Trax's `attend` everywhere) or 'always' (every call it applies
   to, however small: how the test suite can run every layer through it)."""
-  mode = os.environ.get('JADE_CHUNK_KERNEL', 'on').lower()
+  mode = os.environ.get('JADE_CHUNK_KERNEL', 'on').strip().lower()
   return mode if mode in ('off', 'always') else 'on'
 
 
@@ -197,7 +197,7 @@ def takes(rows: int, chunk: int, before: int) -> bool:
 def skips_dead_tiles() -> bool:
   """Whether the kernel skips the key tiles the causal mask zeroes (unless
   `JADE_CHUNK_SKIP=off`): the call's flag and the pre-flight's count."""
-  return os.environ.get('JADE_CHUNK_SKIP', 'on').lower() != 'off'
+  return os.environ.get('JADE_CHUNK_SKIP', 'on').strip().lower() != 'off'
 
 
 def live_share(
