@@ -2,7 +2,7 @@
 conversation, and the first reply token of a follow-up once it was read.
 
   python bench/long_chat.py MODEL_DIR [--lengths 4000 24000] [--data DIR]
-      [--n-hashes H]
+      [--n-hashes H] [--far-keys K]
 
 For each length, a conversation of about that many tokens is built from
 the turns of the line-format files in `--data` (repeated in order), then
@@ -74,8 +74,11 @@ def main(argv=None):
   parser.add_argument(
     '--n-hashes', type=int, help='LSH hash rounds (evaluate.py --n-hashes)'
   )
+  parser.add_argument(
+    '--far-keys', type=int, help='far keys read (evaluate.py --far-keys)'
+  )
   args = parser.parse_args(argv)
-  decoder = decoding.Decoder.load(args.model_dir, n_hashes=args.n_hashes)
+  decoder = decoding.Decoder.load(args.model_dir, args.n_hashes, args.far_keys)
   tok = decoder.tokenizer
   turns = [
     (t.role, t.text) for c in chatformat.read_data(args.data) for t in c.turns
@@ -84,6 +87,7 @@ def main(argv=None):
   print(
     f'model {args.model_dir}: context {decoder.max_len}, step '
     f'{decoder.step}; hash rounds {args.n_hashes or "chat.n_hashes"}; '
+    f'far keys {"chat.far_keys" if args.far_keys is None else args.far_keys}; '
     f'{os.cpu_count()} cores'
   )
   print(

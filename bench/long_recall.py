@@ -6,9 +6,10 @@ once (a word, a number, a name), small talk, then the question.
       [--talk FOLDER]
   python bench/long_recall.py score RUN --from data/smalltalk
       [--distances 1000,4000,12000,24000] [--samples 6] [--n-hashes H]
-      [--unseen] [--talk FOLDER] [--json FILE]
+      [--far-keys K] [--unseen] [--talk FOLDER] [--json FILE]
   python bench/long_recall.py run WORK --from data/smalltalk [--seeds 0,1,2]
-      [--config PRESET ...] [--data DIR] [--n-hashes H] [--bind GIN ...]
+      [--config PRESET ...] [--data DIR] [--n-hashes H] [--far-keys K]
+      [--bind GIN ...]
   python bench/long_recall.py probe RUN --from data/smalltalk
       [--chars 100,600] [--samples 40] [--seen | --invented] [--distractor]
       [--bind GIN]
@@ -66,7 +67,8 @@ unusual word was said about half.
 presets, `RECIPE`, each `train.py --config PRESET --data ... --seed S
 --init-from` the one before, timed; `--config` given once or more
 trains those instead), then scores each with the recipe's 8 hash rounds
-(`--n-hashes`).
+(`--n-hashes`) and far keys (`--far-keys`; both: the model's own
+unless given).
 Results go to `WORK/long_recall.json` (`score --json FILE` for one run;
 nothing is written into the run's folder); a markdown table is printed
 for BENCHMARKS.md.
@@ -189,19 +191,21 @@ def score(
   seen=False,
   unseen=False,
   talk_from=None,
+  far_keys=None,
 ):
   """Rows of right answers by distance (module doc). `unseen`: the word
   stated and asked in phrasings no training conversation uses
   (`long_recall.WORD_UNSEEN`); `talk_from`: the small talk between drawn
   from this folder instead of `source` (words still `source`'s held-out
-  ones): together, a stand-in for a user's own chats."""
+  ones): together, a stand-in for a user's own chats. `far_keys`: the
+  chat's far keys (`chat.far_keys`; None: the model's own)."""
   from bench.serve import _post, start_server
   from src.data import tokenizer
 
   talk, (trained, held) = _talk(source, talk_from)
   held = trained if seen else held
   tok = tokenizer.load(run)
-  port, http_server = start_server(run, n_hashes)
+  port, http_server = start_server(run, n_hashes, far_keys)
   rows = []
   try:
     for distance in distances:
@@ -496,6 +500,7 @@ def main(argv=None):
   parser.add_argument('--distances', default='1000,4000,12000,24000')
   parser.add_argument('--samples', type=int, default=6)
   parser.add_argument('--n-hashes', type=int, default=None)
+  parser.add_argument('--far-keys', type=int, default=None)
   parser.add_argument(
     '--seen', action='store_true', help='ask for training words instead'
   )
@@ -598,6 +603,7 @@ def main(argv=None):
       args.seen,
       args.unseen,
       args.talk,
+      args.far_keys,
     )
     if args.json:  # Not into RUN: a model folder is read, never written.
       with open(args.json, 'w') as f:
@@ -620,6 +626,7 @@ def main(argv=None):
       n_hashes,
       unseen=args.unseen,
       talk_from=args.talk,
+      far_keys=args.far_keys,
     )
     results.append({'seed': seed, 'seconds': seconds, 'rows': rows})
     with open(os.path.join(args.path, 'long_recall.json'), 'w') as f:

@@ -199,10 +199,10 @@ def _post(port: int, body: dict) -> tuple[int, dict, float]:
     conn.close()
 
 
-def start_server(run_dir: str, n_hashes: int | None = None):
+def start_server(run_dir: str, n_hashes: int | None = None, far_keys=None):
   import uvicorn
 
-  decoder = decoding.Decoder.load(run_dir, n_hashes=n_hashes)
+  decoder = decoding.Decoder.load(run_dir, n_hashes, far_keys)
   server = serve.Server(
     decoder, serve.ServerSettings(model_id='bench', max_queue=64)
   )

@@ -21,6 +21,7 @@ from src.model import (
   ginconf,
   kernels,
   lsh_hash,
+  reformer,
 )
 
 from .conftest import MICRO, TINY_GIN
@@ -230,6 +231,54 @@ def test_a_wide_layer_reads_only_the_cache_a_block_can_reach(monkeypatch):
   whole = reads()
   np.testing.assert_allclose(prefixed, whole, atol=1e-5, rtol=1e-5)
   assert (prefixed.argmax(-1) == whole.argmax(-1)).all()
+
+
+def test_the_best_far_keys_are_those_a_sort_ranks_first():
+  """`decode_keys.best_far` keeps every key within `beyond` positions of
+  its query and, of those further back, exactly the `n` a sort ranks
+  best, their scores as they were; the others masked as Trax masks."""
+  rng = np.random.default_rng(5)
+  dots = rng.standard_normal((6, 50)).astype(np.float32)
+  positions = np.arange(44, 50)
+  for n, beyond in ((1, 8), (3, 20), (5, 0), (40, 30)):
+    got = np.asarray(
+      decode_keys.best_far(jnp.asarray(dots), jnp.asarray(positions), n, beyond)
+    )
+    for row, p in enumerate(positions):
+      far = np.flatnonzero(np.arange(50) < p - beyond)
+      best = far[np.argsort(-dots[row, far])[:n]]
+      kept = np.flatnonzero(got[row] > -1e8)
+      assert set(kept) == (set(range(50)) - set(far)) | set(best), (n, p)
+      np.testing.assert_array_equal(got[row, kept], dots[row, kept])
+      assert (got[row] <= -1e8).sum() == len(far) - len(best)
+
+
+def test_a_chat_reads_its_best_far_keys():
+  """A layer told to read its far keys (`read_far`, `chat.far_keys`)
+  reads through its whole key cache: with every far key kept it reads as
+  without (the indexed step), to rounding; with 2 kept beyond 8 tokens
+  the positions up to 8 read as before and later ones differ; tokens and
+  blocks read the same."""
+  ids = [int(t) for t in np.random.default_rng(6).integers(3, 60, 100)]
+
+  def reads(far=None, blocks=False):
+    d = _decoder(2)
+    for layer in reformer.lsh_layers(d.model):
+      if far:
+        layer.read_far(*far)
+    if not blocks:
+      return np.stack([d.feed([t]) for t in ids])
+    d.feed(ids[:5], blocks=False)  # Blocks at any position: 5...
+    return np.stack([d.feed(ids[5:50], blocks=True), d.feed(ids[50:])])
+
+  plain = reads()
+  np.testing.assert_allclose(reads((128, 8)), plain, atol=1e-5, rtol=1e-5)
+  two = reads((2, 8))
+  np.testing.assert_allclose(two[:9], plain[:9], atol=1e-5, rtol=1e-5)
+  assert np.abs(two[40:] - plain[40:]).max() > 1e-2
+  np.testing.assert_allclose(
+    reads((2, 8), blocks=True), two[[49, 99]], atol=1e-5, rtol=1e-5
+  )
 
 
 def test_a_start_block_holds_whole_lsh_chunks(monkeypatch):

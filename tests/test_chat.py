@@ -3,6 +3,7 @@
 import io
 import itertools
 import os
+import re
 import signal
 
 import jax
@@ -803,6 +804,39 @@ def test_a_model_carries_the_hash_rounds_its_chat_reads_with(tmp_path):
   assert rounds(decoding.Decoder.load(str(out))) == {3}
   assert rounds(decoding.Decoder.load(str(out), n_hashes=2)) == {2}
   gin = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
-  assert ginconf.parse(gin, MICRO).chat_hashes == 0  # As trained.
+  assert ginconf.parse(gin, MICRO).chat.n_hashes == 0  # As trained.
   with pytest.raises(UserError, match='chat.n_hashes = -1: write a whole'):
     ginconf.parse(gin, MICRO + ('chat.n_hashes = -1',))
+
+
+def test_a_model_carries_the_far_keys_its_chat_reads(tmp_path):
+  """`chat.far_keys` and `chat.far_from` are kept with the model and read
+  by the chat's LSH layers (`read_far`); `--far-keys` (the argument)
+  overrides them, 0 reads every key; a wrong value, or far keys with no
+  `far_from`, is one line naming the binding."""
+  from .conftest import MICRO
+
+  out = _trained_with(tmp_path / 'run', 'chat.far_from = 16', steps=1)
+
+  def far(decoder):
+    return {
+      (layer._far_keys, layer._far_from)
+      for layer in reformer.lsh_layers(decoder.model)
+    }
+
+  assert far(decoding.Decoder.load(str(out))) == {(0, 0)}  # Every key.
+  assert far(decoding.Decoder.load(str(out), far_keys=5)) == {(5, 16)}
+  gin = out / 'model.gin'
+  gin.write_text(gin.read_text() + '\nchat.far_keys = 3\n')
+  assert far(decoding.Decoder.load(str(out))) == {(3, 16)}
+  assert far(decoding.Decoder.load(str(out), far_keys=0)) == {(0, 0)}
+  tiny = os.path.join(os.path.dirname(__file__), '..', 'gin', 'tiny.gin')
+  assert ginconf.parse(tiny, MICRO).chat.far_keys == 0  # All.
+  for bindings, says in (
+    (('chat.far_keys = 3',), 'chat.far_keys = 3 needs chat.far_from'),
+    (('chat.far_keys = -1',), 'chat.far_keys = -1: write a whole number'),
+    (('chat.far_from = 2.5',), 'chat.far_from = 2.5: write a whole number'),
+    (('chat.far_keys = 65', 'chat.far_from = 8'), 'at most 64'),
+  ):
+    with pytest.raises(UserError, match=re.escape(says)):
+      ginconf.parse(tiny, MICRO + bindings)

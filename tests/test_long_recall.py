@@ -189,6 +189,30 @@ def test_run_passes_each_bind_to_every_training_run(tmp_path, monkeypatch):
   assert seen == [['--bind', 'A.b = 1', '--bind', 'C.d = 2', '--x']]
 
 
+def test_score_and_run_ask_with_the_far_keys_given(tmp_path, monkeypatch):
+  """`score --far-keys K` and `run --far-keys K` ask with K far keys (None:
+  the model's own `chat.far_keys`); `data` takes no such option."""
+  from bench import long_recall as bench
+
+  asked, written = [], []
+
+  def score(*a, **k):
+    asked.append(k['far_keys'] if 'far_keys' in k else a[8])
+    return []
+
+  monkeypatch.setattr(bench, 'score', score)
+  monkeypatch.setattr(bench, 'write_data', lambda *a: written.append(a))
+  monkeypatch.setattr(bench, 'train', lambda *a: ('out', [1.0]))
+  monkeypatch.setattr(bench, 'table', lambda results: '')
+  bench.main(['score', str(tmp_path), '--far-keys', '8'])
+  bench.main(['score', str(tmp_path)])
+  (tmp_path / 'data').mkdir()
+  bench.main(['run', str(tmp_path), '--far-keys', '0'])
+  bench.main(['data', str(tmp_path / 'd'), '--unseen'])
+  assert asked == [8, None, 0]
+  assert len(written) == 1 and written[0][5] is True  # `unseen`, last but one.
+
+
 def test_a_measured_distance_lands_near_its_tokens_for_any_tokenizer():
   """`score`'s conversations put 0.9-1.2x the asked distance of tokens
   between statement and question, whether the tokenizer writes one token

@@ -99,6 +99,13 @@ def parse_args(argv=None):
     help="LSH hash rounds while sampling (default: the model's "
     'chat.n_hashes, else as trained)',
   )
+  parser.add_argument(
+    '--far-keys',
+    type=int,
+    default=None,
+    help='LSH keys read beyond chat.far_from tokens back, the best-scoring '
+    "(default: the model's chat.far_keys; 0: all)",
+  )
   for f in dataclasses.fields(defaults):
     parser.add_argument(
       '--' + f.name.replace('_', '-'),
@@ -163,7 +170,9 @@ def main(argv=None):
   sampler = sampling.SamplingSettings(**{k: getattr(args, k) for k in fields})
   sampler.check()
   api_key = _serve_checks(args) if args.serve else None
-  decoder = decoding.Decoder.load(model_dir, n_hashes=args.n_hashes)
+  decoder = decoding.Decoder.load(
+    model_dir, n_hashes=args.n_hashes, far_keys=args.far_keys
+  )
   if args.serve:
     from src.apps import serve
 

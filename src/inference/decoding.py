@@ -96,14 +96,31 @@ def load_model(model_dir: str, mode: str, bindings=()):
     ginconf.add_bindings(
       predict_bindings(setup.model['n_heads']) + attention_bindings(setup)
     )
-  if setup.chat_hashes and not any('.n_hashes' in b for b in bindings):
+  chat = setup.chat
+  if chat.n_hashes and not any('.n_hashes' in b for b in bindings):
     # The model's own chat reading (`chat.n_hashes`), unless the caller's.
-    ginconf.add_bindings([f'LSHSelfAttention.n_hashes = {setup.chat_hashes}'])
+    ginconf.add_bindings([f'LSHSelfAttention.n_hashes = {chat.n_hashes}'])
   layer = ginconf.model(model.tok.vocab_size, mode)
+  if mode == 'predict' and chat.far_keys:
+    _read_far(layer, chat, what)
   length = 1 if mode == 'predict' else setup.max_len
   signature = trax.shapes.ShapeDtype((1, length), np.int32)
   checkpoints.set_weights(model_dir, layer, signature, model.flat)
   return model, layer
+
+
+def _read_far(layer, chat, what: str) -> None:
+  """Each LSH layer of the predict-mode `layer` reads only the
+  `chat.far_keys` best of its keys beyond `chat.far_from` tokens back."""
+  for lsh in reformer.lsh_layers(layer):
+    if not hasattr(lsh, 'read_far'):
+      raise UserError(
+        f"{what}: chat.far_keys needs the project's LSH classes "
+        f"({type(lsh).__name__} is Trax's own); bind "
+        '@FastLSHSelfAttention in ReformerLM.attention_type, or '
+        'chat.far_keys = 0'
+      )
+    lsh.read_far(chat.far_keys, chat.far_from)
 
 
 def _turned_weights(model, lsh, local) -> list[bool]:
@@ -284,11 +301,20 @@ class Decoder:
     )
 
   @classmethod
-  def load(cls, model_dir: str, n_hashes: int | None = None) -> Decoder:
-    """Loads a run folder: tokenizer, saved gin, latest checkpoint."""
+  def load(
+    cls,
+    model_dir: str,
+    n_hashes: int | None = None,
+    far_keys: int | None = None,
+  ) -> Decoder:
+    """Loads a run folder: tokenizer, saved gin, latest checkpoint; the
+    hash rounds and the far keys (`chat.far_keys`) it reads with, unless
+    given."""
     bindings = []
     if n_hashes is not None:
       bindings.append(f'LSHSelfAttention.n_hashes = {int(n_hashes)}')
+    if far_keys is not None:
+      bindings.append(f'chat.far_keys = {int(far_keys)}')
     model, layer = load_model(model_dir, 'predict', bindings)
     decoder = cls(layer, model.setup.max_len, model.tok, model.step)
     decoder.curves = model.curves_at

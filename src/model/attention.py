@@ -262,6 +262,16 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
   """Trax's `LSHSelfAttention`, the same computation, faster (see the
   module's text): scanned hashing, a key-only sort, the decode cache."""
 
+  _far_keys = 0  # The chat's far keys (`read_far`; 0: all).
+  _far_from = 0
+
+  def read_far(self, keys: int, beyond: int):
+    """The chat decoder's layer reads, of the keys more than `beyond`
+    positions before a query, only the `keys` that score best
+    (`chat.far_keys`; `decode_keys.best_far`), through the whole key cache
+    (`decode_select.reads_memory`). A start block is read as trained."""
+    self._far_keys, self._far_from = int(keys), int(beyond)
+
   def create_state_unbatched(self, input_signature, rng):
     state = super().create_state_unbatched(input_signature, rng)
     return decode_index.create_state(self, state, rng)

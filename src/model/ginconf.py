@@ -99,8 +99,9 @@ class GinSetup:
     block_classes: Each decoder block's attention class as bound
       (`SmearedDirectedLSHSelfAttention`, where `layer_attention` names
       the Trax class whose settings it reads), for logs and model cards.
-    chat_hashes: the hash rounds a finished model's chat reads with
-      (`chat.n_hashes`; 0: as trained).
+    chat: how a finished model's chat reads (`chat.n_hashes`: hash
+      rounds, 0 as trained; `chat.far_keys`, `chat.far_from`: the keys
+      it reads far back), `reformer.ChatReading`.
   """
 
   path: str
@@ -113,7 +114,7 @@ class GinSetup:
   directed: bool = False
   output: reformer.Output = reformer.Output()
   block_classes: tuple = ()
-  chat_hashes: int = 0
+  chat: reformer.ChatReading = reformer.ChatReading()
 
   @property
   def max_len(self) -> int:

@@ -74,7 +74,29 @@ def residual(
   return bool(zero_attention), bool(zero_feed_forward)
 
 
-def chat(n_hashes: int = 0) -> int:
+# Each far key is one pass of a maximum over a query's keys
+# (`decode_keys.best_far`).
+MOST_FAR_KEYS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatReading:
+  """How a finished model reads a conversation (gin: `chat`)."""
+
+  n_hashes: int = 0  # LSH hash rounds (0: as trained).
+  far_keys: int = 0  # Keys read beyond `far_from` a query (0: all).
+  far_from: int = 0  # Tokens back from which a key is far.
+
+
+def _whole(name: str, value, what: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise UserError(
+      f'chat.{name} = {value!r}: write a whole number of {what} in the gin file'
+    )
+  return value
+
+
+def chat(n_hashes: int = 0, far_keys: int = 0, far_from: int = 0):
   """How a finished model reads a conversation (gin: chat): kept with the
   model (model.gin, exports), read by the chat and the server
   (`src.inference.decoding.load_model`), never by training.
@@ -88,18 +110,38 @@ def chat(n_hashes: int = 0) -> int:
       back with 8, 0 with the 2 it trained with; BENCHMARKS.md "The
       long-conversation walkthrough, four runs"). `evaluate.py
       --n-hashes` overrides it.
+    far_keys: of the keys more than `far_from` tokens before a query, an
+      LSH layer's chat reads only the `far_keys` that score best (0: all
+      it keeps). A model trained on windows of `far_from` tokens never
+      spread a query over the thousands of keys further back, which a
+      long conversation gives it: its lookup finds the word said once,
+      and the rest, each weighing little, drown it (the walkthrough's
+      model with 8: BENCHMARKS.md "The far keys a chat reads"). Every
+      key within `far_from` is read as before. `evaluate.py --far-keys`
+      overrides it.
+    far_from: tokens back from which a key is far: the longest window
+      the model trained on (the walkthrough's 4,096). Needed with
+      `far_keys`.
 
   Returns:
-    The hash rounds (0: as trained).
+    `ChatReading`.
   """
-  if (
-    isinstance(n_hashes, bool) or not isinstance(n_hashes, int) or n_hashes < 0
-  ):
+  reading = ChatReading(
+    _whole('n_hashes', n_hashes, 'hash rounds (0: as trained)'),
+    _whole('far_keys', far_keys, 'keys (0: all)'),
+    _whole('far_from', far_from, 'tokens'),
+  )
+  if reading.far_keys and not reading.far_from:
     raise UserError(
-      f'chat.n_hashes = {n_hashes!r}: write a whole number of hash rounds '
-      '(0: as trained) in the gin file'
+      f'chat.far_keys = {far_keys} needs chat.far_from: bind it to the '
+      'longest window the model trained on (e.g. chat.far_from = 4096)'
     )
-  return n_hashes
+  if reading.far_keys > MOST_FAR_KEYS:
+    raise UserError(
+      f'chat.far_keys = {far_keys}: at most {MOST_FAR_KEYS} (each is a '
+      'pass over the keys); 0 reads them all'
+    )
+  return reading
 
 
 def smear(aligned: bool = False) -> bool:
