@@ -257,6 +257,19 @@ def test_evaluate_prompt_is_reproducible_with_seed(tiny_run, capsys):
   assert capsys.readouterr().out == first and first.endswith('\n')
 
 
+def test_evaluate_far_keys_without_far_from_is_one_line(tiny_run, capsys):
+  """`evaluate.py --far-keys 8` on a model whose model.gin names no
+  `chat.far_from`: exit 2, one line that names the binding to add;
+  `--far-keys 0` chats."""
+  args = ['--model-dir', tiny_run['out'], '--prompt', 'Hi', '--far-keys']
+  code = run_main(lambda: evaluate.main(args + ['8']))
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1, err
+  assert 'chat.far_keys = 8 needs chat.far_from' in err[0]
+  more = ['--max-new-tokens', '2']
+  assert run_main(lambda: evaluate.main(args + ['0'] + more)) == 0
+
+
 @pytest.mark.parametrize('case', ['missing', 'not-a-run', 'no-checkpoint'])
 def test_bad_model_dir_one_line(case, tiny_run, tmp_path, capsys):
   if case == 'missing':
