@@ -135,6 +135,17 @@ def report_perplexity(model_dir: str, path: str):
   )
 
 
+def _reading_checks(args) -> None:
+  """Refuses a bad --n-hashes or --far-keys before the model loads (the
+  gin check would name the gin file, not the flag)."""
+  from src.core.errors import UserError
+
+  if args.n_hashes is not None and args.n_hashes < 1:
+    raise UserError(f'--n-hashes {args.n_hashes}: 1 hash round or more')
+  if args.far_keys is not None and args.far_keys < 0:
+    raise UserError(f'--far-keys {args.far_keys}: 0 (every key) or more')
+
+
 def _serve_checks(args) -> str | None:
   """Refuses bad serving options before the model loads; returns the API
   key (--api-key or JADE_API_KEY)."""
@@ -169,6 +180,7 @@ def main(argv=None):
   fields = [f.name for f in dataclasses.fields(sampling.SamplingSettings)]
   sampler = sampling.SamplingSettings(**{k: getattr(args, k) for k in fields})
   sampler.check()
+  _reading_checks(args)
   api_key = _serve_checks(args) if args.serve else None
   decoder = decoding.Decoder.load(
     model_dir, n_hashes=args.n_hashes, far_keys=args.far_keys
