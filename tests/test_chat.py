@@ -260,8 +260,8 @@ def test_evaluate_prompt_is_reproducible_with_seed(tiny_run, capsys):
 def test_evaluate_far_keys_without_far_from_is_one_line(tiny_run, capsys):
   """`evaluate.py --far-keys 8` on a model whose model.gin names no
   `chat.far_from`: exit 2, one line that names the binding to add;
-  `--far-keys 0` chats; a negative --far-keys or --n-hashes 0 is one line
-  naming the flag."""
+  `--far-keys 0` chats; --far-keys or --n-hashes out of range (below or
+  above) is one line naming the flag, not the model's model.gin."""
   args = ['--model-dir', tiny_run['out'], '--prompt', 'Hi', '--far-keys']
   code = run_main(lambda: evaluate.main(args + ['8']))
   err = capsys.readouterr().err.strip().splitlines()
@@ -270,13 +270,15 @@ def test_evaluate_far_keys_without_far_from_is_one_line(tiny_run, capsys):
   more = ['--max-new-tokens', '2']
   assert run_main(lambda: evaluate.main(args + ['0'] + more)) == 0
   for flags, says in (
-    (['--far-keys', '-1'], '--far-keys -1: 0 (every key) or more'),
-    (['--n-hashes', '0'], '--n-hashes 0: 1 hash round or more'),
+    (['--far-keys', '-1'], '--far-keys -1: 0 (every key) to 64'),
+    (['--far-keys', '65'], '--far-keys 65: 0 (every key) to 64'),
+    (['--n-hashes', '0'], '--n-hashes 0: 1 to 64 hash rounds'),
+    (['--n-hashes', '65'], '--n-hashes 65: 1 to 64 hash rounds'),
   ):
     bad = args[:-1] + flags  # Refused before the model loads.
     assert run_main(lambda: evaluate.main(bad)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and says in err[0], err
+    assert len(err) == 1 and says in err[0] and 'model.gin' not in err[0], err
 
 
 @pytest.mark.parametrize('case', ['missing', 'not-a-run', 'no-checkpoint'])

@@ -96,15 +96,15 @@ def parse_args(argv=None):
     '--n-hashes',
     type=int,
     default=None,
-    help="LSH hash rounds while sampling (default: the model's "
+    help="LSH hash rounds while sampling, 1-64 (default: the model's "
     'chat.n_hashes, else as trained)',
   )
   parser.add_argument(
     '--far-keys',
     type=int,
     default=None,
-    help='LSH keys read beyond chat.far_from tokens back, the best-scoring '
-    "(default: the model's chat.far_keys; 0: all)",
+    help='LSH keys read beyond chat.far_from tokens back, the best-scoring, '
+    "0-64 (default: the model's chat.far_keys; 0: all)",
   )
   for f in dataclasses.fields(defaults):
     parser.add_argument(
@@ -137,13 +137,19 @@ def report_perplexity(model_dir: str, path: str):
 
 def _reading_checks(args) -> None:
   """Refuses a bad --n-hashes or --far-keys before the model loads (the
-  gin check would name the gin file, not the flag)."""
+  gin checks would blame the model's model.gin, not the flag)."""
   from src.core.errors import UserError
+  from src.model import reformer, settings
 
-  if args.n_hashes is not None and args.n_hashes < 1:
-    raise UserError(f'--n-hashes {args.n_hashes}: 1 hash round or more')
-  if args.far_keys is not None and args.far_keys < 0:
-    raise UserError(f'--far-keys {args.far_keys}: 0 (every key) or more')
+  most = settings.MOST_HASH_ROUNDS
+  if args.n_hashes is not None and not 1 <= args.n_hashes <= most:
+    raise UserError(f'--n-hashes {args.n_hashes}: 1 to {most} hash rounds')
+  most = reformer.MOST_FAR_KEYS
+  if args.far_keys is not None and not 0 <= args.far_keys <= most:
+    raise UserError(
+      f'--far-keys {args.far_keys}: 0 (every key) to {most} (each is a pass '
+      'over the keys)'
+    )
 
 
 def _serve_checks(args) -> str | None:

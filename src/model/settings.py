@@ -110,11 +110,12 @@ _MODEL_RANGES = {
   'ff_sparsity': (_INT, 0, 65536),
   'attention_chunk_size': _SPAN,
 }
+MOST_HASH_ROUNDS = 64  # LSH hash rounds, in training or in a chat.
 _ATTENTION_RANGES = {
   'chunk_len': _LENGTH,
   'n_chunks_before': (_INT, 0, 64),
   'n_chunks_after': (_INT, 0, 64),
-  'n_hashes': (_INT, 1, 64),
+  'n_hashes': (_INT, 1, MOST_HASH_ROUNDS),
   'predict_mem_len': _LENGTH,
   'predict_drop_len': _LENGTH,
   'attention_dropout': _RATE,
