@@ -47,8 +47,7 @@ def reads_memory(self, mem_len: int) -> bool:
   the chat reads only its best far keys (`read_far`: `attend_memory`
   ranks them)."""
   keep = keep_count(self)
-  far = getattr(self, '_far_keys', 0)
-  return bool(far) or (keep >= WIDE_MIN and 4 * keep >= mem_len)
+  return bool(self._far_keys) or (keep >= WIDE_MIN and 4 * keep >= mem_len)
 
 
 def keep_mask(all_buckets, q_buckets, q_start, n_keep: int):
