@@ -42,11 +42,12 @@ def test_all_fixes_applied_once():
     'tensorflow_off_accelerators',
     'tensorflow_on_demand',
     'all_reduce_one_local_device',
+    'all_reduce_in_one_buffer',
     'safe_checkpoint_reading',
     'loop_logs_to_absl',
   ]
   trax_patches.install()
-  assert len(trax_patches.APPLIED) == 12
+  assert len(trax_patches.APPLIED) == 13
 
 
 def test_fast_trax_import_assert_shape_skips_inspect_stack(monkeypatch):
@@ -176,6 +177,53 @@ def test_one_local_device_all_reduces_when_processes_share_a_run():
 
   for a, b in zip(step_weights(1), step_weights(2), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_gradients_are_all_reduced_as_one_array_on_cpu():
+  """Fix 12. Trax's trainer averages the gradients over its `pmap`'s
+  'batch' axis through `_average_multidevice_gradients`: on CPU it is now
+  one all-reduce of one flat array (Trax's was one all-reduce of a tuple
+  of every weight's array, which XLA's CPU collectives send array by
+  array), with the same numbers, shapes and dtypes."""
+  import re
+
+  from trax.optimizers import trainer as trax_trainer
+
+  assert (
+    trax_trainer._average_multidevice_gradients is all_reduce.average_gradients
+  )
+  rng = np.random.default_rng(0)
+  tree = {
+    'dense': (rng.standard_normal((1, 5, 3)), rng.standard_normal((1, 3))),
+    'empty': (),
+    'norm': [rng.standard_normal((1, 7))],
+  }
+  tree = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)
+
+  def compiled(average):
+    fn = jax.pmap(average, axis_name='batch')
+    return fn(tree), fn.lower(tree).compile().as_text()
+
+  ours, ours_hlo = compiled(all_reduce.average_gradients)
+  trax_own, own_hlo = compiled(all_reduce._TRAX_AVERAGE[0])
+
+  def reduced(hlo):  # The operands of each all-reduce.
+    return [
+      line.split(' all-reduce(')[1].split(')')[0].count('%')
+      for line in hlo.splitlines()
+      if re.search(r' all-reduce\(', line)
+    ]
+
+  assert reduced(ours_hlo) == [1]
+  assert reduced(own_hlo) == [3]  # Trax's: a tuple, an array a weight.
+  assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(
+    trax_own
+  )
+  for a, b in zip(
+    jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(trax_own)
+  ):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
 
 
 def test_tree_unflatten_with_array_leaves():

@@ -9,7 +9,8 @@ fails without it.
 - `lazy_tensorflow` (fixes 9, 10): TensorFlow stays unloaded until used.
 - `import_speed` (fix 1): `import trax` in seconds, not ~25 s.
 - `jax_api` (fixes 2-5, 7, 8): Trax's calls of removed or changed JAX APIs.
-- `all_reduce` (fix 11): one device per process still all-reduces.
+- `all_reduce` (fixes 11, 12): one device per process still all-reduces;
+  on CPU the gradients are all-reduced as one array.
 - `checkpoint_io`: Trax's `Loop` unpickles only through the safe unpickler
   and never reads its data counters.
 - `loop_log`: Trax's `Loop` logs to absl, not to stdout.
@@ -59,6 +60,7 @@ def install(light: bool = False):
       'tensorflow_off_accelerators',
       'tensorflow_on_demand',
       'all_reduce_one_local_device',
+      'all_reduce_in_one_buffer',
       'safe_checkpoint_reading',
       'loop_logs_to_absl',
     ]
