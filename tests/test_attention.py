@@ -4,6 +4,7 @@ Trax's sorting step; hashing and the training forward give Trax's buckets,
 outputs and gradients."""
 
 import re
+import types
 
 import jax
 import numpy as np
@@ -234,15 +235,29 @@ def test_a_wide_layer_reads_only_the_cache_a_block_can_reach(monkeypatch):
 
 
 def test_the_best_far_keys_are_those_a_sort_ranks_first():
-  """`decode_keys.best_far` keeps every key within `beyond` positions of
-  its query and, of those further back, exactly the `n` a sort ranks
-  best, their scores as they were; the others masked as Trax masks."""
+  """`decode_keys.best_far` keeps every key within `_far_from` positions
+  of its query and, of those further back, exactly the `_far_keys` a sort
+  ranks best, their scores as they were; the others masked as Trax masks.
+  The same keys whether read in place (the whole key cache: key i at
+  position i) or gathered in any order (a narrow layer's candidates)."""
   rng = np.random.default_rng(5)
   dots = rng.standard_normal((6, 50)).astype(np.float32)
   positions = np.arange(44, 50)
+  order = np.stack([rng.permutation(50) for _ in positions])
   for n, beyond in ((1, 8), (3, 20), (5, 0), (40, 30)):
+    layer = types.SimpleNamespace(_far_keys=n, _far_from=beyond)
     got = np.asarray(
-      decode_keys.best_far(jnp.asarray(dots), jnp.asarray(positions), n, beyond)
+      decode_keys.best_far(
+        layer, jnp.asarray(dots), positions[:, None], np.arange(50)[None, :]
+      )
+    )
+    gathered = np.asarray(
+      decode_keys.best_far(
+        layer,
+        jnp.asarray(np.take_along_axis(dots, order, 1)),
+        positions[:, None],
+        order,
+      )
     )
     for row, p in enumerate(positions):
       far = np.flatnonzero(np.arange(50) < p - beyond)
@@ -251,14 +266,19 @@ def test_the_best_far_keys_are_those_a_sort_ranks_first():
       assert set(kept) == (set(range(50)) - set(far)) | set(best), (n, p)
       np.testing.assert_array_equal(got[row, kept], dots[row, kept])
       assert (got[row] <= -1e8).sum() == len(far) - len(best)
+      np.testing.assert_array_equal(gathered[row], got[row, order[row]])
 
 
-def test_a_chat_reads_its_best_far_keys():
+@pytest.mark.parametrize('whole', [False, True])
+def test_a_chat_reads_its_best_far_keys(whole, monkeypatch):
   """A layer told to read its far keys (`read_far`, `chat.far_keys`)
-  reads through its whole key cache: with every far key kept it reads as
-  without (the indexed step), to rounding; with 2 kept beyond 8 tokens
-  the positions up to 8 read as before and later ones differ; tokens and
-  blocks read the same."""
+  ranks them among the keys it reads, its gathered candidates or (a wide
+  layer, `whole`) its whole key cache: with every far key kept it reads
+  as without, to rounding; with 2 kept beyond 8 tokens the positions up
+  to 8 read as before and later ones differ; tokens and blocks read the
+  same."""
+  if whole:
+    monkeypatch.setattr(decode_select, 'WIDE_MIN', 1)
   ids = [int(t) for t in np.random.default_rng(6).integers(3, 60, 100)]
 
   def reads(far=None, blocks=False):
@@ -266,6 +286,7 @@ def test_a_chat_reads_its_best_far_keys():
     for layer in reformer.lsh_layers(d.model):
       if far:
         layer.read_far(*far)
+      assert decode_select.reads_memory(layer, layer._predict_mem_len) == whole
     if not blocks:
       return np.stack([d.feed([t]) for t in ids])
     d.feed(ids[:5], blocks=False)  # Blocks at any position: 5...

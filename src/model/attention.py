@@ -267,9 +267,10 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
 
   def read_far(self, keys: int, beyond: int):
     """The chat decoder's layer reads, of the keys more than `beyond`
-    positions before a query, only the `keys` that score best
-    (`chat.far_keys`; `decode_keys.best_far`), through the whole key cache
-    (`decode_select.reads_memory`). A start block is read as trained."""
+    positions before a query, only the `keys` that score best among those
+    it reads (`chat.far_keys`; `decode_keys.best_far`), through the whole
+    key cache or its gathered candidates alike. A start block is read as
+    trained."""
     self._far_keys, self._far_from = int(keys), int(beyond)
 
   def create_state_unbatched(self, input_signature, rng):

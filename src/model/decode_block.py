@@ -210,6 +210,8 @@ def attend_block(self, x_rows, q, positions, kv, parts, weights):
   dots = ea.mask_self_attention(
     dots, positions[:, None], kv, causal=True, exclude_self=True, masked=True
   )
+  if self._far_keys:  # Of the far candidates, the best (`read_far`).
+    dots = decode_keys.best_far(self, dots, positions[:, None], kv)
   dots = jnp.exp(dots - fastmath.logsumexp(dots, axis=-1, keepdims=True))
   d = self._d_qk
   o = jnp.sum(dots[..., None] * parts[..., d : d + self._d_v], 1)

@@ -40,6 +40,12 @@ def attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng):
   mask_fn = functools.partial(
     ea.mask_self_attention, causal=True, masked=True, exclude_self=True
   )
+  if self._far_keys:  # Of the far candidates, the best (`read_far`).
+    causal = mask_fn
+
+    def mask_fn(dots, q_info, kv_info):
+      return best_far(self, causal(dots, q_info, kv_info), q_info, kv_info)
+
   o, _ = ea.attend(
     q,
     k,
@@ -113,28 +119,30 @@ def attend_memory(self, x_rows, q, positions, keep, keys, weights):
     dots, positions[:, None], kv, causal=True, exclude_self=True, masked=True
   )
   if self._far_keys:
-    dots = best_far(dots, positions, self._far_keys, self._far_from)
+    at = jnp.arange(mem, dtype=jnp.int32)[None, :]
+    dots = best_far(self, dots, positions[:, None], at)
   dots = jnp.exp(dots - fastmath.logsumexp(dots, axis=-1, keepdims=True))
   d = self._d_qk
   o = jnp.matmul(dots, keys)[:, d : d + self._d_v]  # Whole width: no copy.
   return jnp.matmul(o, self.weight(weights, 'o'))
 
 
-def best_far(dots, positions, n: int, beyond: int):
-  """`dots` (`[length, mem]`, masked scores of queries at `positions`
-  over memory positions 0...) with the keys more than `beyond` positions
-  before their query masked as Trax masks (-1e9), all but the `n` that
-  score best (ties at the `n`-th score all kept). The n-th best is found
-  by `n` passes of a maximum (XLA's CPU top-k is a sort: ~10x a read of
-  27k keys)."""
-  far = jnp.arange(dots.shape[-1])[None, :] < positions[:, None] - beyond
+def best_far(self, dots, q_at, kv_at):
+  """`dots` (`[..., length, n]`, masked scores of queries at positions
+  `q_at` over keys at `kv_at`, both broadcast to `dots`) with the keys
+  more than the layer's `_far_from` positions before their query masked
+  as Trax masks (-1e9), all but its `_far_keys` that score best (ties at
+  the last score all kept; a chat's `read_far`). The last best score is
+  found by a pass of a maximum a key (XLA's CPU top-k is a sort: ~10x a
+  read of 27k keys)."""
+  far = kv_at < q_at - self._far_from
   scores = jnp.where(far, dots, -jnp.inf)
 
   def below(_, top):
     return jnp.max(jnp.where(scores < top, scores, -jnp.inf), -1, keepdims=True)
 
   top = jnp.full(dots.shape[:-1] + (1,), jnp.inf, dots.dtype)
-  nth = jax.lax.fori_loop(0, n, below, top)
+  nth = jax.lax.fori_loop(0, self._far_keys, below, top)
   return jnp.where(far & (scores < nth), dots - 1e9, dots)
 
 

@@ -43,11 +43,9 @@ WIDE_MIN = 1024
 def reads_memory(self, mem_len: int) -> bool:
   """Whether this layer's tokens read the whole key cache under a mask
   (`keep_mask`) rather than their gathered candidates (`select_indexed`):
-  the same positions, a cheaper way when they are many; and always where
-  the chat reads only its best far keys (`read_far`: `attend_memory`
-  ranks them)."""
+  the same positions, a cheaper way when they are many."""
   keep = keep_count(self)
-  return bool(self._far_keys) or (keep >= WIDE_MIN and 4 * keep >= mem_len)
+  return keep >= WIDE_MIN and 4 * keep >= mem_len
 
 
 def keep_mask(all_buckets, q_buckets, q_start, n_keep: int):
