@@ -118,9 +118,8 @@ def attend_memory(self, x_rows, q, positions, keep, keys, weights):
   dots = ea.mask_self_attention(
     dots, positions[:, None], kv, causal=True, exclude_self=True, masked=True
   )
-  if self._far_keys:
-    at = jnp.arange(mem, dtype=jnp.int32)[None, :]
-    dots = best_far(self, dots, positions[:, None], at)
+  if self._far_keys:  # Of the far keys kept, the best (`read_far`).
+    dots = best_far(self, dots, positions[:, None], kv)
   dots = jnp.exp(dots - fastmath.logsumexp(dots, axis=-1, keepdims=True))
   d = self._d_qk
   o = jnp.matmul(dots, keys)[:, d : d + self._d_v]  # Whole width: no copy.
