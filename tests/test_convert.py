@@ -231,6 +231,39 @@ def test_never_overwrites(tmp_path):
     run('messages', tmp_path, MESSAGES)
 
 
+def test_several_inputs_are_converted_all_or_none(tmp_path):
+  good = 'conversations:\n- - Hello\n  - Hi\n'
+  bad = 'conversations:\n- - Hello\n  - Hi\n  - Bye?\n'
+  for name, text in [('a.yml', good), ('b.yml', bad), ('sub/a.yml', good)]:
+    (tmp_path / name).parent.mkdir(exist_ok=True)
+    (tmp_path / name).write_text(text)
+  files = [str(tmp_path / n) for n in ('a.yml', 'b.yml', 'sub/a.yml')]
+  out = tmp_path / 'out'
+  # b.yml has nothing left without --trim: one line naming it, the reason
+  # and its fix, and no file of the run left behind (a.yml came first).
+  with pytest.raises(UserError) as e:
+    convert.main(['chatterbot', *files, str(out)])
+  line = str(e.value)
+  assert line.startswith(files[1] + ': no conversation could be converted')
+  assert 'ends on a user turn' in line and '--trim drops it' in line
+  assert not out.exists()
+  # An existing folder keeps what it had, and nothing is added.
+  out.mkdir()
+  (out / 'mine.txt').write_text('x')
+  with pytest.raises(UserError, match='--trim drops it'):
+    convert.main(['chatterbot', *files, str(out)])
+  assert os.listdir(out) == ['mine.txt']
+  # Run again as the line says: every input written; a repeated name
+  # numbered.
+  assert convert.main(['chatterbot', *files, str(out), '--trim']) == 0
+  assert sorted(os.listdir(out)) == ['a-2.txt', 'a.txt', 'b.txt', 'mine.txt']
+  # A target that exists stops the run before anything is written.
+  os.remove(out / 'a.txt')
+  with pytest.raises(UserError, match='b.txt exists; .*nothing was written'):
+    convert.main(['chatterbot', *files, str(out), '--trim'])
+  assert not (out / 'a.txt').exists()
+
+
 def test_chatterbot_language_name_finds_the_installed_corpus(tmp_path, capsys):
   files = convert.chatterbot_files('english')
   assert len(files) > 10 and all(f.endswith('.yml') for f in files)

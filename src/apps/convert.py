@@ -47,7 +47,14 @@ from src.data.importers.base import Options, Report
 from src.data.importers.chatterbot import chatterbot_files
 from src.data.importers.to_messages import to_messages
 
-__all__ = ['Options', 'Report', 'chatterbot_files', 'convert', 'main']
+__all__ = [
+  'Options',
+  'Report',
+  'chatterbot_files',
+  'convert',
+  'convert_all',
+  'main',
+]
 
 
 def convert(
@@ -65,14 +72,31 @@ def convert(
     **kw: Format options (ai_roles, user_roles, ai_side, user_prefix,
       ai_prefix, gap).
   """
+  return convert_all(fmt, [source], out_dir, opts, warn, **kw)
+
+
+def convert_all(
+  fmt: str, sources: list[str], out_dir: str, opts: Options, warn=None, **kw
+) -> Report:
+  """Converts each input into `out_dir/<name>.txt`, all or none: an input
+  that stops the run (nothing left to convert, `--strict`, a read error)
+  leaves no file of this run behind. Arguments as `convert`'s."""
   if fmt not in FORMATS:
     raise UserError(f'unknown format {fmt!r} (known: {", ".join(FORMATS)})')
   module = FORMATS[fmt]
-  module.sources([source])
+  module.sources(sources)
   warn = warn or base.warn_stderr
-  report = Report()
-  records = module.read(source, report, fmt=fmt, warn=warn, **kw)
-  return base.write(records, source, out_dir, opts, warn, report)
+  paths = base.targets([base.stem(s) for s in sources], out_dir)
+  total = Report()
+  with base.AllOrNone(out_dir) as out:
+    for source, target in zip(sources, paths):
+      report = Report()
+      records = module.read(source, report, fmt=fmt, warn=warn, **kw)
+      text = base.render(records, source, opts, warn, report)
+      with out.open(target) as f:
+        f.write(text)
+      total.add(report)
+  return total
 
 
 def skip(sources: list[str], names: str) -> list[str]:
@@ -235,22 +259,18 @@ def _main(args):
     return 0
   gap = subtitles.GAP if args.gap is None else chatlog.parse_gap(args.gap)
   sources = skip(FORMATS[args.format].sources(args.source), args.skip)
-  total = Report()
-  for source in sources:
-    total.add(
-      convert(
-        args.format,
-        source,
-        args.out,
-        Options(trim=args.trim, strict=args.strict),
-        ai_roles=args.ai_roles.split(','),
-        user_roles=args.user_roles.split(','),
-        ai_side=args.ai_side,
-        user_prefix=args.user_prefix,
-        ai_prefix=args.ai_prefix,
-        gap=gap,
-      )
-    )
+  total = convert_all(
+    args.format,
+    sources,
+    args.out,
+    Options(trim=args.trim, strict=args.strict),
+    ai_roles=args.ai_roles.split(','),
+    user_roles=args.user_roles.split(','),
+    ai_side=args.ai_side,
+    user_prefix=args.user_prefix,
+    ai_prefix=args.ai_prefix,
+    gap=gap,
+  )
   print(
     f'{args.format}: {len(sources)} file(s): {total.summary()} -> {args.out}'
   )

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 import sys
+import tempfile
 
 from src.core.errors import UserError
 from src.data import chatformat
@@ -28,6 +29,8 @@ class Report:
   )
   dropped_system: int = 0
   context_only: int = 0  # AI turns kept as context only ("weight": 0).
+  # A skip reason's fix, where its message gives one ("--trim drops it").
+  hints: dict = dataclasses.field(default_factory=dict)
 
   def add(self, other: Report):
     """Adds another file's counts to these."""
@@ -35,6 +38,7 @@ class Report:
     self.turns += other.turns
     self.characters += other.characters
     self.skipped.update(other.skipped)
+    self.hints.update(other.hints)
     self.dropped_system += other.dropped_system
     self.context_only += other.context_only
 
@@ -143,25 +147,23 @@ def warn_stderr(line: str):
   print(line, file=sys.stderr)
 
 
-def write(
-  records, source: str, out_dir: str, opts: Options, warn=None, report=None
-) -> Report:
-  """Writes the conversations of one input as `out_dir/<input name>.txt`.
+def render(records, source: str, opts: Options, warn=None, report=None) -> str:
+  """The conversations of one input as the text of its line-format file.
 
   Args:
     records: `(where, turns | Skip)` pairs from an importer.
-    source: The input file or folder (names the output).
-    out_dir: Folder for the converted file (created; never overwritten).
+    source: The input file or folder (named when nothing is left).
     opts: Markers, trimming and strictness.
     warn: Receives one line per skipped record (default: stderr).
     report: The `Report` the importer counts into (default: a new one).
+
+  Raises:
+    UserError: `--strict` met a record that does not fit, or no
+      conversation is left (the line names the reasons and their fix).
   """
   warn = warn or warn_stderr
-  report = report or Report()
+  report = Report() if report is None else report
   blocks = []
-  target = os.path.join(out_dir, stem(source) + '.txt')
-  if os.path.exists(target):
-    raise UserError(f'{target} exists; choose another output folder')
   m = opts.markers
   for where, turns in records:
     try:
@@ -172,7 +174,10 @@ def write(
       if opts.strict:
         raise UserError(f'{where}: {e}') from None
       warn(f'{where}: skipped: {e}')
-      report.skipped[str(e).split(' (')[0]] += 1
+      reason, _, hint = str(e).partition(' (')
+      report.skipped[reason] += 1
+      if hint:
+        report.hints[reason] = hint.removesuffix(')')
       continue
     lines = [
       chatformat.format_turn(role, text, m, train)
@@ -184,14 +189,99 @@ def write(
     report.characters += sum(len(text) for _, text, _ in built)
     report.context_only += sum(not train for _, _, train in built)
   if not blocks:
+    fix = ''.join(f'; {h}' for h in report.hints.values())
     raise UserError(
-      f'{source}: no conversation could be converted ({report.summary()})'
+      f'{source}: no conversation could be converted ({report.summary()}){fix}'
     )
-  os.makedirs(out_dir, exist_ok=True)
-  with open(target, 'x', encoding='utf-8') as f:
-    f.write('\n\n'.join(blocks) + '\n')
-  chatformat.read_file(target, markers=opts.markers, repeat_limit=0)
+  text = '\n\n'.join(blocks) + '\n'
+  chatformat.parse_text(text, source, markers=m, repeat_limit=0)
+  return text
+
+
+def write(
+  records, source: str, out_dir: str, opts: Options, warn=None, report=None
+) -> Report:
+  """Writes the conversations of one input as `out_dir/<input name>.txt`
+  (see `render`; the folder is created, a file never overwritten)."""
+  report = Report() if report is None else report
+  (target,) = targets([stem(source)], out_dir)
+  with AllOrNone(out_dir) as out:
+    text = render(records, source, opts, warn, report)
+    with out.open(target) as f:
+      f.write(text)
   return report
+
+
+def targets(names: list[str], out_dir: str) -> list[str]:
+  """`out_dir/<name>.txt` for each name (a repeated name numbered:
+  `name-2.txt`), none of which may exist (else one line, before anything
+  is written)."""
+  seen = collections.Counter()
+  paths = []
+  for name in names:
+    seen[name] += 1
+    n = seen[name]
+    path = os.path.join(out_dir, name + (f'-{n}' if n > 1 else '') + '.txt')
+    if os.path.lexists(path):
+      raise UserError(
+        f'{path} exists; choose another output folder (nothing was written)'
+      )
+    paths.append(path)
+  return paths
+
+
+class AllOrNone:
+  """Files of one conversion, all placed or none: `open(target)` writes a
+  hidden temporary file beside the target; leaving the `with` block
+  without an error places each at its target (never over a file that
+  appeared meanwhile), with one removes every temporary file, and the
+  output folder too when this made it and it is still empty."""
+
+  def __init__(self, out_dir: str):
+    self.out_dir = out_dir
+    self.staged: list[tuple[str, str]] = []
+    self.created = False
+
+  def __enter__(self):
+    self.created = not os.path.isdir(self.out_dir)
+    os.makedirs(self.out_dir, exist_ok=True)
+    return self
+
+  def open(self, target: str):
+    """A new temporary file (text, UTF-8, `\n` line ends) for `target`."""
+    fd, tmp = tempfile.mkstemp(
+      dir=self.out_dir, prefix='.' + os.path.basename(target), suffix='.partial'
+    )
+    self.staged.append((tmp, target))
+    return os.fdopen(fd, 'w', encoding='utf-8', newline='\n')
+
+  def __exit__(self, kind, error, trace):
+    try:
+      if kind is None:
+        for tmp, target in self.staged:
+          _place(tmp, target)
+    finally:
+      for tmp, _ in self.staged:
+        if os.path.lexists(tmp):
+          os.remove(tmp)
+      if kind is not None and self.created and not os.listdir(self.out_dir):
+        os.rmdir(self.out_dir)
+
+
+def _place(tmp: str, target: str):
+  """Moves `tmp` to `target` unless `target` exists (then a UserError)."""
+  try:
+    os.link(tmp, target)
+  except FileExistsError:
+    raise UserError(f'{target} exists; choose another output folder') from None
+  except OSError:  # No hard links here: check, then rename.
+    if os.path.lexists(target):
+      raise UserError(
+        f'{target} exists; choose another output folder'
+      ) from None
+    os.rename(tmp, target)
+    return
+  os.remove(tmp)
 
 
 def files(inputs: list[str]) -> list[str]:

@@ -24,7 +24,6 @@ import functools
 import math
 import os
 import re
-import tempfile
 import unicodedata
 
 from src.core.errors import UserError
@@ -33,11 +32,13 @@ from src.data.importers import wording
 from src.data.importers.base import (
   AI,
   USER,
+  AllOrNone,
   Options,
   Report,
   Skip,
   clean_message,
   speaker_label,
+  targets,
 )
 from src.data.importers.redaction import redact
 
@@ -425,51 +426,16 @@ def convert(
   `sources(inputs) -> [Source]` and `items(source, warn) -> iterator`).
   Writes `out_dir/<name>.txt` for each, all or none; returns the report."""
   sources = module.sources(inputs)
-  targets = _targets(sources, out_dir)
-  created = not os.path.isdir(out_dir)
-  os.makedirs(out_dir, exist_ok=True)
+  paths = targets([source.name for source in sources], out_dir)
   total = ChatReport()
-  staged: list[str] = []
-  try:
-    for source, target in zip(sources, targets):
-      fd, tmp = tempfile.mkstemp(
-        dir=out_dir, prefix='.' + os.path.basename(target), suffix='.partial'
-      )
-      staged.append(tmp)
+  with AllOrNone(out_dir) as out:
+    for source, target in zip(sources, paths):
       report = ChatReport()
-      with os.fdopen(fd, 'w', encoding='utf-8', newline='\n') as f:
+      with out.open(target) as f:
         write_chat(module.items(source, warn), f, opts, report, warn)
       _check_report(source, report, opts)
       total.add(report)
-    for tmp, target in zip(staged, targets):
-      _place(tmp, target)
-  except BaseException:
-    for tmp in staged:
-      if os.path.lexists(tmp):
-        os.remove(tmp)
-    if created and not os.listdir(out_dir):
-      os.rmdir(out_dir)
-    raise
   return total
-
-
-def _targets(sources: list[Source], out_dir: str) -> list[str]:
-  """`out_dir/<name>.txt` for each source (a repeated name numbered),
-  none of which may exist."""
-  names = collections.Counter()
-  targets = []
-  for source in sources:
-    names[source.name] += 1
-    n = names[source.name]
-    target = os.path.join(
-      out_dir, source.name + (f'-{n}' if n > 1 else '') + '.txt'
-    )
-    if os.path.lexists(target):
-      raise UserError(
-        f'{target} exists; choose another output folder (nothing was written)'
-      )
-    targets.append(target)
-  return targets
 
 
 def _check_report(source: Source, report: ChatReport, opts: ChatOptions):
@@ -497,19 +463,3 @@ def _check_report(source: Source, report: ChatReport, opts: ChatOptions):
       f'{source.shown}: no conversation could be kept '
       f'({report.summary(opts.ai)}){trim}'
     )
-
-
-def _place(tmp: str, target: str):
-  """Moves `tmp` to `target` unless `target` exists (then a UserError)."""
-  try:
-    os.link(tmp, target)
-  except FileExistsError:
-    raise UserError(f'{target} exists; choose another output folder') from None
-  except OSError:  # No hard links here: check, then rename.
-    if os.path.lexists(target):
-      raise UserError(
-        f'{target} exists; choose another output folder'
-      ) from None
-    os.rename(tmp, target)
-    return
-  os.remove(tmp)
