@@ -2,7 +2,7 @@
 conversation, and the first reply token of a follow-up once it was read.
 
   python bench/long_chat.py MODEL_DIR [--lengths 4000 24000] [--data DIR]
-      [--n-hashes H] [--far-keys K]
+      [--n-hashes H] [--far-keys K] [--follow-ups N]
 
 For each length, a conversation of about that many tokens is built from
 the turns of the line-format files in `--data` (repeated in order), then
@@ -11,8 +11,10 @@ server's and the REPL's engine; unseeded sampling, 8 reply tokens), twice
 (the first pass compiles the programs; the second is reported):
 - the first read: the whole conversation and its question, read from an
   empty context, to the reply's first token;
-- a follow-up: the same conversation, the reply, and one more question:
-  only the new tokens are read, then the first reply token.
+- follow-ups: the same conversation, the reply, and one more question:
+  only the new tokens are read, then the first reply token; `--follow-ups`
+  of them in a row (each after the last one's reply), their median
+  reported with the lowest and highest.
 The conversation is never trimmed (it is checked to fit the context).
 """
 
@@ -34,6 +36,13 @@ from src.data import chatformat  # noqa: E402
 from src.inference import decoding, engine, sampling  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FOLLOW_UPS = (
+  'And what about tomorrow?',
+  'Really?',
+  'Tell me more.',
+  'Why do you say that?',
+  'OK, and then?',
+)
 
 
 def conversation(turns, tok, length: int) -> list[tuple[str, str]]:
@@ -52,18 +61,36 @@ def conversation(turns, tok, length: int) -> list[tuple[str, str]]:
   return out
 
 
+_TOKENS: list[float] = []  # When each reply's first token came.
+
+
+def _clocked(generate):
+  """`generate.generate` noting when its first token comes (the reply's
+  first text may wait for a second token: a piece that shows nothing)."""
+
+  def clocked(*args, **kwargs):
+    tokens = generate(*args, **kwargs)
+    try:
+      for n, token in enumerate(tokens):
+        if n == 0:
+          _TOKENS.append(time.perf_counter())
+        yield token
+    finally:
+      tokens.close()  # Feeds its last token, as the engine's close does.
+
+  return clocked
+
+
+engine.generate.generate = _clocked(engine.generate.generate)
+
+
 def timed(convs, messages, settings) -> tuple[float, dict]:
-  """Seconds to the reply's first text, and the result."""
-  first = []
+  """Seconds to the reply's first token, and the result."""
+  _TOKENS.clear()
   started = time.perf_counter()
-
-  def emit(text, tokens=None):
-    if not first:
-      first.append(time.perf_counter() - started)
-
   job = engine.Request(list(messages), settings)
-  result = convs.run(job, threading.Event(), emit)
-  return (first or [time.perf_counter() - started])[0], result
+  result = convs.run(job, threading.Event())
+  return (_TOKENS or [time.perf_counter()])[0] - started, result
 
 
 def main(argv=None):
@@ -76,6 +103,9 @@ def main(argv=None):
   )
   parser.add_argument(
     '--far-keys', type=int, help='far keys read (evaluate.py --far-keys)'
+  )
+  parser.add_argument(
+    '--follow-ups', type=int, default=5, help='follow-ups timed (median)'
   )
   args = parser.parse_args(argv)
   decoder = decoding.Decoder.load(args.model_dir, args.n_hashes, args.far_keys)
@@ -92,7 +122,8 @@ def main(argv=None):
   )
   print(
     '| conversation | first read, to the first reply token | '
-    'follow-up: tokens read | follow-up: first reply token |'
+    f'follow-up: tokens read | follow-up: first reply token (median of '
+    f'{args.follow_ups}; lowest-highest) |'
   )
   print('|---:|---:|---:|---:|')
   for length in args.lengths:
@@ -103,15 +134,21 @@ def main(argv=None):
       read, result = timed(convs, asked, settings)
       if result['dropped_turns']:
         sys.exit(f'{length} tokens do not fit the context: trimmed')
-      follow = asked + [
-        (chatformat.AI, result['text'] or '.'),
-        (chatformat.USER, 'And what about tomorrow?'),
-      ]
-      first, again = timed(convs, follow, settings)
-    new = again['prompt_tokens'] - again['reused_tokens']
+      read_tokens = result['prompt_tokens']
+      firsts, history = [], asked
+      for n in range(args.follow_ups):
+        history = history + [
+          (chatformat.AI, result['text'] or '.'),
+          (chatformat.USER, FOLLOW_UPS[n % len(FOLLOW_UPS)]),
+        ]
+        first, result = timed(convs, history, settings)
+        firsts.append(first)
+    new = result['prompt_tokens'] - result['reused_tokens']
+    firsts.sort()
     print(
-      f'| {result["prompt_tokens"]:,} tokens | {read:.2f} s | {new} | '
-      f'{first * 1000:.1f} ms |'
+      f'| {read_tokens:,} tokens | {read:.2f} s | {new} | '
+      f'{firsts[len(firsts) // 2] * 1000:.1f} ms ({firsts[0] * 1000:.1f}-'
+      f'{firsts[-1] * 1000:.1f}) |'
     )
 
 

@@ -159,13 +159,14 @@ def test_bucket_index_selects_what_the_sort_keeps():
 def test_the_keep_mask_marks_what_the_sort_keeps():
   """`keep_mask` (a wide layer's candidates as a mask over its memory)
   marks exactly the positions at or before the query that `select_kv`
-  keeps, at every position, for 1 and 2 hash rounds, with the memory
-  longer and shorter than what is kept."""
+  keeps, at every position (the memory's last too), for 1 and 2 hash
+  rounds, with the memory longer and shorter than what is kept, and one
+  position longer."""
   rng = np.random.default_rng(0)
   for rounds, mem, n_buckets, n_keep in ((1, 64, 4, 8), (2, 100, 4, 16),
-                                         (2, 40, 2, 64)):  # fmt: skip
+                                         (2, 40, 2, 64), (2, 40, 2, 39)):  # fmt: skip
     offsets = (np.arange(rounds) * n_buckets)[:, None]
-    for q in range(mem - 1):
+    for q in range(mem):
       buckets = np.zeros((rounds, mem), np.int32)
       buckets[:, :q] = rng.integers(0, n_buckets, (rounds, q)) + offsets
       qb = (rng.integers(0, n_buckets, rounds) + offsets[:, 0]).astype(np.int32)

@@ -70,13 +70,17 @@ def keep_mask(all_buckets, q_buckets, q_start, n_keep: int):
   """
   mem = all_buckets.shape[1]
   positions = jnp.arange(mem, dtype=jnp.int32)
+  if n_keep >= mem:  # All are kept: no ranking (a wide layer read with
+    return positions <= q_start  # many hash rounds: 4 passes a query).
   seen = jnp.where(positions < q_start, all_buckets, 0)
   valid = jnp.any(seen == q_buckets[:, None], axis=0) | (positions == q_start)
   shared = ((positions <= q_start + 1) & valid).astype(jnp.int32)
   # Sharing ones after p (one prefix sum, XLA's fastest on CPU: reversed);
-  # the others after p are the rest of the q_start + 1 - p positions.
+  # the others after p are the rest of the positions up to q_start + 1
+  # (the memory's last, for a query there).
   later_shared = jax.lax.cumsum(shared, reverse=True) - shared
-  later_other = q_start + 1 - positions - later_shared
+  last = jnp.minimum(q_start + 1, mem - 1)
+  later_other = last - positions - later_shared
   rank = jnp.where(valid, later_shared, jnp.sum(shared) + later_other)
   return (positions <= q_start) & (rank < n_keep)
 
