@@ -163,8 +163,8 @@ def test_the_keep_mask_marks_what_the_sort_keeps():
   rounds, with the memory longer and shorter than what is kept, and one
   position longer."""
   rng = np.random.default_rng(0)
-  for rounds, mem, n_buckets, n_keep in ((1, 64, 4, 8), (2, 100, 4, 16),
-                                         (2, 40, 2, 64), (2, 40, 2, 39)):  # fmt: skip
+  cases = ((1, 64, 4, 8), (2, 100, 4, 16), (2, 40, 2, 64), (2, 40, 2, 39))
+  for rounds, mem, n_buckets, n_keep in cases:
     offsets = (np.arange(rounds) * n_buckets)[:, None]
     for q in range(mem):
       buckets = np.zeros((rounds, mem), np.int32)
