@@ -15,6 +15,7 @@ once (a word, a number, a name), small talk, then the question.
       [--bind GIN]
   python bench/long_recall.py practice OUT --from data/smalltalk
       [--conversations 12000] [--seed 0] [--lookup] [--memo SHARE]
+      [--variants SHARE]
 
 `data` writes training conversations in the line format
 (`src/analysis/long_recall.py`: each states one value at its start and
@@ -143,7 +144,13 @@ def write_data(
 
 
 def write_practice(
-  out: str, source: str, n: int, seed: int, lookup: bool = False, memo=0.0
+  out: str,
+  source: str,
+  n: int,
+  seed: int,
+  lookup: bool = False,
+  memo=0.0,
+  variants=0.0,
 ):
   talk, (_, held) = _talk(source)
   found = common.chatterbot_words(12, lower=True)
@@ -152,7 +159,12 @@ def write_practice(
   if lookup:
     convs = [task.lookup_practice(rng, talk, words) for _ in range(n)]
   else:
-    convs = [task.practice(rng, talk, words, memo=memo) for _ in range(n)]
+    convs = [
+      task.practice(
+        rng, talk, words, memo=memo, variants=variants, avoid=frozenset(held)
+      )
+      for _ in range(n)
+    ]
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, 'practice.txt')
   with open(path, 'w', encoding='utf-8') as f:
@@ -539,6 +551,14 @@ def main(argv=None):
     help='practice: the share of facts said to be kept with no name to '
     'ask them by ("Remember zuvo." ... "What did I ask you to keep?")',
   )
+  parser.add_argument(
+    '--variants',
+    type=float,
+    default=0.0,
+    help='practice: the share of dictionary words given an ending or a '
+    'beginning ("passenger" -> "passengers", "unkind"; never a word the '
+    'measurement asks)',
+  )
   parser.add_argument('--chars', default='100,600')
   parser.add_argument(
     '--bind',
@@ -578,6 +598,7 @@ def main(argv=None):
       args.seed,
       args.lookup,
       args.memo,
+      args.variants,
     )
     return
   if args.what == 'probe':

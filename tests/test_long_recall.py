@@ -295,3 +295,38 @@ def test_memo_practice_asks_for_the_one_value_it_said_to_keep():
     for _, text in turns:
       assert not any(text.startswith(u) for u in unseen if len(u) > 3), text
   assert asked > 100
+
+
+def test_variant_practice_copies_a_known_stem_with_a_new_ending():
+  """`practice(..., variants=1)`: every dictionary word is said with an
+  ending or a beginning (`variant`), never as a word of `avoid` (the
+  measurement's), and what is asked for is what was said; without
+  `variants` the draws are those of the plain practice (the README's
+  data stays the same file)."""
+  words = ['passenger', 'kind']
+  avoid = frozenset({'passengers', 'unkind'})
+  seen = set()
+  rng = np.random.default_rng(4)
+  for _ in range(300):
+    turns = long_recall.practice(
+      rng, TALK, words, 200, variants=1.0, avoid=avoid
+    )
+    said = ' '.join(text for role, text in turns if role == 'user')
+    found = set(re.findall(r'[a-z]*(?:passenger|kind)[a-z]*', said))
+    assert not found & avoid, found
+    seen |= found
+  assert 'passengers' not in seen and len(seen) > 10
+  assert seen - set(words)  # Endings and beginnings said.
+  assert {w for w in seen if w.startswith('passenger') and w != 'passenger'}
+  assert {w for w in seen if w.endswith('kind') and w != 'kind'}
+  plain = [
+    long_recall.practice(np.random.default_rng(5), TALK, words, 200)
+    for _ in range(3)
+  ]
+  off = [
+    long_recall.practice(
+      np.random.default_rng(5), TALK, words, 200, variants=0.0, avoid=avoid
+    )
+    for _ in range(3)
+  ]
+  assert plain == off

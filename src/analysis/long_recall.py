@@ -316,32 +316,69 @@ def invented(rng) -> str:
   return ''.join(_pick(rng, _C) + _pick(rng, _V) for _ in range(n))
 
 
-def _value(rng, words) -> str:
+# Endings and beginnings a practice word may take (`practice(...,
+# variants=)`): a familiar stem whose ending must be copied, not completed
+# as the word the model knows ("passenger" -> "passengers").
+SUFFIXES = (
+  's', 'es', 'ed', 'ing', 'er', 'ers', 'ly', 'less', 'ness', 'ful', 'able',
+  'al', 'ist', 'ish', 'ment', 'ship',
+)  # fmt: skip
+PREFIXES = ('un', 're', 'dis', 'over', 'out', 'pre', 'non', 'mis', 'sub')
+
+
+def variant(rng, word: str, avoid=frozenset()) -> str:
+  """`word` with a drawn ending (7 in 10) or beginning; `word` itself
+  where that gives a word of `avoid`."""
+  if rng.random() < 0.7:
+    out = word + _pick(rng, SUFFIXES)
+  else:
+    out = _pick(rng, PREFIXES) + word
+  return word if out in avoid else out
+
+
+def _value(rng, words, variants=0.0, avoid=frozenset()) -> str:
   r = rng.random()
   if r < 0.35:
     return invented(rng)
   if r < 0.85:
-    return _pick(rng, words)
+    word = _pick(rng, words)
+    if variants and rng.random() < variants:
+      return variant(rng, word, avoid)
+    return word
   if r < 0.95:
     return str(int(rng.integers(10, 10000)))
   return _pick(rng, NAMES)
 
 
-def practice(rng, talk, words, most_chars: int = 3000, memo=0.0) -> list:
+def practice(
+  rng,
+  talk,
+  words,
+  most_chars: int = 3000,
+  memo=0.0,
+  variants=0.0,
+  avoid=frozenset(),
+) -> list:
   """One practice conversation's `(role, text)` turns: 1-3 facts or
   repeats, 30 to `most_chars` characters of small talk (log-uniform),
   then the facts asked for in a random order. `memo`: the share of facts
   said to be kept with no name to ask them by (`MEMO`; one a conversation
-  at most, as its question could not tell two apart)."""
+  at most, as its question could not tell two apart). `variants`: the
+  share of dictionary words given an ending or a beginning (`variant`;
+  none a word of `avoid`)."""
   repeat = PRACTICE[5]
   turns, facts = [], []
+
+  def value():
+    return _value(rng, words, variants, avoid)
+
   for _ in range(int(rng.integers(1, 4))):
     if rng.random() < 0.3:
-      said = ' '.join(_value(rng, words) for _ in range(rng.integers(1, 4)))
+      said = ' '.join(value() for _ in range(rng.integers(1, 4)))
       turns += [('user', _pick(rng, repeat).format(said)), ('ai', said)]
       continue
     if memo and rng.random() < memo and None not in dict(facts):
-      v = _value(rng, words)
+      v = value()
       facts.append((None, v))
       text = _pick(rng, MEMO[0]) + _pick(rng, MEMO[1]).format(v=v)
       text = text if text.startswith(v) else text[0].upper() + text[1:]
@@ -350,7 +387,7 @@ def practice(rng, talk, words, most_chars: int = 3000, memo=0.0) -> list:
     k = _pick(rng, PRACTICE_KEYS)
     if k in dict(facts):
       continue
-    v = _value(rng, words)
+    v = value()
     facts.append((k, v))
     turns += _statement(rng, k, v)
   return _asked(rng, talk, turns, facts, most_chars)
