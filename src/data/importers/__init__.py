@@ -5,8 +5,9 @@ Two contracts, each a `Protocol` a module meets:
   `where` names the record (`file:line` or `file[index]`), `turns` is a
   list of `(role, text)` or `(role, text, train)` tuples with the raw
   message text, or a `base.Skip` saying why the record does not fit.
-  `base.write` turns them into one line-format file with the same
-  warnings, summary, `--strict` and `--trim` for every format.
+  `base.render` turns them into one line-format file's text with the same
+  warnings, summary, `--strict` and `--trim` for every format (written
+  all or none: `base.AllOrNone`).
 - `ChatImporter` (`CHATS`, a person's own chat exports): `items` yields
   messages with their sender and time (`chatlog.Message`), what the app
   wrote (`chatlog.Drop`) and where a chat starts (`chatlog.Chat`), as they

@@ -198,20 +198,6 @@ def render(records, source: str, opts: Options, warn=None, report=None) -> str:
   return text
 
 
-def write(
-  records, source: str, out_dir: str, opts: Options, warn=None, report=None
-) -> Report:
-  """Writes the conversations of one input as `out_dir/<input name>.txt`
-  (see `render`; the folder is created, a file never overwritten)."""
-  report = Report() if report is None else report
-  (target,) = targets([stem(source)], out_dir)
-  with AllOrNone(out_dir) as out:
-    text = render(records, source, opts, warn, report)
-    with out.open(target) as f:
-      f.write(text)
-  return report
-
-
 def targets(names: list[str], out_dir: str) -> list[str]:
   """`out_dir/<name>.txt` for each name (a repeated name numbered:
   `name-2.txt`), none of which may exist (else one line, before anything
