@@ -29,29 +29,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jade::gemm;
 using jade::kTileRows;
 using jade::v8;
 using jade::v8i;
-
-// exp of 8 floats (Cephes' expf: ~1 ulp); 0 below -87.
-inline v8 vexp(v8 x) {
-  const v8i live = x > -87.f;
-  x = x < 88.f ? x : 88.f;
-  x = x > -87.f ? x : -87.f;
-  const v8 t = x * 1.44269504088896341f + 0.5f;
-  v8i n = __builtin_convertvector(t, v8i);
-  n += __builtin_convertvector(n, v8) > t;  // Floor: -1 where truncation rounded up.
-  const v8 fn = __builtin_convertvector(n, v8);
-  const v8 r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-  v8 y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  const v8i scale = (n + 127) << 23;
-  return reinterpret_cast<v8>(reinterpret_cast<v8i>(y * reinterpret_cast<v8>(scale)) & live);
-}
+using jade::vexp;
 
 // row[j] = exp(row[j] - shift) for j < width; returns their sum.
 inline float exp_row(float* row, int64_t width, float shift) {
@@ -66,65 +48,6 @@ inline float exp_row(float* row, int64_t width, float shift) {
   for (int h = 0; h < 8; ++h) sum += total[h];
   for (; j < width; ++j) sum += (row[j] = std::exp(row[j] - shift));
   return sum;
-}
-
-// A product's micro-tiles are `kTileRows` rows of C (vec8.h); the rows
-// left over go 4, 2, 1 at a time.
-// Rows [r, r + R) of C (+)= A B, columns [0, cols) in tiles of 16 (then
-// one at a time): see `gemm`.
-template <int R>
-void gemm_rows(int64_t r, int64_t cols, int64_t depth, const float* a,
-               int64_t ar, int64_t ak, const float* b, int64_t ldb, float* c,
-               int64_t ldc, bool accumulate) {
-  int64_t j = 0;
-  for (; j + 16 <= cols; j += 16) {
-    v8 acc[R][2];
-    for (int i = 0; i < R; ++i)
-      for (int h = 0; h < 2; ++h)
-        acc[i][h] = accumulate ? *reinterpret_cast<const v8*>(
-                                     c + (r + i) * ldc + j + 8 * h)
-                               : v8{};
-    for (int64_t k = 0; k < depth; ++k) {
-      const v8 b0 = *reinterpret_cast<const v8*>(b + k * ldb + j);
-      const v8 b1 = *reinterpret_cast<const v8*>(b + k * ldb + j + 8);
-      for (int i = 0; i < R; ++i) {
-        const float x = a[(r + i) * ar + k * ak];
-        acc[i][0] += x * b0;
-        acc[i][1] += x * b1;
-      }
-    }
-    for (int i = 0; i < R; ++i)
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<v8*>(c + (r + i) * ldc + j + 8 * h) = acc[i][h];
-  }
-  for (; j < cols; ++j)
-    for (int i = 0; i < R; ++i) {
-      float x = accumulate ? c[(r + i) * ldc + j] : 0.f;
-      for (int64_t k = 0; k < depth; ++k)
-        x += a[(r + i) * ar + k * ak] * b[k * ldb + j];
-      c[(r + i) * ldc + j] = x;
-    }
-}
-
-// C[r, c] (+)= sum_k A[r, k] B[k, c]: A's element (r, k) at a[r * ar + k *
-// ak] (ak = 1: row-major; ar = 1: A read transposed), B and C row-major.
-void gemm(int64_t rows, int64_t cols, int64_t depth, const float* a,
-          int64_t ar, int64_t ak, const float* b, int64_t ldb, float* c,
-          int64_t ldc, bool accumulate) {
-  int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows)
-    gemm_rows<kTileRows>(r, cols, depth, a, ar, ak, b, ldb, c, ldc,
-                         accumulate);
-  if (kTileRows > 4 && r + 4 <= rows) {
-    gemm_rows<4>(r, cols, depth, a, ar, ak, b, ldb, c, ldc, accumulate);
-    r += 4;
-  }
-  if (r + 2 <= rows) {
-    gemm_rows<2>(r, cols, depth, a, ar, ak, b, ldb, c, ldc, accumulate);
-    r += 2;
-  }
-  if (r < rows)
-    gemm_rows<1>(r, cols, depth, a, ar, ak, b, ldb, c, ldc, accumulate);
 }
 
 // out[j * ld_out + i] = in[i * ld + j] for an [rows, cols] block.

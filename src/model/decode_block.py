@@ -33,6 +33,7 @@ from src.model import (
   decode_select,
   decode_state,
   lsh_hash,
+  memory_attention,
 )
 from src.model.decode_state import LSHState, Memory
 
@@ -90,15 +91,24 @@ def lsh_block(self, x, weights, state, rng, n):
   )
   # Each token's own entries first (a later token of the block reads
   # them; `select_indexed` reads no bucket from the token's position on).
-  keys = decode_keys.write_keys(s.keys, decode_state.flat(parts), q_start)
   buckets = _write_block_buckets(
     self, s.buckets, decode_state.flat(qb), q_start
   )
   own = decode_index.own_buckets(self, decode_state.flat(qb))
   x_q = self.query_rows(memory.mem[0], x, q_start)
-  out = _attend_all(
-    self, x_q, weights, q, qb, s.ring, own, buckets, keys, q_start
-  )
+  mem_len = s.keys.shape[1]
+  n_keep = min(decode_select.keep_count(self), mem_len)
+  if memory_attention.applies(self, n_keep, mem_len, s.keys.dtype):
+    positions = q_start + jnp.arange(length, dtype=jnp.int32)
+    out, keys = memory_attention.attend(
+      self, x_q, weights, q, parts, s.keys, positions
+    )
+    out = out.astype(x.dtype)
+  else:
+    keys = decode_keys.write_keys(s.keys, decode_state.flat(parts), q_start)
+    out = _attend_all(
+      self, x_q, weights, q, qb, s.ring, own, buckets, keys, q_start
+    )
 
   def write(i, index):
     return decode_index.write_index(*index, own[:, i], q_start + i)

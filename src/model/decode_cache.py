@@ -24,7 +24,13 @@ from __future__ import annotations
 from jax import numpy as jnp
 from trax import fastmath
 
-from src.model import decode_index, decode_keys, decode_select, decode_state
+from src.model import (
+  decode_index,
+  decode_keys,
+  decode_select,
+  decode_state,
+  memory_attention,
+)
 from src.model.decode_state import Appended, BlockRead, LSHState, Memory
 
 # The paths of `route`.
@@ -217,6 +223,19 @@ def _token_queries(self, x, weights, appended, rotations):
   return decode_state.each_head(query, (x, before), weights, rotations)
 
 
+def _indexed_heads(self, x_q, weights, per, q_start, rng):
+  """Every head's `decode_keys.indexed_token` of a new token (`per`: its
+  query, buckets, ring lists and the key cache, by head), summed over
+  heads: `[batch, 1, d_model]`."""
+
+  def attend(x_b, w_h, per_head):
+    return decode_keys.indexed_token(
+      self, x_b, q_start=q_start, weights=w_h, rng=rng, **per_head
+    )
+
+  return jnp.sum(decode_state.each_head(attend, x_q, weights, per), axis=1)
+
+
 def indexed_layer_step(self, x, weights, state, rng):
   """One new token through a whole LSH layer (all examples and heads),
   for a memory that never rolls and keeps a bucket index (`route`'s
@@ -228,7 +247,8 @@ def indexed_layer_step(self, x, weights, state, rng):
   few entries a token changes are written into the (donated) state in
   place (`write_index`, `write_buckets`, `write_keys`) and each head only
   reads (`decode_keys.indexed_token`). The output is Trax's: all heads at
-  once, summed over heads.
+  once, summed over heads (by the fused kernel where every key up to the
+  token is kept, `memory_attention`, which also writes its key).
 
   Args:
     x: `[batch, 1, d_model]` the new token's input.
@@ -251,19 +271,21 @@ def indexed_layer_step(self, x, weights, state, rng):
   )
   own = decode_state.flat(decode_index.own_buckets(self, qb))
   ring, counts = decode_index.write_index(s.ring, s.counts, own, q_start)
-  keys = decode_keys.write_keys(s.keys, decode_state.flat(parts), q_start)
-
-  def attend(x_b, w_h, per):
-    return decode_keys.indexed_token(
-      self, x_b, q_start=q_start, weights=w_h, rng=rng, **per
-    )
-
-  lists = example(decode_index.bucket_lists(ring, own))
-  per = dict(q=q, qb=qb, buckets=example(s.buckets), lists=lists,
-             keys=example(keys))  # fmt: skip
   x_q = self.query_rows(appended.inputs[0], x, q_start)
-  out = decode_state.each_head(attend, x_q, weights, per)
-  out = jnp.sum(out, axis=1).astype(x.dtype)  # Over heads: [batch, 1, d].
+  mem_len = s.keys.shape[1]
+  n_keep = min(decode_select.keep_count(self), mem_len)
+  if memory_attention.applies(self, n_keep, mem_len, s.keys.dtype):
+    at = jnp.reshape(q_start, (1,)).astype(jnp.int32)
+    out, keys = memory_attention.attend(
+      self, x_q, weights, q[:, :, :1], parts, s.keys, at
+    )  # The query's first row (Trax's step duplicates it).
+  else:
+    keys = decode_keys.write_keys(s.keys, decode_state.flat(parts), q_start)
+    lists = example(decode_index.bucket_lists(ring, own))
+    per = dict(q=q, qb=qb, buckets=example(s.buckets), lists=lists,
+               keys=example(keys))  # fmt: skip
+    out = _indexed_heads(self, x_q, weights, per, q_start, rng)
+  out = out.astype(x.dtype)
   new = s._replace(
     buckets=decode_index.write_buckets(
       s.buckets, decode_state.flat(qb), q_start

@@ -1,6 +1,6 @@
 """The project's CPU kernels: one library, built and registered with XLA.
 
-Four sources, compiled together (with `cpu_pool.h`, their one way of
+Five sources, compiled together (with `cpu_pool.h`, their one way of
 spreading work over XLA's threads, `bf16.h`, their bfloat16 rounding and
 products, and `vec8.h`, their 8-float vectors and micro-tile height) into
 one shared library:
@@ -12,7 +12,9 @@ one shared library:
 - `lsh_hash.cc`: Trax's LSH buckets (the rotations' products and their
   argmax fused: `src.model.lsh_hash`);
 - `gather_rows.cc`: rows taken by index and their gradient (the LSH
-  layer's sort into bucket order and back: `src.model.gather_rows`).
+  layer's sort into bucket order and back: `src.model.gather_rows`);
+- `memory_attention.cc`: a chat's new tokens over a wide LSH layer's
+  whole key cache, fused (`src.model.memory_attention`).
 
 The library is compiled once per source, jaxlib and CPU with the system's
 C++ compiler (`c++`; its sources side by side, ~10 s on 2 cores) into
@@ -49,6 +51,7 @@ SOURCES = (
   _HERE / 'bf16_cast.cc',
   _HERE / 'lsh_hash.cc',
   _HERE / 'gather_rows.cc',
+  _HERE / 'memory_attention.cc',
 )
 HEADERS = (_HERE / 'cpu_pool.h', _HERE / 'bf16.h', _HERE / 'vec8.h')
 _OPTIONS = ('-O3', '-march=native', '-std=c++17', '-fPIC', '-w')
@@ -62,6 +65,7 @@ TARGETS = {
   'jade_lsh_buckets': 'JadeLshBuckets',
   'jade_gather_rows': 'JadeGatherRows',
   'jade_scatter_add_rows': 'JadeScatterAddRows',
+  'jade_memory_attention': 'JadeMemoryAttention',
 }
 
 
