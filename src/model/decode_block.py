@@ -82,7 +82,12 @@ def lsh_block(self, x, weights, state, rng, n):
   s = LSHState.of(memory.heads)
   batch, length = x.shape[:2]
   q_start = memory.mem_end
-  before = self.key_context(memory.mem[0], x, q_start)
+  # The block into the memory of inputs first, then its rows before read
+  # from it (the same: the block writes from q_start on): a read of the
+  # memory as it was, beside a write in place, made XLA copy the 32k
+  # memory twice a block.
+  mem = append(memory.mem, x, q_start)
+  before = self.key_context(mem[0], x, q_start)
   q, qb, parts = decode_state.each_head(
     functools.partial(_project, self),
     (x, before),
@@ -95,7 +100,7 @@ def lsh_block(self, x, weights, state, rng, n):
     self, s.buckets, decode_state.flat(qb), q_start
   )
   own = decode_index.own_buckets(self, decode_state.flat(qb))
-  x_q = self.query_rows(memory.mem[0], x, q_start)
+  x_q = self.query_rows(mem[0], x, q_start)
   mem_len = s.keys.shape[1]
   n_keep = min(decode_select.keep_count(self), mem_len)
   if memory_attention.applies(self, n_keep, mem_len, s.keys.dtype):
@@ -121,7 +126,7 @@ def lsh_block(self, x, weights, state, rng, n):
     counts=counts,
     keys=keys,
   )
-  new_memory = Memory(q_start + n, append(memory.mem, x, q_start), new)
+  new_memory = Memory(q_start + n, mem, new)
   return out, new_memory.plain()
 
 

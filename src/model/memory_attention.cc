@@ -34,6 +34,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include "cpu_pool.h"
 #include "vec8.h"
 #include "xla/ffi/api/ffi.h"
@@ -51,10 +55,15 @@ using jade::vexp;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int64_t kMaxFarKeys = 256;
 
+// Whether any lane of a comparison's mask is set.
 inline bool any(v8i m) {
+#if defined(__AVX__)
+  return _mm256_movemask_ps(reinterpret_cast<__m256>(m)) != 0;
+#else
   int32_t bits = 0;
   for (int h = 0; h < 8; ++h) bits |= m[h];
   return bits != 0;
+#endif
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -196,12 +205,53 @@ struct Call {
       score_rows<1>(r, n, keys, W, s.v_at, v_end, d2, m.qt.data(), ld, S);
   }
 
+  // Per query slot of a task (8 a vector; slots past the queries are
+  // pads): position (-1 for a pad: it reads nothing), the far keys' cut
+  // (+inf for a pad), the largest score kept, the probabilities' sum.
+  struct Slots {
+    std::vector<int32_t> at;
+    std::vector<float> cut, top, sum;
+  };
+
+  // Each query's cut: its `far_keys`-th best distinct score of the keys
+  // far from it (before `far_end`), the first `lo` rows far for all.
+  void far_cuts(const float* S, int64_t ld, int64_t lo, int64_t far_end,
+                Slots& q, Scratch& m) const {
+    for (int64_t j = 0; j < far_end; ++j) {
+      const float* row = S + j * ld;
+      for (int64_t g = 0; g < ld; g += 8) {
+        const v8 c = *reinterpret_cast<const v8*>(q.cut.data() + g);
+        if (j < lo && !any(*reinterpret_cast<const v8*>(row + g) > c))
+          continue;
+        for (int64_t i = g; i < g + 8; ++i)
+          if (q.at[i] >= 0 && j < q.at[i] - s.far_from && row[i] > q.cut[i]) {
+            m.best[i].offer(row[i], s.far_keys);
+            q.cut[i] = m.best[i].cut(s.far_keys);
+          }
+      }
+    }
+  }
+
+  // Rows [lo, n): for each query slot, whether key j is read and its
+  // score as read (its own at -1e5), as vectors of 8 slots from `g`.
+  v8i kept(int64_t j, int64_t g, const Slots& q, v8 x) const {
+    const v8i p = *reinterpret_cast<const v8i*>(q.at.data() + g);
+    v8i keep = p >= int32_t(j);
+    if (s.far_keys > 0)  // Far for this query and below its cut: masked.
+      keep &= ~((p - int32_t(s.far_from) > int32_t(j)) &
+                (x < *reinterpret_cast<const v8*>(q.cut.data() + g)));
+    return keep;
+  }
+  v8 as_read(int64_t j, int64_t g, const Slots& q, v8 x) const {
+    const v8i p = *reinterpret_cast<const v8i*>(q.at.data() + g);
+    const v8i own = (p == int32_t(j)) & reinterpret_cast<v8i>(v8{} + 1e5f);
+    return x - reinterpret_cast<v8>(own);
+  }
+
   void one(int64_t task) const {
     const int64_t L = s.n_q, W = s.width, K = s.far_keys;
     const float* q = this->q + task * L * W;
-    float* cache = this->keys + task * s.mem * W;
-    const float* keys = cache;
-    const float* fresh = this->fresh + task * L * W;
+    float* keys = this->keys + task * s.mem * W;
     const int32_t* pos = this->pos + task * L;
     float* out = this->out + task * L * s.dv;
     Scratch& m = scratch;
@@ -213,92 +263,74 @@ struct Call {
     }
     // The queries' own keys into the cache first (then every key read is
     // the cache's), as a dynamic-update-slice writes them.
-    const int64_t at0 = std::clamp<int64_t>(L ? pos[0] : 0, 0, s.mem - L);
-    std::memcpy(cache + at0 * W, fresh, L * W * sizeof(float));
+    const int64_t at0 = std::clamp<int64_t>(pos[0], 0, s.mem - L);
+    std::memcpy(keys + at0 * W, fresh + task * L * W, L * W * sizeof(float));
     const int64_t n = std::clamp<int64_t>(p_max + 1, 0, s.mem);
     std::fill(out, out + L * s.dv, 0.f);
     if (n == 0) return;
     if (int64_t(m.scores.size()) < n * ld) m.scores.resize(n * ld);
     float* S = m.scores.data();
     score(q, keys, n, ld, S, m);
-    // Per query slot (8 a vector): position (-1: a pad slot, reads
-    // nothing), the far keys' cut, the largest kept score, the sum.
-    std::vector<int32_t> at(ld, -1);
-    for (int64_t i = 0; i < L; ++i) at[i] = pos[i];
+    Slots slot{std::vector<int32_t>(ld, -1), std::vector<float>(ld, kInf),
+               std::vector<float>(ld, -kInf), std::vector<float>(ld, 0.f)};
+    for (int64_t i = 0; i < L; ++i) slot.at[i] = pos[i], slot.cut[i] = -kInf;
     // Keys before `lo` are far for every query; from `lo` each key is
-    // read by the rule of the query (near, far, after).
+    // read by the rule of its query (near, far, after: `kept`).
     const int64_t lo =
         K > 0 ? std::clamp<int64_t>(p_min - s.far_from, 0, n) : 0;
     m.best.assign(ld, Best{});
-    // A pad slot's cut is +inf: no key is far-kept for it.
-    std::vector<float> cut(ld, kInf);
-    for (int64_t i = 0; i < L; ++i) cut[i] = -kInf;
     if (K > 0) {
-      const int64_t far_end = std::clamp<int64_t>(p_max - s.far_from, 0, n);
-      for (int64_t j = 0; j < far_end; ++j) {
-        const float* row = S + j * ld;
-        for (int64_t g = 0; g < ld; g += 8) {
-          const v8 c = *reinterpret_cast<const v8*>(cut.data() + g);
-          if (j < lo && !any(*reinterpret_cast<const v8*>(row + g) > c))
-            continue;
-          for (int64_t i = g; i < g + 8; ++i)
-            if (at[i] >= 0 && j < at[i] - s.far_from && row[i] > cut[i]) {
-              m.best[i].offer(row[i], K);
-              cut[i] = m.best[i].cut(K);
-            }
-        }
-      }
+      far_cuts(S, ld, lo, std::clamp<int64_t>(p_max - s.far_from, 0, n),
+               slot, m);
+      for (int64_t i = 0; i < L; ++i)
+        if (m.best[i].count > 0) slot.top[i] = m.best[i].top[0];
     }
-    std::vector<float> top(ld, -kInf), sum(ld, 0.f);
-    for (int64_t i = 0; i < L; ++i) {
-      if (K > 0) {
-        cut[i] = m.best[i].cut(K);
-        if (m.best[i].count > 0) top[i] = m.best[i].top[0];
+    for (int64_t j = lo; j < n; ++j)  // The largest score read, from lo.
+      for (int64_t g = 0; g < ld; g += 8) {
+        const v8 x = *reinterpret_cast<const v8*>(S + j * ld + g);
+        v8& t = *reinterpret_cast<v8*>(slot.top.data() + g);
+        const v8 r = as_read(j, g, slot, x);
+        t = kept(j, g, slot, x) & (r > t) ? r : t;
       }
-      const int64_t near = K > 0 ? std::max<int64_t>(lo, at[i] - s.far_from) : 0;
-      for (int64_t j = near; j < std::min<int64_t>(at[i], n); ++j)
-        top[i] = std::max(top[i], S[j * ld + i]);
-      if (at[i] < n) top[i] = std::max(top[i], S[at[i] * ld + i] - 1e5f);
-    }
-    // The far keys kept (before `lo`): each one's value added alone.
-    if (K > 0)
-      for (int64_t j = 0; j < lo; ++j) {
-        const float* row = S + j * ld;
-        for (int64_t g = 0; g < ld; g += 8) {
-          const v8 c = *reinterpret_cast<const v8*>(cut.data() + g);
-          if (!any(*reinterpret_cast<const v8*>(row + g) >= c)) continue;
-          for (int64_t i = g; i < std::min(g + 8, L); ++i)
-            if (row[i] >= cut[i]) {
-              const float e = std::exp(row[i] - top[i]);
-              sum[i] += e;
-              const float* v = keys + j * W + s.v_at;
-              for (int64_t c2 = 0; c2 < s.dv; ++c2) out[i * s.dv + c2] += e * v[c2];
-            }
-        }
-      }
-    // From `lo`: each score becomes its probability (unnormalized).
-    for (int64_t j = lo; j < n; ++j) {
+    far_values(S, ld, lo, keys, slot, out);
+    for (int64_t j = lo; j < n; ++j) {  // Probabilities (unnormalized).
       float* row = S + j * ld;
       for (int64_t g = 0; g < ld; g += 8) {
-        const v8i p = *reinterpret_cast<const v8i*>(at.data() + g);
         const v8 x = *reinterpret_cast<const v8*>(row + g);
-        v8i kept = (p >= int32_t(j));
-        if (K > 0)  // Far for this query and below its cut: masked.
-          kept &= ~((p - int32_t(s.far_from) > int32_t(j)) &
-                    (x < *reinterpret_cast<const v8*>(cut.data() + g)));
-        const v8 self = reinterpret_cast<v8>((p == int32_t(j)) & reinterpret_cast<v8i>(v8{} + 1e5f));
-        v8 e = vexp(x - self - *reinterpret_cast<const v8*>(top.data() + g));
-        e = reinterpret_cast<v8>(reinterpret_cast<v8i>(e) & kept);
+        const v8 t = *reinterpret_cast<const v8*>(slot.top.data() + g);
+        const v8 e = reinterpret_cast<v8>(
+            reinterpret_cast<v8i>(vexp(as_read(j, g, slot, x) - t)) &
+            kept(j, g, slot, x));
         *reinterpret_cast<v8*>(row + g) = e;
-        *reinterpret_cast<v8*>(sum.data() + g) += e;
+        *reinterpret_cast<v8*>(slot.sum.data() + g) += e;
       }
     }
     // out += P^T V over keys [lo, n): the values' columns of each key.
     gemm(L, s.dv, n - lo, S + lo * ld, 1, ld, keys + lo * W + s.v_at, W, out,
          s.dv, true);
     for (int64_t i = 0; i < L; ++i) {
-      const float scale = sum[i] > 0.f ? 1.f / sum[i] : 0.f;
+      const float scale = slot.sum[i] > 0.f ? 1.f / slot.sum[i] : 0.f;
       for (int64_t c = 0; c < s.dv; ++c) out[i * s.dv + c] *= scale;
+    }
+  }
+
+  // The far keys kept (before `lo`: far for every query), each one's
+  // value added alone (a few a query).
+  void far_values(const float* S, int64_t ld, int64_t lo, const float* keys,
+                  Slots& q, float* out) const {
+    for (int64_t j = 0; j < lo; ++j) {
+      const float* row = S + j * ld;
+      for (int64_t g = 0; g < ld; g += 8) {
+        const v8 c = *reinterpret_cast<const v8*>(q.cut.data() + g);
+        if (!any(*reinterpret_cast<const v8*>(row + g) >= c)) continue;
+        for (int64_t i = g; i < std::min(g + 8, s.n_q); ++i)
+          if (row[i] >= q.cut[i]) {
+            const float e = std::exp(row[i] - q.top[i]);
+            q.sum[i] += e;
+            const float* v = keys + j * s.width + s.v_at;
+            for (int64_t c = 0; c < s.dv; ++c) out[i * s.dv + c] += e * v[c];
+          }
+      }
     }
   }
 };
