@@ -80,7 +80,7 @@ def lsh_block(self, x, weights, state, rng, n):
   del rng  # Dropout is off outside training.
   memory = Memory.of(state)
   s = LSHState.of(memory.heads)
-  batch, length = x.shape[:2]
+  batch = x.shape[0]
   q_start = memory.mem_end
   # The block into the memory of inputs first, then its rows before read
   # from it (the same: the block writes from q_start on): a read of the
@@ -101,19 +101,9 @@ def lsh_block(self, x, weights, state, rng, n):
   )
   own = decode_index.own_buckets(self, decode_state.flat(qb))
   x_q = self.query_rows(mem[0], x, q_start)
-  mem_len = s.keys.shape[1]
-  n_keep = min(decode_select.keep_count(self), mem_len)
-  if memory_attention.applies(self, n_keep, mem_len, s.keys.dtype):
-    positions = q_start + jnp.arange(length, dtype=jnp.int32)
-    out, keys = memory_attention.attend(
-      self, x_q, weights, q, parts, s.keys, positions
-    )
-    out = out.astype(x.dtype)
-  else:
-    keys = decode_keys.write_keys(s.keys, decode_state.flat(parts), q_start)
-    out = _attend_all(
-      self, x_q, weights, q, qb, s.ring, own, buckets, keys, q_start
-    )
+  out, keys = _attend_and_write(
+    self, x_q, weights, (q, qb, parts), s, (own, buckets), q_start
+  )
 
   def write(i, index):
     return decode_index.write_index(*index, own[:, i], q_start + i)
@@ -128,6 +118,30 @@ def lsh_block(self, x, weights, state, rng, n):
   )
   new_memory = Memory(q_start + n, mem, new)
   return out, new_memory.plain()
+
+
+def _attend_and_write(self, x_q, weights, heads, s, index, q_start):
+  """A block's attention (`[batch, length, d_model]`, summed over heads)
+  and the key cache with its keys written (`heads`: the block's queries,
+  buckets and `_key_parts` by head; `index`: its own buckets and the
+  buckets written): by the fused kernel, which writes them, where every
+  key up to each query is kept (`memory_attention`), else
+  `_attend_all` after `decode_keys.write_keys`."""
+  q, qb, parts = heads
+  own, buckets = index
+  mem_len = s.keys.shape[1]
+  n_keep = min(decode_select.keep_count(self), mem_len)
+  if memory_attention.applies(self, n_keep, mem_len, s.keys.dtype):
+    positions = q_start + jnp.arange(x_q.shape[1], dtype=jnp.int32)
+    out, keys = memory_attention.attend(
+      self, x_q, weights, q, parts, s.keys, positions
+    )
+    return out.astype(x_q.dtype), keys
+  keys = decode_keys.write_keys(s.keys, decode_state.flat(parts), q_start)
+  out = _attend_all(
+    self, x_q, weights, q, qb, s.ring, own, buckets, keys, q_start
+  )
+  return out, keys
 
 
 def _project(self, rows, w_h, turns_h):
