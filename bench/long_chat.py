@@ -14,7 +14,8 @@ server's and the REPL's engine; unseeded sampling, 8 reply tokens), twice
 - follow-ups: the same conversation, the reply, and one more question:
   only the new tokens are read, then the first reply token; `--follow-ups`
   of them in a row (each after the last one's reply), their median
-  reported with the lowest and highest.
+  reported with the lowest and highest; and the time of each reply token
+  after the first (a step of one token; median over the follow-ups).
 The conversation is never trimmed (it is checked to fit the context).
 """
 
@@ -61,19 +62,18 @@ def conversation(turns, tok, length: int) -> list[tuple[str, str]]:
   return out
 
 
-_TOKENS: list[float] = []  # When each reply's first token came.
+_TOKENS: list[float] = []  # When each of a reply's tokens came.
 
 
 def _clocked(generate):
-  """`generate.generate` noting when its first token comes (the reply's
-  first text may wait for a second token: a piece that shows nothing)."""
+  """`generate.generate` noting when each token comes (the reply's first
+  text may wait for a second token: a piece that shows nothing)."""
 
   def clocked(*args, **kwargs):
     tokens = generate(*args, **kwargs)
     try:
-      for n, token in enumerate(tokens):
-        if n == 0:
-          _TOKENS.append(time.perf_counter())
+      for token in tokens:
+        _TOKENS.append(time.perf_counter())
         yield token
     finally:
       tokens.close()  # Feeds its last token, as the engine's close does.
@@ -84,13 +84,16 @@ def _clocked(generate):
 engine.generate.generate = _clocked(engine.generate.generate)
 
 
-def timed(convs, messages, settings) -> tuple[float, dict]:
-  """Seconds to the reply's first token, and the result."""
+def timed(convs, messages, settings) -> tuple[float, float | None, dict]:
+  """Seconds to the reply's first token, seconds a token after it (None:
+  one token), and the result."""
   _TOKENS.clear()
   started = time.perf_counter()
   job = engine.Request(list(messages), settings)
   result = convs.run(job, threading.Event())
-  return (_TOKENS or [time.perf_counter()])[0] - started, result
+  clock = _TOKENS or [time.perf_counter()]
+  each = (clock[-1] - clock[0]) / (len(clock) - 1) if len(clock) > 1 else None
+  return clock[0] - started, each, result
 
 
 def main(argv=None):
@@ -123,32 +126,35 @@ def main(argv=None):
   print(
     '| conversation | first read, to the first reply token | '
     f'follow-up: tokens read | follow-up: first reply token (median of '
-    f'{args.follow_ups}; lowest-highest) |'
+    f'{args.follow_ups}; lowest-highest) | a reply token after the first '
+    '(median) |'
   )
-  print('|---:|---:|---:|---:|')
+  print('|---:|---:|---:|---:|---:|')
   for length in args.lengths:
     messages = conversation(turns, tok, length)
     for _ in range(2):  # The first pass compiles; the second is timed.
       convs = engine.Conversations(decoder)
       asked = messages + [(chatformat.USER, 'How are you?')]
-      read, result = timed(convs, asked, settings)
+      read, _, result = timed(convs, asked, settings)
       if result['dropped_turns']:
         sys.exit(f'{length} tokens do not fit the context: trimmed')
       read_tokens = result['prompt_tokens']
-      firsts, history = [], asked
+      firsts, later, history = [], [], asked
       for n in range(args.follow_ups):
         history = history + [
           (chatformat.AI, result['text'] or '.'),
           (chatformat.USER, FOLLOW_UPS[n % len(FOLLOW_UPS)]),
         ]
-        first, result = timed(convs, history, settings)
+        first, each, result = timed(convs, history, settings)
         firsts.append(first)
+        later += [] if each is None else [each]
     new = result['prompt_tokens'] - result['reused_tokens']
     firsts.sort()
+    each = f'{sorted(later)[len(later) // 2] * 1000:.1f} ms' if later else '-'
     print(
       f'| {read_tokens:,} tokens | {read:.2f} s | {new} | '
       f'{firsts[len(firsts) // 2] * 1000:.1f} ms ({firsts[0] * 1000:.1f}-'
-      f'{firsts[-1] * 1000:.1f}) |'
+      f'{firsts[-1] * 1000:.1f}) | {each} |'
     )
 
 
