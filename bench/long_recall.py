@@ -508,7 +508,9 @@ def main(argv=None):
   )
   parser.add_argument('--most-chars', type=int, default=80_000)
   parser.add_argument('--seed', type=int, default=0)
-  parser.add_argument('--seeds', default='0')
+  parser.add_argument(
+    '--seeds', nargs='+', default=['0'], help='run: 0,1,2 or 0 1 2'
+  )
   parser.add_argument('--distances', default='1000,4000,12000,24000')
   parser.add_argument('--samples', type=int, default=6)
   parser.add_argument('--n-hashes', type=int, default=None)
@@ -577,6 +579,10 @@ def main(argv=None):
   )
   parser.add_argument('--data', default=None)
   args, extra = parser.parse_known_args(argv)
+  seeds = [s for part in args.seeds for s in part.split(',') if s]
+  if not all(s.isdigit() for s in seeds):
+    parser.error(f'--seeds {" ".join(args.seeds)}: write seeds as 0,1,2')
+  seeds = [int(s) for s in seeds]
   distances = [int(d) for d in args.distances.split(',')]
   n = args.conversations or 4000
   if args.what == 'data':
@@ -637,7 +643,7 @@ def main(argv=None):
   configs = args.config or RECIPE
   n_hashes = args.n_hashes  # None: the model's own (`chat.n_hashes`).
   binds = [part for b in args.bind for part in ('--bind', b)]
-  for seed in [int(s) for s in args.seeds.split(',')]:
+  for seed in seeds:
     out, seconds = train(args.path, configs, data, seed, [*binds, *extra])
     rows = score(
       out,

@@ -5,6 +5,7 @@ it stated, in phrasings the measurement never uses."""
 import re
 
 import numpy as np
+import pytest
 
 from src.analysis import long_recall
 
@@ -330,3 +331,28 @@ def test_variant_practice_copies_a_known_stem_with_a_new_ending():
     for _ in range(3)
   ]
   assert plain == off
+
+
+def test_run_takes_seeds_with_commas_or_spaces(tmp_path, monkeypatch, capsys):
+  """`run --seeds 0,1` and `--seeds 0 1` train the same seeds (the second
+  once passed "1" on to train.py, which stopped on it); a seed that is not
+  a whole number is one usage line, before anything is written."""
+  from bench import long_recall as bench
+
+  trained = []
+  monkeypatch.setattr(bench, 'score', lambda *a, **k: [])
+  monkeypatch.setattr(
+    bench,
+    'train',
+    lambda w, c, d, seed, extra: trained.append(seed) or ('o', []),
+  )
+  monkeypatch.setattr(bench, 'table', lambda results: '')
+  (tmp_path / 'data').mkdir()
+  bench.main(['run', str(tmp_path), '--seeds', '0,1'])
+  bench.main(['run', str(tmp_path), '--seeds', '2', '3'])
+  assert trained == [0, 1, 2, 3]
+  with pytest.raises(SystemExit) as stop:
+    bench.main(['run', str(tmp_path / 'new'), '--seeds', '0', 'x'])
+  assert stop.value.code == 2
+  assert '--seeds 0 x: write seeds as 0,1,2' in capsys.readouterr().err
+  assert not (tmp_path / 'new').exists()
