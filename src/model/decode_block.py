@@ -129,9 +129,7 @@ def _attend_and_write(self, x_q, weights, heads, s, index, q_start):
   `_attend_all` after `decode_keys.write_keys`."""
   q, qb, parts = heads
   own, buckets = index
-  mem_len = s.keys.shape[1]
-  n_keep = min(decode_select.keep_count(self), mem_len)
-  if memory_attention.applies(self, n_keep, mem_len, s.keys.dtype):
+  if memory_attention.applies(self, s.keys):
     positions = q_start + jnp.arange(x_q.shape[1], dtype=jnp.int32)
     out, keys = memory_attention.attend(
       self, x_q, weights, q, parts, s.keys, positions

@@ -272,9 +272,7 @@ def indexed_layer_step(self, x, weights, state, rng):
   own = decode_state.flat(decode_index.own_buckets(self, qb))
   ring, counts = decode_index.write_index(s.ring, s.counts, own, q_start)
   x_q = self.query_rows(appended.inputs[0], x, q_start)
-  mem_len = s.keys.shape[1]
-  n_keep = min(decode_select.keep_count(self), mem_len)
-  if memory_attention.applies(self, n_keep, mem_len, s.keys.dtype):
+  if memory_attention.applies(self, s.keys):
     at = jnp.reshape(q_start, (1,)).astype(jnp.int32)
     out, keys = memory_attention.attend(
       self, x_q, weights, q[:, :, :1], parts, s.keys, at

@@ -39,13 +39,16 @@ def switched_off() -> bool:
   return os.environ.get('JADE_MEMORY_KERNEL', 'on').strip().lower() == 'off'
 
 
-def applies(self, n_keep: int, mem: int, dtype) -> bool:
-  """Whether a wide layer's read of every key up to its queries (`n_keep
-  >= mem`: `decode_select.keep_mask` unranked) runs the kernel here."""
+def applies(self, keys) -> bool:
+  """Whether a layer whose key cache is `keys` (`[batch * heads, mem,
+  width]`, the state's) reads it through the kernel here: a wide layer
+  that keeps every key up to its queries (`decode_select.keep_count` at
+  least its memory: `keep_mask` unranked), in float32."""
+  mem = keys.shape[1]
   return (
-    n_keep >= mem
+    decode_select.keep_count(self) >= mem
     and decode_select.reads_memory(self, mem)
-    and dtype == jnp.float32
+    and keys.dtype == jnp.float32
     and 0 <= self._far_keys <= MAX_FAR_KEYS
     and not switched_off()
     and kernels.available()
