@@ -509,6 +509,12 @@ def test_a_tied_models_chunked_loss_and_gradients_are_its_logits(how):
   fused = losses.chunked_model(m, 16)
   full = tl.Serial(m, tl.WeightedCategoryCrossEntropy())
   key = jax.random.PRNGKey(0)
+  # 'only' scores `h C` against the embedding's matrix itself: the loss's
+  # products in d_model (128), not in the features (256) of a merged kernel.
+  h, matrix = np.ones((3, 256), np.float32), np.ones((40, 128), np.float32)
+  rows, kernel, _ = m.sublayers[-1].loss_operands(h, matrix)
+  width = 256 if how == 'True' else 128
+  assert (rows.shape, kernel.shape) == ((3, width), (width, 40))
 
   def loss_of(layer, w, st):
     return layer.pure_fn((x, x, mask), w, st, key)[0]

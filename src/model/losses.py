@@ -258,7 +258,8 @@ class OutputWeights(_Wraps):
   the output layer's (read and written through), so the training model has
   exactly the model's weight structure: checkpoints and the eval and
   predict models are unchanged. A tied output layer (`tied.TiedOutput`)
-  also reads the embedding's matrix from the stack, into its kernel.
+  also reads the embedding's matrix from the stack and says what rows
+  and kernel the loss scores (`loss_operands`).
   """
 
   def __init__(self, head, dense_index: int | None):
@@ -271,8 +272,7 @@ class OutputWeights(_Wraps):
 
   def forward(self, x):
     if isinstance(self._wrapped, tied.TiedOutput):
-      h, matrix = x  # The embedding's, read by the kernel.
-      return (h, *self._wrapped.kernel_and_bias(matrix))
+      return self._wrapped.loss_operands(*x)  # (h, the embedding's matrix)
     weights = self.weights
     kernel, bias = weights if self._index is None else weights[self._index]
     return x, kernel, bias

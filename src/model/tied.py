@@ -78,8 +78,8 @@ class TiedOutput(tl.Layer):
   def forward(self, inputs):
     # `h C` first: a reply token's logits then cost `features x d_model +
     # d_model x vocab` products, not the merged kernel's
-    # `features x d_model x vocab` (`kernel_and_bias`, for training,
-    # which scores many rows with one kernel).
+    # `features x d_model x vocab` (`loss_operands`, for training,
+    # which scores many rows with one kernel where a token has its own).
     h, matrix = inputs
     *kernel, bias, copy = self.weights
     through = jnp.matmul(h @ copy, matrix.T)
@@ -87,12 +87,21 @@ class TiedOutput(tl.Layer):
       return jnp.matmul(h, kernel[0]) + through + bias
     return through + bias
 
-  def kernel_and_bias(self, matrix):
-    """The kernel (`[features, vocab]`: the own one, if any, plus `copy`
-    against the embedding's matrix, `[vocab, d_model]`) and the bias."""
+  def loss_operands(self, h, matrix):
+    """What training's loss scores, `(rows, kernel, bias)`, the logits
+    being `rows @ kernel + bias`, many rows at once. With a column of
+    each token's own, the rows are `h` and the kernel the own one plus
+    `copy` against the embedding's matrix (`[vocab, d_model]`): `[features,
+    vocab]`. Through the embedding alone (`own=False`) the rows are `h C`
+    and the kernel the matrix itself, `[d_model, vocab]`: the same
+    logits in fewer products, `features x d_model + 3 d_model x vocab` a
+    row with the gradients where the merged kernel takes `3 features x
+    vocab` (the walkthrough's loss 1.6-1.9x faster: BENCHMARKS.md "The
+    output read through the embedding in its own width")."""
     *kernel, bias, copy = self.weights
-    through = copy @ matrix.T
-    return (kernel[0] + through if kernel else through), bias
+    if not kernel:
+      return h @ copy, matrix.T, bias
+    return h, kernel[0] + copy @ matrix.T, bias
 
   def init_weights_and_state(self, input_signature):
     features = input_signature[0].shape[-1]
