@@ -27,8 +27,8 @@ A profiled run's step times include the profile's own cost. A matrix
 product (`dot`) with Eigen is recorded only while it is handed to the
 pool: its work runs after its event ends, as unnamed tasks, so products
 read as a few microseconds and a step's "operation running" time leaves
-them out (a step of run 2: 169 of 276 ms, where `perf` found the CPUs
-busy 98% of it, ~38% in the product kernels).
+them out (a step of run 2: 169 of 276 ms, where the process used 1.94
+of 2 cores and `perf` found ~38% of the samples in the product kernels).
 """
 
 from __future__ import annotations
