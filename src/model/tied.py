@@ -96,8 +96,8 @@ class TiedOutput(tl.Layer):
     and the kernel the matrix itself, `[d_model, vocab]`: the same
     logits in fewer products, `features x d_model + 3 d_model x vocab` a
     row with the gradients where the merged kernel takes `3 features x
-    vocab` (the walkthrough's loss 1.6-1.9x faster: BENCHMARKS.md "The
-    output read through the embedding in its own width")."""
+    vocab` (the walkthrough's loss 1.5-2.0x faster: BENCHMARKS.md "The
+    loss read through the embedding in its own width")."""
     *kernel, bias, copy = self.weights
     if not kernel:
       return h @ copy, matrix.T, bias
