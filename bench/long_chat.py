@@ -147,7 +147,8 @@ def main(argv=None):
         ]
         first, each, result = timed(convs, history, settings)
         firsts.append(first)
-        later += [] if each is None else [each]
+        if each is not None:  # A reply of one token has no later ones.
+          later.append(each)
     new = result['prompt_tokens'] - result['reused_tokens']
     firsts.sort()
     each = f'{sorted(later)[len(later) // 2] * 1000:.1f} ms' if later else '-'
