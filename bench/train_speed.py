@@ -42,7 +42,10 @@ Every contender runs at each vocabulary of `--vocabs` (the peer computes
 its full logits; Jade its chunked output loss). The table's header names
 the CPU, its vector instruction family and the measured matmul peak (a
 4096 x 4096 float32 product under JAX, best of 5), against which the
-achieved FLOP/s are set unless `--peak-gflops` gives another.
+achieved FLOP/s are set unless `--peak-gflops` gives another; on a CPU
+with bfloat16 dot instructions also the same product's with bfloat16
+inputs and float32 sums (YNNPACK's products), against which the
+bfloat16 contenders' FLOP/s are set too ("% of bf16 peak").
 
 Reported: tokens/s (median of the timed steps; the first steps, which
 compile, are reported separately), peak RSS of the process, and achieved
@@ -286,6 +289,25 @@ def matmul_peak():
   return preflight.device_flops_per_second(4096, 4096, 4096, 5) / 1e9
 
 
+def matmul_peak_bf16():
+  """GFLOP/s of the same product with bfloat16 inputs and float32 sums,
+  as the bfloat16 contenders' products run (YNNPACK's products, which
+  train.py turns on for them); None on a CPU without bfloat16 dot
+  instructions, where those contenders' products are not bfloat16."""
+  from src import runtime
+
+  runtime.bootstrap(bf16_products=True)
+  import jax
+
+  from src.model import preflight
+  from src.runtime import xla
+
+  if not xla.cpu_bf16_dot():
+    return None
+  bf16 = jax.numpy.bfloat16
+  return preflight.device_flops_per_second(4096, 4096, 4096, 5, bf16) / 1e9
+
+
 def blas_peak():
   """GFLOP/s of numpy's BLAS (OpenBLAS in numpy's wheels) for the same
   4096^3 float32 product, best of 3: on some CPUs far above JAX's (an AVX2
@@ -360,6 +382,9 @@ TUNED_ENV = {
 def child(args):
   if args.child == 'peak':
     print(json.dumps({'gflops': matmul_peak(), 'blas_gflops': blas_peak()}))
+    return
+  if args.child == 'peak-bf16':
+    print(json.dumps({'gflops': matmul_peak_bf16()}))
     return
   kwargs = {'with_eval': True} if args.eval else {}
   if args.child == 'jade-xla-attend':
@@ -446,7 +471,7 @@ def measure(
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--child', choices=[*CONTENDERS, 'peak'])
+  parser.add_argument('--child', choices=[*CONTENDERS, 'peak', 'peak-bf16'])
   parser.add_argument('--length', type=int, default=8192)
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--vocab', type=int, default=VOCAB)
@@ -523,10 +548,12 @@ def main():
         results.append(r)
         print(json.dumps(r), flush=True)
   jax_peak, blas = measured_peak()
+  bf16_peak = measured_peak('peak-bf16')[0]
   machine = {
     'cpu': cpu_name(),
     'matmul_peak_gflops': jax_peak,
     'blas_peak_gflops': blas,
+    'bf16_matmul_peak_gflops': bf16_peak,
   }
   peak = args.peak_gflops or jax_peak
   if args.json:
@@ -536,22 +563,24 @@ def main():
     f'{machine["cpu"]}; matmul peak (4096^3 float32) '
     + (f'{jax_peak:.0f} GFLOP/s under JAX' if jax_peak else 'not measured')
     + (f", {blas:.0f} under numpy's BLAS" if blas else '')
+    + (f'; bfloat16 inputs, float32 sums: {bf16_peak:.0f}' if bf16_peak else '')
   )
-  print_table(results, peak, blas)
+  print_table(results, peak, blas, bf16_peak)
 
 
-def measured_peak():
+def measured_peak(which: str = 'peak'):
   """(JAX's, numpy's BLAS's) matmul peak in GFLOP/s, measured in a child
-  process (None where it failed)."""
+  process (None where it failed); `which` 'peak-bf16': (the bfloat16
+  product's under JAX, None)."""
   r = subprocess.run(
-    [sys.executable, os.path.abspath(__file__), '--child', 'peak'],
+    [sys.executable, os.path.abspath(__file__), '--child', which],
     capture_output=True,
     text=True,
     cwd=ROOT,
   )
   try:
     peaks = json.loads(r.stdout.strip().splitlines()[-1])
-    return peaks['gflops'], peaks['blas_gflops']
+    return peaks['gflops'], peaks.get('blas_gflops')
   except (ValueError, IndexError, KeyError):
     return None, None
 
@@ -572,19 +601,21 @@ def _best_peers(results, bf16: bool) -> dict:
   return best
 
 
-def print_table(results, peak, blas=None):
+def print_table(results, peak, blas=None, bf16_peak=None):
+  """The table; a bfloat16 contender's (`-bf16`) FLOP/s are also set
+  against the bfloat16 product's peak (`bf16_peak`), where measured."""
   peer, peer_bf16 = _best_peers(results, False), _best_peers(results, True)
   print(
     '| contender | length | vocab | tokens/s | vs best peer | vs bf16 peer | '
     'peak RSS GB | RSS vs best peer | GFLOP/s | % of peak | % of BLAS peak | '
-    'compile+first steps s |'
+    '% of bf16 peak | compile+first steps s |'
   )
-  print('|---|---|---|---|---|---|---|---|---|---|---|---|')
+  print('|---|---|---|---|---|---|---|---|---|---|---|---|---|')
   for r in results:
     if 'error' in r:
       print(
         f'| {r["name"]} | {r["length"]} | {r["vocab"]} | {r["error"]} '
-        '| | | | | | | | |'
+        '| | | | | | | | | |'
       )
       continue
     at = (r['length'], r.get('asked_vocab', r['vocab']))
@@ -594,11 +625,14 @@ def print_table(results, peak, blas=None):
     rss = f'{r["peak_rss_gb"] / p["peak_rss_gb"]:.2f}x' if p else ''
     share = f'{100 * r["gflops"] / peak:.1f}%' if peak else ''
     of_blas = f'{100 * r["gflops"] / blas:.1f}%' if blas else ''
+    low = bf16_peak and r['name'].endswith('-bf16')
+    of_bf16 = f'{100 * r["gflops"] / bf16_peak:.1f}%' if low else ''
     print(
       f'| {r["name"]} | {r["length"]} | {r["vocab"]} | '
       f'{r["tokens_per_s"]:.0f} | {ratio} | {ratio_bf16} | '
       f'{r["peak_rss_gb"]:.2f} | {rss} | '
-      f'{r["gflops"]:.1f} | {share} | {of_blas} | {r["first_steps_s"]} |'
+      f'{r["gflops"]:.1f} | {share} | {of_blas} | {of_bf16} | '
+      f'{r["first_steps_s"]} |'
     )
 
 

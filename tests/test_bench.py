@@ -416,3 +416,35 @@ def test_preset_steps_trace_summary_counts_own_time_and_busy_time(tmp_path):
   assert 'own time 8.0 ms' in lines[0]  # The loop's 5 and the fusion's 3.
   own = {line.split()[2]: float(line.split()[0]) for line in lines[1:]}
   assert own == {'fusion.1': 3.0, 'dot.2': 2.0, 'while.1': 2.0, 'dot.1': 1.0}
+
+
+def test_train_speed_sets_bfloat16_contenders_against_the_bfloat16_peak(
+  capsys,
+):
+  """bench/train_speed.py's table: a bfloat16 contender's FLOP/s are also
+  a share of the bfloat16 product's peak (issue 54: 'of peak' counted
+  against the rate its products can reach); a float32 one's are not."""
+  from bench import train_speed
+
+  row = {'length': 1024, 'vocab': 500, 'peak_rss_gb': 1.0}
+  row.update(first_steps_s=1.0)
+  results = [
+    dict(row, name='jade', tokens_per_s=100.0, gflops=50.0),
+    dict(row, name='jade-bf16', tokens_per_s=160.0, gflops=80.0),
+  ]
+  train_speed.print_table(results, 100.0, None, 200.0)
+  lines = capsys.readouterr().out.splitlines()
+  assert '% of bf16 peak' in lines[0]
+  assert lines[2].startswith('| jade | ') and '| 50.0% |  |  |' in lines[2]
+  assert '| 80.0% |  | 40.0% |' in lines[3]
+
+
+def test_matmul_rate_of_bfloat16_inputs_is_measured():
+  """`preflight.device_flops_per_second` times a product of bfloat16
+  inputs (float32 sums) as it times float32 ones."""
+  import jax
+
+  from src.model import preflight
+
+  rate = preflight.device_flops_per_second(64, 64, 64, 2, jax.numpy.bfloat16)
+  assert rate > 0

@@ -396,14 +396,16 @@ def _buckets(n_buckets, length: int, chunk: int) -> int:
 
 
 def device_flops_per_second(
-  m: int = 1024, k: int = 512, n: int = 2048, repeats: int = 10
+  m: int = 1024, k: int = 512, n: int = 2048, repeats: int = 10, dtype=None
 ) -> float:
-  """Measured rate of a float32 `[m, k] x [k, n]` matrix product on the
-  first device (best of `repeats`); bench/train_speed.py's matmul peak is
-  this at 4096^3."""
-  x = jax.numpy.ones((m, k), jax.numpy.float32)
-  y = jax.numpy.ones((k, n), jax.numpy.float32)
-  f = jax.jit(lambda x, y: x @ y)
+  """Measured rate of a `[m, k] x [k, n]` matrix product on the first
+  device (best of `repeats`), its inputs `dtype` (float32 unless given;
+  sums in float32); bench/train_speed.py's matmul peaks are this at
+  4096^3."""
+  f32 = jax.numpy.float32
+  x = jax.numpy.ones((m, k), dtype or f32)
+  y = jax.numpy.ones((k, n), dtype or f32)
+  f = jax.jit(lambda x, y: jax.numpy.matmul(x, y, preferred_element_type=f32))
   f(x, y).block_until_ready()
   best = float('inf')
   for _ in range(repeats):
