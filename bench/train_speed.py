@@ -625,8 +625,8 @@ def print_table(results, peak, blas=None, bf16_peak=None):
     rss = f'{r["peak_rss_gb"] / p["peak_rss_gb"]:.2f}x' if p else ''
     share = f'{100 * r["gflops"] / peak:.1f}%' if peak else ''
     of_blas = f'{100 * r["gflops"] / blas:.1f}%' if blas else ''
-    low = bf16_peak and r['name'].endswith('-bf16')
-    of_bf16 = f'{100 * r["gflops"] / bf16_peak:.1f}%' if low else ''
+    is_bf16 = bf16_peak and r['name'].endswith('-bf16')
+    of_bf16 = f'{100 * r["gflops"] / bf16_peak:.1f}%' if is_bf16 else ''
     print(
       f'| {r["name"]} | {r["length"]} | {r["vocab"]} | '
       f'{r["tokens_per_s"]:.0f} | {ratio} | {ratio_bf16} | '
