@@ -278,34 +278,26 @@ def run_full(length, steps, vocab):
   return times, vocab
 
 
-def matmul_peak():
+def matmul_peak(bf16: bool = False):
   """GFLOP/s of this machine's best float32 matrix product under JAX (the
-  project's XLA flags): 4096 x 4096 x 4096, best of 5."""
+  project's XLA flags): 4096 x 4096 x 4096, best of 5. `bf16`: the same
+  product with bfloat16 inputs and float32 sums, as the bfloat16
+  contenders' products run (YNNPACK's products, which train.py turns on
+  for them); None on a CPU without bfloat16 dot instructions, where those
+  contenders' products are not bfloat16. One form a process: the flags
+  differ."""
   from src import runtime
 
-  runtime.bootstrap()
-  from src.model import preflight
-
-  return preflight.device_flops_per_second(4096, 4096, 4096, 5) / 1e9
-
-
-def matmul_peak_bf16():
-  """GFLOP/s of the same product with bfloat16 inputs and float32 sums,
-  as the bfloat16 contenders' products run (YNNPACK's products, which
-  train.py turns on for them); None on a CPU without bfloat16 dot
-  instructions, where those contenders' products are not bfloat16."""
-  from src import runtime
-
-  runtime.bootstrap(bf16_products=True)
+  runtime.bootstrap(bf16_products=bf16)
   import jax
 
   from src.model import preflight
   from src.runtime import xla
 
-  if not xla.cpu_bf16_dot():
+  if bf16 and not xla.cpu_bf16_dot():
     return None
-  bf16 = jax.numpy.bfloat16
-  return preflight.device_flops_per_second(4096, 4096, 4096, 5, bf16) / 1e9
+  dtype = jax.numpy.bfloat16 if bf16 else None
+  return preflight.device_flops_per_second(4096, 4096, 4096, 5, dtype) / 1e9
 
 
 def blas_peak():
@@ -384,7 +376,7 @@ def child(args):
     print(json.dumps({'gflops': matmul_peak(), 'blas_gflops': blas_peak()}))
     return
   if args.child == 'peak-bf16':
-    print(json.dumps({'gflops': matmul_peak_bf16()}))
+    print(json.dumps({'gflops': matmul_peak(bf16=True)}))
     return
   kwargs = {'with_eval': True} if args.eval else {}
   if args.child == 'jade-xla-attend':

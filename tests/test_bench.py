@@ -426,8 +426,7 @@ def test_train_speed_sets_bfloat16_contenders_against_the_bfloat16_peak(
   against the rate its products can reach); a float32 one's are not."""
   from bench import train_speed
 
-  row = {'length': 1024, 'vocab': 500, 'peak_rss_gb': 1.0}
-  row.update(first_steps_s=1.0)
+  row = {'length': 1024, 'vocab': 500, 'peak_rss_gb': 1.0, 'first_steps_s': 1}
   results = [
     dict(row, name='jade', tokens_per_s=100.0, gflops=50.0),
     dict(row, name='jade-bf16', tokens_per_s=160.0, gflops=80.0),
