@@ -7,13 +7,13 @@ Builds the benchmark model of `bench/train_speed.py` (the same gin
 bindings, `jade_bindings`), takes its own layers and weights out of the
 Trax model and times each part alone under `jax.jit` (best of `--reps`):
 
-- in one LSH attention layer (its heads at once, under `vmap`, as Trax
-  runs them when `n_parallel_heads` is unset): the query/key and value
-  projections, the hashing,
+- in one LSH attention layer (its heads at once, under `vmap`, as the
+  benchmark model runs them: `n_parallel_heads` covers them): the
+  query/key and value projections, the hashing,
   the sort and the gathers into bucket order (`gather_rows`' kernel where
   it runs), the chunked attention (`attend`: scores, softmax, scores x
   values; the fused kernel where it runs), the unsort, the output
-  projection;
+  projection (the heads' summed in one product, `heads.project`);
 - one whole attention branch (layer norm + the LSH layer, all heads) and
   one feed-forward branch (layer norm + the chunked feed-forward), as the
   reversible block calls them;
@@ -163,8 +163,8 @@ def head_parts(layer, weights, x, reps):
   def unsort(so, slogits, undo, sticker):
     return attention._unsorted(so, slogits, undo, sticker, 1, n)
 
-  def output(o, wo):
-    return o @ wo
+  def output(o, wo):  # All heads in one product (src/model/heads.py).
+    return jnp.einsum('hnd,hde->ne', o, wo)
 
   q, v = each(project, None, 0, 0)(x, wq, wv)
   buckets = each(hashing)(q, turns)
@@ -203,7 +203,13 @@ def head_parts(layer, weights, x, reps):
       [0, 1],
       0,
     ),
-    ('output projection', each(output), (o, wo), [0, 1], 2 * n * D_HEAD * D),
+    (
+      'output projection (heads summed)',
+      output,
+      (o, wo),
+      [0, 1],
+      2 * n * D_HEAD * D,
+    ),
   ]
   out = []
   for name, fn, args, wrt, flops in rows:

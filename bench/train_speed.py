@@ -132,6 +132,9 @@ def jade_bindings(length):
     'LSHSelfAttention.n_hashes = 1',
     f'LSHSelfAttention.n_buckets = {length // CHUNK}',
     f'LSHSelfAttention.predict_mem_len = {length}',
+    # Every head in one call, as the peer runs them; the heads' output
+    # projection then runs as one product (src/model/heads.py).
+    f'LSHSelfAttention.n_parallel_heads = {HEADS}',
     # Feed-forwards over chunks of positions, as gin/reformer_32k.gin runs
     # them (the peer chunks its feed-forwards too: `ff_chunks=100`).
     f'ReformerLM.ff_chunk_size = {FF_CHUNK if length > FF_CHUNK else 0}',

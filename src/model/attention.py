@@ -49,6 +49,7 @@ from src.model import (
   decode_index,
   decode_state,
   gather_rows,
+  heads,
   lsh_hash,
 )
 from src.model.decode_state import shifted, unwrap
@@ -155,6 +156,11 @@ class _Ours:
     weights = super().create_weights_unbatched(input_signature, rng)
     return zero_output(self, weights)
 
+  def heads_at_once(self) -> bool:
+    """Whether `forward_unbatched` can stop before the output projection
+    (`project_output=False`), so that `heads` projects all heads at once."""
+    return False
+
   def _use_predict_mem(self, inputs, state):
     return decode_cache.use_predict_mem(
       self, inputs, state, super()._use_predict_mem
@@ -178,6 +184,10 @@ class _Ours:
         self, inputs, weights, state, rng
       )
       return out, new, None, None
+    if heads.applies(self, inputs):
+      return heads.forward_and_or_backward(
+        self, inputs, weights, unwrap(state), rng, **kwargs
+      )
     return super().forward_and_or_backward(
       inputs, weights, unwrap(state), rng, **kwargs
     )
@@ -205,10 +215,17 @@ class LocalSelfAttention(_Ours, tl.SelfAttention):
   Unchunked (full) attention is Trax's.
   """
 
-  def forward_unbatched(self, x, mask=None, *, weights, state, rng, **kw):
+  def heads_at_once(self) -> bool:
+    return not (self._bias or self._share_qk)
+
+  def forward_unbatched(
+    self, x, mask=None, *, weights, state, rng, project_output=True, **kw
+  ):
     """Trax 1.4.1's `SelfAttention.forward_unbatched` (own keys, no bias;
-    smeared where the class smears) through `chunk_attention.attend`."""
-    if self._bias or self._share_qk:
+    smeared where the class smears) through `chunk_attention.attend`; the
+    head's output before its projection where `project_output` is False
+    (`heads`)."""
+    if not self.heads_at_once():
       return super().forward_unbatched(
         x, mask, weights=weights, state=state, rng=rng, **kw
       )
@@ -233,8 +250,7 @@ class LocalSelfAttention(_Ours, tl.SelfAttention):
       n_chunks_after=self._n_chunks_after, mask_fn=mask_fn, q_info=info,
       kv_info=kv_info, dropout=self._attention_dropout, rng=attend_rng,
     )  # fmt: skip
-    out = jnp.matmul(o, self.weight(weights, 'o'))
-    out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+    out = heads.project_one(self, o, weights, output_rng, project_output)
     return out, state
 
   def _incremental_forward_unbatched(self, x, mask=None, **kwargs):
@@ -334,6 +350,9 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
     _key_width]`): each part's query, zeros against the values."""
     del x_q, weights
     return jnp.concatenate([q, jnp.zeros(q.shape[:-1] + (self._d_v,))], -1)
+
+  def heads_at_once(self) -> bool:
+    return True
 
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
     return lsh_forward(self, x, mask, weights=weights, **kwargs)
@@ -505,8 +524,9 @@ def _kv_info(mask, st):
 
 
 def lsh_forward(
-  self, x, mask=None, *, weights, state, rng, update_state, attend=None
-):
+  self, x, mask=None, *, weights, state, rng, update_state, attend=None,
+  project_output=True,
+):  # fmt: skip
   """Trax 1.4.1's `LSHSelfAttention.forward_unbatched`, the same
   computation, with a cheaper sort: `[length, d]` -> `([length, d],
   state)`.
@@ -519,7 +539,7 @@ def lsh_forward(
   gives the same permutation, and a scatter inverts it (~2 ms per head
   at 32k positions instead of ~13.6); the logits' sort is undone by a
   gather, as the outputs' are. `attend` replaces Trax's `attend` (the
-  directed score).
+  directed score); `project_output` as `heads.project_one`'s.
   """
   attend = attend or chunk_attention.attend
   attend_rng, output_rng = fastmath.random.split(rng)
@@ -558,8 +578,7 @@ def lsh_forward(
   )
 
   o = _unsorted(so, slogits, undo_sort, sticker, self._n_hashes, seqlen)
-  out = jnp.matmul(o, self.weight(weights, 'o'))
-  out = ea.apply_broadcasted_dropout(out, self._output_dropout, output_rng)
+  out = heads.project_one(self, o, weights, output_rng, project_output)
   return out, state
 
 

@@ -1,0 +1,79 @@
+"""src/model/heads.py: a layer's pass over all heads and examples at once,
+the output projection contracted over the heads in one product, gives
+Trax's pass (each head projected, the heads summed): outputs, new state,
+the inputs' and the weights' gradients, with output dropout too."""
+
+import jax
+import numpy as np
+import pytest
+import trax
+from jax import numpy as jnp
+
+from src.model import attention, heads, smeared
+
+
+def _layer(cls, **kw):
+  common = dict(
+    n_heads=2, d_qk=8, d_v=8, causal=True, chunk_len=16, n_chunks_before=1,
+    mode='train', attention_dropout=0.0, output_dropout=0.25,
+    n_parallel_heads=None,
+  )  # fmt: skip
+  if issubclass(cls, attention.FastLSHSelfAttention):
+    common.update(n_hashes=2, n_buckets=8)
+  else:
+    common.update(share_qk=False)
+  return cls(**{**common, **kw})
+
+
+def _both(layer, x, monkeypatch):
+  """(heads' pass, Trax's pass) of `layer` on `x`: each the output, new
+  state and gradients of a backward pass."""
+  layer.init(trax.shapes.signature(x), rng=jax.random.PRNGKey(0))
+  weights = jax.tree.map(
+    lambda w: w + 0.1 * jax.random.normal(jax.random.PRNGKey(2), w.shape),
+    layer.weights,
+  )  # Output projections that start at zero would hide half the pass.
+  ct = jax.random.normal(jax.random.PRNGKey(4), x.shape)
+  rng = jax.random.PRNGKey(5)
+
+  def run():
+    return layer.forward_and_or_backward(
+      x, weights, layer.state, rng, output_grad=ct
+    )
+
+  assert heads.applies(layer, x)
+  ours = run()
+  monkeypatch.setattr(heads, 'applies', lambda layer, inputs: False)
+  return ours, run()
+
+
+@pytest.mark.parametrize(
+  'cls',
+  [
+    attention.FastLSHSelfAttention,
+    attention.DirectedLSHSelfAttention,
+    smeared.SmearedLocalSelfAttention,
+    attention.LocalSelfAttention,
+  ],
+)
+def test_all_heads_at_once_is_traxs_pass(cls, monkeypatch):
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, 16))
+  ours, trax_ = _both(_layer(cls), x, monkeypatch)
+  assert float(jnp.max(jnp.abs(ours[0]))) > 0.1  # The heads said something.
+  assert len(jax.tree.leaves(ours)) == len(jax.tree.leaves(trax_))
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(trax_)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+
+
+def test_a_pass_of_some_heads_at_a_time_stays_traxs():
+  layer = _layer(attention.FastLSHSelfAttention, n_parallel_heads=1)
+  x = jnp.zeros((2, 64, 16))
+  assert not heads.applies(layer, x)
+  assert heads.applies(_layer(attention.FastLSHSelfAttention), x)
+  assert heads.applies(
+    _layer(attention.FastLSHSelfAttention, n_parallel_heads=4), x
+  )
+  assert not heads.applies(
+    _layer(attention.LocalSelfAttention, share_qk=True), x
+  )
