@@ -2,15 +2,16 @@
 output projection summed over the heads inside one product.
 
 Trax's `EfficientAttentionBase.forward_and_or_backward`, where every
-example and head runs in one call (`n_parallel_heads` unset, or covering
-them), vmaps each head's `forward_unbatched`, its output projection
-included, and sums the heads' `[heads, length, d_model]` outputs. XLA on
-a CPU then runs one thin product a head and a pass over all of their
-outputs (the forward 74 ms against 43 at 32k positions, 4 heads of 64,
-d_model 256; BENCHMARKS.md "The heads' output projection in one
-product"). Here each head's attention runs under vmap up to its output
-(`forward_unbatched(..., project_output=False)`), and `project` contracts
-heads and features in one product: the same sums in another order.
+example and head runs in one call (`n_parallel_heads` covers them; its
+default, 1, runs one head at a time), vmaps each head's
+`forward_unbatched`, its output projection included, and sums the heads'
+`[heads, length, d_model]` outputs. XLA on a CPU then runs one thin
+product a head and a pass over all of their outputs (the forward 74 ms
+against 43 at 32k positions, 4 heads of 64, d_model 256; BENCHMARKS.md
+"All heads in one call"). Here each head's attention runs under vmap up
+to its output (`forward_unbatched(..., project_output=False)`), and
+`project` contracts heads and features in one product: the same sums in
+another order.
 
 Every head and example shares one `rng` in Trax's pass, so the output
 dropout's mask is the same for all of them, and applying it once to the
