@@ -33,7 +33,8 @@ def _both(layer, x, monkeypatch):
     lambda w: w + 0.1 * jax.random.normal(jax.random.PRNGKey(2), w.shape),
     layer.weights,
   )  # Output projections that start at zero would hide half the pass.
-  ct = jax.random.normal(jax.random.PRNGKey(4), x.shape)
+  first = x[0] if isinstance(x, list) else x
+  ct = jax.random.normal(jax.random.PRNGKey(4), first.shape)
   rng = jax.random.PRNGKey(5)
 
   def run():
@@ -77,3 +78,16 @@ def test_a_pass_of_some_heads_at_a_time_stays_traxs():
   assert not heads.applies(
     _layer(attention.LocalSelfAttention, share_qk=True), x
   )
+
+
+def test_a_masked_layers_inputs_keep_their_kind(monkeypatch):
+  """(x, mask) in a list: the gradients come back as Trax's do, a list
+  with the mask's zeros, the padding masked alike."""
+  layer = _layer(attention.FastLSHSelfAttention, masked=True)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, 16))
+  mask = jnp.arange(64)[None, :] < jnp.array([[64], [40]])
+  ours, trax_ = _both(layer, [x, mask], monkeypatch)
+  assert type(ours[2]) is type(trax_[2]) is list
+  assert jax.tree.structure(ours) == jax.tree.structure(trax_)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(trax_)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)

@@ -76,6 +76,7 @@ def forward_and_or_backward(
   its `(output, new_state, inputs_grad, weights_grad)`), the output
   projection as `project`."""
   single = not isinstance(inputs, (tuple, list))
+  kind = tuple if single else type(inputs)  # Trax's gradients keep it.
   inputs = (inputs,) if single else tuple(inputs)
   batch, heads = int(inputs[0].shape[0]), layer._n_heads
   differentiable = [
@@ -117,6 +118,6 @@ def forward_and_or_backward(
   return (
     o if compute_output else None,
     s if update_state else None,
-    i_ct[0] if single else tuple(i_ct),
+    i_ct[0] if single else kind(i_ct),
     w_ct,
   )
