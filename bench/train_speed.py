@@ -19,6 +19,10 @@ Adam, no dropout. Contenders:
   pipeline, Trax's Loop (evaluation switched off);
 - jade-mean: the same with `output_layer.halves = 'mean'`: the output
   layer reads the mean of the residual halves, as the peer's does;
+- jade-short, jade-short-bf16: jade and jade-bf16 with a shortlist output
+  layer (`output_layer.shortlist = 2048`: the 2,048 most used pieces
+  scored from all features, the rest through a quarter of them;
+  `src/model/shortlist.py`); at a vocabulary of 2,049 or fewer, jade;
 - jade-xla-attend: jade with Trax's chunked `attend` on XLA instead of the
   fused kernel (`JADE_CHUNK_KERNEL=off`: the trainer before the kernel);
 - jade-bf16, jade-mean-bf16: jade and jade-mean with `precision.products
@@ -85,9 +89,17 @@ def axial(length):
   return (rows, length // rows)
 
 
-def matmul_weights(vocab=VOCAB, output_in=D):
+def matmul_weights(vocab=VOCAB, output_in=D, shortlist=0):
+  """Weights a token's products read; with a shortlist output layer
+  (`output_layer.shortlist`, width a quarter of its features) the
+  shortlist's and its projection's, then the rarer pieces' over the
+  width."""
   per_layer = 4 * D * HEADS * D_HEAD + 2 * D * D_FF
-  return LAYERS * per_layer + output_in * vocab
+  output = output_in * vocab
+  if 0 < shortlist < vocab - 1:
+    width = output_in // 4
+    output = output_in * (shortlist + 1 + width) + width * (vocab - shortlist)
+  return LAYERS * per_layer + output
 
 
 def output_features(name):
@@ -98,10 +110,15 @@ def output_features(name):
   return D if MEAN in JADE_BINDS.get(name, [MEAN]) else 2 * D
 
 
-def flops_per_token(length, lsh=True, vocab=VOCAB, output_in=D):
+def shortlist_of(name) -> int:
+  """The contender's output-layer shortlist (0: none)."""
+  return SHORTLIST if SHORT in JADE_BINDS.get(name, []) else 0
+
+
+def flops_per_token(length, lsh=True, vocab=VOCAB, output_in=D, shortlist=0):
   keys = 2 * CHUNK if lsh else length / 2
   attention = 4 * LAYERS * HEADS * D_HEAD * keys
-  return 6 * matmul_weights(vocab, output_in) + 3 * attention
+  return 6 * matmul_weights(vocab, output_in, shortlist) + 3 * attention
 
 
 def peak_rss():
@@ -353,12 +370,16 @@ def cpu_name():
 
 MEAN = "output_layer.halves = 'mean'"
 BF16 = "precision.products = 'bfloat16'"
+SHORTLIST = 2048
+SHORT = f'output_layer.shortlist = {SHORTLIST}'
 JADE_BINDS = {  # Each Jade contender's gin bindings.
   'jade': [],
   'jade-mean': [MEAN],
   'jade-xla-attend': [],
   'jade-bf16': [BF16],
   'jade-mean-bf16': [MEAN, BF16],
+  'jade-short': [SHORT],
+  'jade-short-bf16': [SHORT, BF16],
 }
 CONTENDERS = {
   **{name: run_jade for name in JADE_BINDS},
@@ -458,7 +479,9 @@ def measure(
     'timed_steps': len(timed),
     'peak_rss_gb': out['peak_rss'] / 1e9,
     'gflops': tokens_per_s
-    * flops_per_token(tokens, lsh, vocab, output_features(name))
+    * flops_per_token(
+      tokens, lsh, vocab, output_features(name), shortlist_of(name)
+    )
     / 1e9,
     'wall': wall,
   }

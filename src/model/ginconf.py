@@ -16,10 +16,12 @@ Gin files bind Trax's own configurables (`ReformerLM`, `LSHSelfAttention`,
 - `output_loss.chunk_size`: positions whose logits exist at once.
 - `precision.products`: the type training's matrix products read (float32,
   or bfloat16 summed in float32; `src.model.precision`).
-- `output_layer.halves`, `output_layer.tied`: what the output layer reads
-  of the two reversible halves, 'concat' (Trax) or 'mean', and whether it
-  scores tokens through the token embedding (`src.model.reformer`): part
-  of the model, saved with it.
+- `output_layer.halves`, `output_layer.tied`, `output_layer.shortlist`,
+  `output_layer.width`: what the output layer reads of the two reversible
+  halves, 'concat' (Trax) or 'mean', whether it scores tokens through the
+  token embedding, and whether it scores the rarer pieces through a narrow
+  projection (`src.model.reformer`, `src.model.shortlist`): part of the
+  model, saved with it.
 - `positions.axial_init_scale`: how large the axial position embeddings
   start, relative to the token embeddings.
 - `lsh.directed` is gone: a model.gin saved before the classes is read
@@ -95,7 +97,7 @@ class GinSetup:
     directed: the LSH layers have a directed score term (and its weights:
       `DirectedLSHSelfAttention`).
     output: what the output layer reads (`output_layer`: `halves`,
-      'concat' or 'mean', and `tied`).
+      'concat' or 'mean', `tied`, `shortlist` and `width`).
     block_classes: Each decoder block's attention class as bound
       (`SmearedDirectedLSHSelfAttention`, where `layer_attention` names
       the Trax class whose settings it reads), for logs and model cards.

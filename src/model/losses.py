@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from trax import layers as tl
 
 from src.core.errors import UserError
-from src.model import tied
+from src.model import shortlist, softmax, tied
 
 
 def loss_layer():
@@ -82,83 +82,72 @@ def _chunked_rows(x, targets, weights, chunk_size: int):
   return x, t, w, c
 
 
+def _scores(xc, kernel, bias):
+  """Rows' logits (or, from a shortlist output layer, log-probabilities,
+  which serve as logits)."""
+  if isinstance(kernel, tuple):
+    return softmax.shortlist_log_probs(xc, kernel, bias)
+  return xc @ kernel + bias
+
+
 def _chunk_metrics(xc, tc, wc, kernel, bias):
   """Evaluation: one chunk's `(loss sum, weighted hits, per-token
   losses)`; a hit is the first most likely token being the target, as
   `WeightedCategoryAccuracy` counts it."""
-  logits = xc @ kernel + bias
+  logits = _scores(xc, kernel, bias)
   lse = jax.nn.logsumexp(logits, axis=-1)
   true = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
   hits = (jnp.argmax(logits, axis=-1) == tc).astype(jnp.float32)
   return jnp.sum(wc * (lse - true)), jnp.sum(wc * hits), lse - true
 
 
-def _fused_chunk(chunk, kernels, bias):
-  """One chunk's loss sum, hits and gradients, the logits laid out
-  `[vocab, rows]` (XLA's CPU code reduces over the leading axis ~4x faster
-  than over the last one).
-
-  `chunk` is `(rows as [c, d], the same as [d, c], targets, weights)`;
-  `kernels` the output kernel as `[vocab, d]` and `[d, vocab]`: every
-  product reads its operands in the plain layout (`[m, k] x [k, n]`):
-  XLA's CPU backend hands a product with a transposed operand to Eigen,
-  which has no bfloat16 product, and a plain one to YNNPACK where its
-  products are on (`src.runtime.xla`): with `precision.products =
-  'bfloat16'` (`src.model.precision`) they read bfloat16 and sum in
-  float32.
-
-  Returns `((loss sum, hits, d loss/d kernel as [vocab, d], d loss/d
-  bias), d loss/d rows as [d, c])`: the sums over chunks, and the chunk's
-  own. A hit is a row whose target logit is the largest.
-  """
-  xc, xt, tc, wc = chunk
-  k_vd, k_dv = kernels
-  f32 = jnp.float32
-  logits = jnp.dot(k_vd, xt, preferred_element_type=f32) + bias[:, None]
-  top = jnp.max(logits, axis=0)
-  e = jnp.exp(logits - top)
-  total = jnp.sum(e, axis=0)
-  true = jnp.take_along_axis(logits, tc[None, :], axis=0)[0]
-  loss = jnp.sum(wc * (top + jnp.log(total) - true))
-  hits = jnp.sum(wc * (true >= top).astype(f32))
-  target = jnp.arange(logits.shape[0])[:, None] == tc[None, :]
-  g = (e * (1.0 / total) - target.astype(f32)) * wc[None, :]
-  dk = jnp.dot(g, xc, preferred_element_type=f32)
-  dx = jnp.dot(k_dv, g, preferred_element_type=f32)
-  return (loss, hits, dk, jnp.sum(g, axis=1)), dx
-
-
 def _fused_loss(x, kernel, bias, t, w, c):
   """`(loss sum, hits)` over rows `x` (`[n, d]`, n a multiple of `c`),
-  with the gradient made in the forward pass, chunk by chunk: three
-  products per chunk (logits, then both gradients) where recomputing the
-  logits in the backward pass takes four, and the backward pass only
-  scales what the forward pass kept (`dx`, `[n, d]`, the size of `x`)."""
+  with the gradient made in the forward pass, chunk by chunk
+  (`src.model.softmax`): three products per chunk (logits, then both
+  gradients) where recomputing the logits in the backward pass takes
+  four, and the backward pass only scales what the forward pass kept
+  (`dx`, `[n, d]`, the size of `x`). `kernel` and `bias` are a plain
+  output layer's arrays, or a shortlist one's tuples (`_scores`)."""
   d = x.shape[-1]
+  many = isinstance(kernel, tuple)
 
   def forward(x, kernel, bias, t, w):
     def body(carry, chunk):
-      sums, dx = _fused_chunk(chunk, kernels, bias)
-      return tuple(a + b for a, b in zip(carry, sums)), dx
+      if many:
+        (loss, hit_rows, dk, db), dx = softmax.shortlist_chunk(
+          chunk, layouts, bias
+        )
+      else:
+        (loss, hit_rows, dk, db), dx = softmax.dense_chunk(
+          chunk, layouts[0], bias
+        )
+        dk = (dk,)
+      sums = (loss, jnp.sum(chunk[3] * hit_rows), dk, db)
+      return jax.tree.map(jnp.add, carry, sums), dx
 
-    # Both layouts of the kernel and of the rows, once a step.
-    kernels = (kernel.T, kernel)
+    # Both layouts of each kernel and of the rows, once a step.
+    kernels = kernel if many else (kernel,)
+    layouts = tuple((k.T, k) for k in kernels)
     rows = x.reshape(-1, c, d)
     chunks = (rows, rows.transpose(0, 2, 1), t.reshape(-1, c), w.reshape(-1, c))
     zero = jnp.zeros([], jnp.float32)
-    start = (zero, zero, jnp.zeros(kernel.shape[::-1]), jnp.zeros_like(bias))
+    dk = tuple(jnp.zeros(k.shape[::-1]) for k in kernels)
+    start = (zero, zero, dk, jax.tree.map(jnp.zeros_like, bias))
     (loss, hits, dk, db), dx = jax.lax.scan(body, start, chunks)
-    return (loss, hits), (dx.transpose(0, 2, 1).reshape(x.shape), dk.T, db)
+    dk = tuple(g.T for g in dk)
+    dx = dx.transpose(0, 2, 1).reshape(x.shape)
+    return (loss, hits), (dx, dk if many else dk[0], db)
 
   @jax.custom_vjp
   def loss_and_hits(x, kernel, bias, t, w):
     return forward(x, kernel, bias, t, w)[0]
 
-  dtypes = (x.dtype, kernel.dtype, bias.dtype)
+  dtypes = jax.tree.map(lambda a: a.dtype, (x, kernel, bias))
 
   def backward(grads, cotangents):
     scale = cotangents[0]  # The hits have no gradient; nor have t and w.
-    scaled = ((scale * g).astype(t) for g, t in zip(grads, dtypes))
+    scaled = jax.tree.map(lambda g, t: (scale * g).astype(t), grads, dtypes)
     return (*scaled, None, None)
 
   loss_and_hits.defvjp(forward, backward)
@@ -186,7 +175,8 @@ def chunked_cross_entropy(
 
   Args:
     x: `[batch, length, d]` float activations.
-    kernel: `[d, vocab]`; bias: `[vocab]`.
+    kernel: `[d, vocab]`; bias: `[vocab]`. Or a shortlist output
+      layer's `(Kh, P, Kt)` and `(bh, bt)` (`src.model.softmax`).
     targets: `[batch, length]` int32.
     weights: `[batch, length]` float32 loss weights.
     chunk_size: Rows per chunk.
@@ -259,7 +249,8 @@ class OutputWeights(_Wraps):
   exactly the model's weight structure: checkpoints and the eval and
   predict models are unchanged. A tied output layer (`tied.TiedOutput`)
   also reads the embedding's matrix from the stack and says what rows
-  and kernel the loss scores (`loss_operands`).
+  and kernel the loss scores (`loss_operands`); a shortlist one
+  (`shortlist.ShortlistOutput`) passes its kernels and biases as tuples.
   """
 
   def __init__(self, head, dense_index: int | None):
@@ -273,16 +264,20 @@ class OutputWeights(_Wraps):
   def forward(self, x):
     if isinstance(self._wrapped, tied.TiedOutput):
       return self._wrapped.loss_operands(*x)  # (h, the embedding's matrix)
+    if isinstance(self._wrapped, shortlist.ShortlistOutput):
+      return self._wrapped.loss_operands(x)
     weights = self.weights
     kernel, bias = weights if self._index is None else weights[self._index]
     return x, kernel, bias
 
 
 def _dense_position(head):
-  """None if `head` is a Dense (or a tied output layer); the index of the
-  only weighted sublayer if it is a Dense inside weightless layers; else
-  raises ValueError."""
-  if type(head).__name__ == 'Dense' or isinstance(head, tied.TiedOutput):
+  """None if `head` is a Dense (or a tied or shortlist output layer); the
+  index of the only weighted sublayer if it is a Dense inside weightless
+  layers; else raises ValueError."""
+  if type(head).__name__ == 'Dense' or isinstance(
+    head, (tied.TiedOutput, shortlist.ShortlistOutput)
+  ):
     return None
   names = [type(layer).__name__ for layer in head.sublayers]
   if names.count('Dense') == 1 and all(

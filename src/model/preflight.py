@@ -84,7 +84,8 @@ def count_weights(setup, vocab_size: int) -> int:
   and the output layer (over the concatenated halves, `2 d_model`, or
   their mean, `d_model`: `output_layer.halves`; a tied one also has its
   copy map, features x `d_model`, and one tied 'only' has no kernel of
-  its own: `output_layer.tied`).
+  its own: `output_layer.tied`; a shortlist one scores the rarer pieces
+  through a narrow projection: `output_layer.shortlist`).
   Within 20% of Trax's count (tested); building the model to count
   exactly would cost seconds at every start.
   """
@@ -113,6 +114,12 @@ def count_weights(setup, vocab_size: int) -> int:
   copy = features * d if tied else 0
   own = 0 if tied == 'only' else features * vocab_size
   output = 2 * features + own + vocab_size + copy
+  size = _output(setup).shortlist
+  if size and size < vocab_size - 1:  # Its head, projection and tail.
+    width = _output(setup).width or max(1, features // 4)
+    rest = vocab_size - size
+    head = (features + 1) * (size + 1)
+    output = 2 * features + head + features * width + (width + 1) * rest
   return vocab_size * d + positions + layers + output
 
 

@@ -21,6 +21,7 @@ from trax.layers.research import efficient_attention as ea
 
 from src.core.errors import UserError
 from src.model import positions as axial
+from src.model import shortlist as shortlist_lib
 from src.model import tied
 
 
@@ -197,9 +198,16 @@ class Output:
   halves: str = 'concat'  # 'concat' (Trax's) or 'mean' of the two halves.
   tied: bool | str = False  # Also (True) or only ('only') scores tokens
   # through the token embedding.
+  shortlist: int = 0  # Pieces scored from all features (0: every piece).
+  width: int = 0  # Features the rarer pieces are scored from (0: 1/4).
 
 
-def output_layer(halves: str = 'concat', tied: bool | str = False) -> Output:
+def output_layer(
+  halves: str = 'concat',
+  tied: bool | str = False,
+  shortlist: int = 0,
+  width: int = 0,
+) -> Output:
   """What the output layer reads (gin: output_layer).
 
   Args:
@@ -217,6 +225,13 @@ def output_layer(halves: str = 'concat', tied: bool | str = False) -> Output:
       holds down the others, a copied word never asked for in training
       among them (BENCHMARKS.md "An output read through the embedding
       alone").
+    shortlist: 0 (Trax's output layer) or how many of the most used
+      pieces (the lowest ids) are scored from all the features; the rest
+      are scored through `width` of them (`src.model.shortlist`: at a
+      vocabulary of thousands of pieces, a fraction of the work). A
+      vocabulary no larger than the shortlist keeps Trax's layer.
+    width: With a shortlist, the features the rarer pieces are scored
+      from; 0 is a quarter of what the output layer reads.
 
   Returns:
     The choice.
@@ -231,7 +246,18 @@ def output_layer(halves: str = 'concat', tied: bool | str = False) -> Output:
       f"output_layer.tied = {tied!r}: write True, False or 'only' in the "
       'gin file'
     )
-  return Output(halves, tied)
+  for name, value in (('shortlist', shortlist), ('width', width)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise UserError(
+        f'output_layer.{name} = {value!r}: write 0 (off) or a positive '
+        'number of pieces (features) in the gin file'
+      )
+  if shortlist and tied:
+    raise UserError(
+      'output_layer.shortlist and output_layer.tied are two output layers: '
+      'set one of them in the gin file'
+    )
+  return Output(halves, tied, shortlist, width)
 
 
 def _mean_of_halves(a, b):
@@ -320,6 +346,14 @@ def _read_output(lm, output: Output):
     _replace(lm, join, tl.Fn('MeanOfHalves', _mean_of_halves))
   if output.tied:
     _tie(lm, output)
+  if output.shortlist:
+    (embedding,) = [s for s in lm.sublayers if type(s) is tl.Embedding]
+    vocab_size = embedding._vocab_size
+    if output.shortlist < vocab_size - 1:  # Else every piece is on it.
+      layer = shortlist_lib.ShortlistOutput(
+        vocab_size, output.shortlist, output.width
+      )
+      _replace(lm, lm.sublayers[-1], layer)
 
 
 def _tie(lm, output: Output):

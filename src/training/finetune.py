@@ -198,6 +198,14 @@ def grown_output(setup, source_setup) -> bool:
   return grows and mine.halves == theirs.halves
 
 
+def _said(output) -> str:
+  """An output layer's settings in words."""
+  said = f'halves {output.halves!r}, tied {output.tied!r}'
+  if output.shortlist:
+    said += f', shortlist {output.shortlist}, width {output.width}'
+  return said
+
+
 def growth(setup, source_setup) -> list[str]:
   """What the fine-tune grows (`grown_blocks`, `grown_output`), as
   `old -> new`."""
@@ -235,9 +243,8 @@ def check_settings(
   mine, theirs = setup.output, source.setup.output
   if mine != theirs and not grown_output(setup, source.setup):
     raise UserError(
-      f'{gin_path}: sets output_layer (halves {mine.halves!r}, tied '
-      f'{mine.tied!r}), but the pretrained model ({source.gin_path}) has '
-      f'halves {theirs.halves!r}, tied {theirs.tied!r}; a fine-tune keeps '
+      f'{gin_path}: sets output_layer ({_said(mine)}), but the pretrained '
+      f'model ({source.gin_path}) has {_said(theirs)}; a fine-tune keeps '
       'the output layer (it may only grow a tied one: output_layer.tied = '
       'True): remove the binding'
     )

@@ -1,0 +1,63 @@
+"""The output layer of a large vocabulary (`output_layer.shortlist`): the
+most used pieces scored from all the features, the rarer ones through a
+narrow projection of them (the arithmetic: `src.model.softmax`).
+
+At a vocabulary of thousands of pieces Trax's output layer does most of
+a step's work (`2 d_model x vocab` products a row, three times with the
+gradients). Pieces are used very unevenly: in chat text the most used
+2,048 of a 32,000-piece vocabulary carry most tokens. This layer scores
+those (and a class "a rarer piece") with all the features and the rest
+through `width` of them, so at vocabulary 31,392, 512 features, a
+shortlist of 2,048 and width 128 a row costs ~4.8M products, not ~16M.
+Every piece still gets its probability: the layer's output is the
+log-probabilities of the whole vocabulary, which serve as logits
+everywhere a model's output is read (loss, scoring, sampling).
+
+The shortlist is the lowest ids: the project's tokenizer is a unigram
+sentencepiece model, which numbers its pieces by score after the chat
+markers and control pieces, so the lowest ids are the most used.
+"""
+
+from __future__ import annotations
+
+import jax
+from trax import layers as tl
+from trax.layers import initializers as init
+
+from src.model import softmax
+
+
+class ShortlistOutput(tl.Layer):
+  """`h` `[..., features]` -> log-probabilities `[..., vocab]`; weights
+  `(Kh [features, size + 1], bh, P [features, width], Kt [width, vocab -
+  size], bt)`, kernels drawn as Trax's `Dense` draws its kernel (Glorot
+  uniform), biases as its bias. A `width` of 0 is a quarter of the
+  features."""
+
+  def __init__(self, vocab_size: int, size: int, width: int):
+    super().__init__(n_in=1, n_out=1, name=f'ShortlistOutput_{vocab_size}')
+    self._vocab_size, self._size, self._width = vocab_size, size, width
+
+  def forward(self, h):
+    return softmax.shortlist_log_probs(h, *self.loss_operands(h)[1:])
+
+  def loss_operands(self, h):
+    """`(rows, (Kh, P, Kt), (bh, bt))`, as training's chunked loss reads
+    them (`src.model.losses.OutputWeights`)."""
+    kh, bh, p, kt, bt = self.weights
+    return h, (kh, p, kt), (bh, bt)
+
+  def init_weights_and_state(self, input_signature):
+    features = input_signature.shape[-1]
+    width = self._width or max(1, features // 4)
+    tail = self._vocab_size - self._size
+    rngs = jax.random.split(self.rng, 5)
+    glorot = init.GlorotUniformInitializer()
+    small = init.RandomNormalInitializer(1e-6)
+    self.weights = (
+      glorot((features, self._size + 1), rngs[0]),
+      small((self._size + 1,), rngs[1]),
+      glorot((features, width), rngs[2]),
+      glorot((width, tail), rngs[3]),
+      small((tail,), rngs[4]),
+    )
