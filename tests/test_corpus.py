@@ -237,6 +237,32 @@ def test_nul_bytes_and_unicode_line_separators(tmp_path):
   assert [t.text for t in convs[0].turns] == ['one\u2028two', 'ok']
 
 
+def test_control_characters_in_messages_become_spaces_and_the_model_loads(
+  tmp_path,
+):
+  """Text with control characters (a C1 code from text decoded with the
+  wrong code page, an ANSI colour, a tab, a carriage return inside a
+  line) trains a tokenizer that loads: each became a space before the
+  tokenizer learned its pieces (a piece holding one is refused at
+  loading, since a terminal would run it)."""
+  data = tmp_path / 'data'
+  data.mkdir()
+  odd = ['caf\x80 \x9b2J', '\x1b[31mred\x1b[0m', 'a\tb', 'x\ry']
+  conversations = [
+    f'{odd[i % 4]} {i}\n|aigenerationstart| {odd[(i + 1) % 4]} ok '
+    '|endofgeneration|\n'
+    for i in range(200)
+  ]
+  (data / 'a.txt').write_text('\n'.join(conversations), encoding='utf-8')
+  convs = chatformat.read_data(str(data))
+  assert [t.text for t in convs[0].turns] == ['caf   2J 0', '[31mred [0m ok']
+  assert [t.text for t in convs[2].turns[:1]] == ['a b 2']
+  prepare(data, tmp_path / 'run', vocab_size=200)
+  tok = tokenizer.load(str(tmp_path / 'run'), MARKERS)
+  pieces = [tok.sp.id_to_piece(i) for i in range(tok.sp.get_piece_size())]
+  assert not any(c in p for p in pieces for c in '\x80\x9b\x1b\t\r')
+
+
 def test_a_finetune_copies_its_pretrained_runs_cache(tmp_path, monkeypatch):
   """`reuse` (a fine-tune's pretrained run): its cache of the same data
   and tokenizer is copied and checked as our own, not built again; a

@@ -38,6 +38,12 @@ USER, AI = 'user', 'ai'
 # Written before an AI line's start marker: keep the turn as context, do not
 # train on it. It is part of the file format only (never a token).
 NO_LOSS = '|noloss|'
+# Control characters in a line (ESC, the C1 codes U+0080-U+009F that text
+# decoded with the wrong code page holds, tabs, a carriage return inside a
+# line) become spaces, as the importers make them: a tokenizer trained on
+# them would hold pieces a terminal runs as commands, which loading refuses
+# (`src.data.tokenizer`). NUL is refused: it marks a file that is not text.
+_CONTROL = re.compile('[\x01-\x09\x0b-\x1f\x7f-\x9f]')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +296,7 @@ def parse_text(
     turns.clear()
 
   for no, raw in enumerate(lines, line_offset + 1):
-    line = raw.strip()
+    line = _CONTROL.sub(' ', raw).strip()
     if not line:
       close(no)
       continue

@@ -301,8 +301,10 @@ def _read_model(model_path: str, markers) -> Tokenizer:
   if bad is not None:
     raise UserError(
       f'{model_path}: piece {bad[0]} ({bad[1]!r}) holds a control '
-      'character, which no trained tokenizer has; the file is not '
-      'trustworthy: copy the model folder again from its source'
+      'character, which a terminal may run as a command: the file is not '
+      'trustworthy (copy the model folder again from its source), or it '
+      'was trained before 2026-12-05 on text holding control characters '
+      '(train again into a new out-dir: they now become spaces)'
     )
   return tok
 
