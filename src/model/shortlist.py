@@ -44,8 +44,8 @@ class ShortlistOutput(tl.Layer):
   def loss_operands(self, h):
     """`(rows, (Kh, P, Kt), (bh, bt))`, as training's chunked loss reads
     them (`src.model.losses.OutputWeights`)."""
-    kh, bh, p, kt, bt = self.weights
-    return h, (kh, p, kt), (bh, bt)
+    w = self.weights  # (Kh, bh, P, Kt, bt)
+    return h, (w[0], w[2], w[3]), (w[1], w[4])
 
   def init_weights_and_state(self, input_signature):
     features = input_signature.shape[-1]
