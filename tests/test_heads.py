@@ -25,10 +25,12 @@ def _layer(cls, **kw):
   return cls(**{**common, **kw})
 
 
-def _both(layer, x, monkeypatch):
+def _both(layer, x, monkeypatch, made_for=None):
   """(heads' pass, Trax's pass) of `layer` on `x`: each the output, new
-  state and gradients of a backward pass."""
-  layer.init(trax.shapes.signature(x), rng=jax.random.PRNGKey(0))
+  state and gradients of a backward pass. `made_for`: the input the
+  layer was initialized for (default `x`)."""
+  made_for = x if made_for is None else made_for
+  layer.init(trax.shapes.signature(made_for), rng=jax.random.PRNGKey(0))
   weights = jax.tree.map(
     lambda w: w + 0.1 * jax.random.normal(jax.random.PRNGKey(2), w.shape),
     layer.weights,
@@ -62,6 +64,22 @@ def test_all_heads_at_once_is_traxs_pass(cls, monkeypatch):
   ours, trax_ = _both(_layer(cls), x, monkeypatch)
   assert float(jnp.max(jnp.abs(ours[0]))) > 0.1  # The heads said something.
   assert len(jax.tree.leaves(ours)) == len(jax.tree.leaves(trax_))
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(trax_)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+
+
+def test_a_micro_batch_smaller_than_the_state_is_traxs_pass(monkeypatch):
+  """Accumulation's micro-batches and a device's share run a layer on
+  fewer examples than its state (an LSH layer's buckets, kept for the
+  backward pass) was made for: the pass reads and writes the state's
+  first rows and keeps the rest, as Trax's pass does (it had reshaped the
+  whole state, so the quick start's gin failed with accumulate-steps)."""
+  layer = _layer(attention.DirectedLSHSelfAttention)
+  x = jax.random.normal(jax.random.PRNGKey(1), (1, 64, 16))
+  big = jnp.zeros((3, 64, 16))
+  ours, trax_ = _both(layer, x, monkeypatch, made_for=big)
+  assert jax.tree.leaves(layer.state)[0].shape[0] == 6  # 3 examples x 2.
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(trax_)):
     assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)

@@ -97,13 +97,25 @@ def forward_and_or_backward(
     o_heads, s_x = jax.vmap(attend, in_axes=(None, 0, 0))(i_x, w_all, s_x)
     return project(layer, o_heads, layer.weight(w_all, 'o'), rng), s_x
 
+  # The state may hold more rows than this call's examples x heads (it
+  # was made for the whole batch; a micro-batch of accumulation, or a
+  # device's share, is smaller): the call reads and writes its first
+  # rows, as Trax's pass does.
+  rows = batch * heads
+
   def forward(d_inputs, w_all):
     full = list(inputs)
     for i, x in zip(differentiable, d_inputs):
       full[i] = x
-    s = jax.tree.map(lambda s: s.reshape((batch, heads) + s.shape[1:]), state)
+    s = jax.tree.map(
+      lambda s: s[:rows].reshape((batch, heads) + s.shape[1:]), state
+    )
     o, s = jax.vmap(one_example, in_axes=(0, None, 0))(tuple(full), w_all, s)
-    s = jax.tree.map(lambda s: s.reshape((batch * heads,) + s.shape[2:]), s)
+    s = jax.tree.map(
+      lambda old, new: old.at[:rows].set(new.reshape((rows,) + new.shape[2:])),
+      state,
+      s,
+    )
     return o.astype(inputs[0].dtype), s
 
   d_inputs = tuple(inputs[i] for i in differentiable)
