@@ -158,12 +158,13 @@ def test_the_builder_puts_the_layer_where_the_vocabulary_is_larger():
     ('output_layer.shortlist = True', 'output_layer.shortlist = True'),
     ('output_layer.width = 2.5', 'output_layer.width = 2.5'),
     ("output_layer.tied = 'only'", 'two output layers'),
+    ('output_layer.shortlist = 0', 'set output_layer.shortlist too'),
   ],
 )
 def test_bad_shortlist_settings_are_one_clear_line(binding, says):
   bindings = ('output_layer.shortlist = 8', binding)
   if 'shortlist' in binding:
-    bindings = (binding,)
+    bindings = (binding, 'output_layer.width = 16')
   with pytest.raises(UserError, match=says):
     ginconf.parse(TINY_GIN, bindings)
 

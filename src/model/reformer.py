@@ -252,6 +252,12 @@ def output_layer(
         f'output_layer.{name} = {value!r}: write 0 (off) or a positive '
         'number of pieces (features) in the gin file'
       )
+  if width and not shortlist:
+    raise UserError(
+      f'output_layer.width = {width} is the width of a shortlist output '
+      'layer: set output_layer.shortlist too, or remove the width, in the '
+      'gin file'
+    )
   if shortlist and tied:
     raise UserError(
       'output_layer.shortlist and output_layer.tied are two output layers: '
