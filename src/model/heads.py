@@ -62,6 +62,27 @@ def project(layer, o_heads, w_o, rng):
   return ea.apply_broadcasted_dropout(out, layer._output_dropout, output_rng)
 
 
+def _rows_of(state, batch: int, heads: int):
+  """The state's rows of this call's examples x heads, `[batch, heads,
+  ...]`. The state may hold more rows (it was made for the whole batch;
+  a micro-batch of accumulation, or a device's share, is smaller): a call
+  reads and writes its first rows, as Trax's pass does."""
+  rows = batch * heads
+  return jax.tree.map(
+    lambda s: s[:rows].reshape((batch, heads) + s.shape[1:]), state
+  )
+
+
+def _with_rows(state, new):
+  """`state` with its first rows replaced by `new` (`_rows_of`'s shape)."""
+
+  def put(old, new):
+    rows = new.shape[0] * new.shape[1]
+    return old.at[:rows].set(new.reshape((rows,) + new.shape[2:]))
+
+  return jax.tree.map(put, state, new)
+
+
 def forward_and_or_backward(
   layer,
   inputs,
@@ -97,26 +118,13 @@ def forward_and_or_backward(
     o_heads, s_x = jax.vmap(attend, in_axes=(None, 0, 0))(i_x, w_all, s_x)
     return project(layer, o_heads, layer.weight(w_all, 'o'), rng), s_x
 
-  # The state may hold more rows than this call's examples x heads (it
-  # was made for the whole batch; a micro-batch of accumulation, or a
-  # device's share, is smaller): the call reads and writes its first
-  # rows, as Trax's pass does.
-  rows = batch * heads
-
   def forward(d_inputs, w_all):
     full = list(inputs)
     for i, x in zip(differentiable, d_inputs):
       full[i] = x
-    s = jax.tree.map(
-      lambda s: s[:rows].reshape((batch, heads) + s.shape[1:]), state
-    )
+    s = _rows_of(state, batch, heads)
     o, s = jax.vmap(one_example, in_axes=(0, None, 0))(tuple(full), w_all, s)
-    s = jax.tree.map(
-      lambda old, new: old.at[:rows].set(new.reshape((rows,) + new.shape[2:])),
-      state,
-      s,
-    )
-    return o.astype(inputs[0].dtype), s
+    return o.astype(inputs[0].dtype), _with_rows(state, s)
 
   d_inputs = tuple(inputs[i] for i in differentiable)
   if output_grad is None:
