@@ -246,6 +246,13 @@ def output_layer(
       f"output_layer.tied = {tied!r}: write True, False or 'only' in the "
       'gin file'
     )
+  _check_shortlist(shortlist, width, tied)
+  return Output(halves, tied, shortlist, width)
+
+
+def _check_shortlist(shortlist, width, tied):
+  """`output_layer.shortlist` and `width` (see `output_layer`), or one
+  line naming the setting and the fix."""
   for name, value in (('shortlist', shortlist), ('width', width)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise UserError(
@@ -263,7 +270,6 @@ def output_layer(
       'output_layer.shortlist and output_layer.tied are two output layers: '
       'set one of them in the gin file'
     )
-  return Output(halves, tied, shortlist, width)
 
 
 def _mean_of_halves(a, b):
