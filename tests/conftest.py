@@ -218,3 +218,31 @@ def safe_dir():
   folder = tempfile.mkdtemp(dir=home, prefix='.jade-cache-test-')
   yield folder
   shutil.rmtree(folder, ignore_errors=True)
+
+
+def assert_chat_reads_as_eval(out, flat, ids, whole):
+  """The chat's decoder of run `out` (its predict model with the weights
+  `flat`, context 128), fed `ids` token by token and then as blocks,
+  gives the eval forward pass's `whole` (`[1, 128, vocab]`): the rows
+  after each token, and the last row of the block."""
+  import numpy as np
+  import trax
+
+  from src.inference import decoding
+  from src.model import ginconf
+  from src.storage import checkpoints
+
+  predict = ginconf.model(whole.shape[-1], 'predict')
+  one = trax.shapes.ShapeDtype((1, 1), np.int32)
+  checkpoints.set_weights(str(out), predict, one, flat)
+  d = decoding.Decoder(predict, 128)
+  d.block = 10**9  # Token by token.
+  by_token = [d.feed(ids[:1])] + [d.feed([t]) for t in ids[1:]]
+  n = len(ids)
+  np.testing.assert_allclose(
+    np.stack(by_token), whole[0, 1 : n + 1], atol=2e-4, rtol=1e-4
+  )
+  d.reset()
+  d.block = 16
+  block = d.feed(ids)  # Blocks: the body, then the head on the last row.
+  np.testing.assert_allclose(block, whole[0, n], atol=2e-4, rtol=1e-4)

@@ -21,7 +21,7 @@ from src.inference.generate import display
 from src.model import attention, ginconf, reformer
 from src.storage import checkpoints, modelfolder
 
-from .conftest import DATA, EXACT_LSH
+from .conftest import DATA, EXACT_LSH, assert_chat_reads_as_eval
 
 
 @pytest.fixture(scope='module')
@@ -625,19 +625,7 @@ def test_a_tied_model_trains_and_chats_through_its_embedding(tmp_path, how):
   want = bias + (h[0] @ copy) @ matrix.T
   want = want + h[0] @ kernel[0] if kernel else want
   np.testing.assert_allclose(whole[0], want, atol=1e-4, rtol=1e-4)
-  predict = ginconf.model(300, 'predict')
-  one = trax.shapes.ShapeDtype((1, 1), np.int32)
-  checkpoints.set_weights(str(out), predict, one, flat)
-  d = decoding.Decoder(predict, 128)
-  d.block = 10**9  # Token by token.
-  by_token = [d.feed(ids[:1])] + [d.feed([t]) for t in ids[1:]]
-  np.testing.assert_allclose(
-    np.stack(by_token), whole[0, 1:61], atol=2e-4, rtol=1e-4
-  )
-  d.reset()
-  d.block = 16
-  block = d.feed(ids)  # Blocks: the body, then the head on the last row.
-  np.testing.assert_allclose(block, whole[0, 60], atol=2e-4, rtol=1e-4)
+  assert_chat_reads_as_eval(out, flat, ids, whole)
   # Shared as an export, it gives the run's logits.
   from src.storage import export
 

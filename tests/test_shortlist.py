@@ -13,11 +13,16 @@ import trax
 from trax import layers as tl
 
 from src.core.errors import UserError
-from src.inference import decoding
 from src.model import ginconf, losses, preflight, reformer, shortlist, softmax
 from src.storage import checkpoints, modelfolder
 
-from .conftest import EXACT_LSH, MICRO, TINY_GIN, train_settings
+from .conftest import (
+  EXACT_LSH,
+  MICRO,
+  TINY_GIN,
+  assert_chat_reads_as_eval,
+  train_settings,
+)
 
 
 def _weights(rng, d=16, size=10, width=4, vocab=50):
@@ -201,15 +206,4 @@ def test_a_shortlist_model_trains_resumes_and_chats_what_it_trains(tmp_path):
   w, st = full_model.weights, full_model.state
   whole = np.asarray(full_model.pure_fn(x, w, st, jax.random.PRNGKey(0))[0])
   np.testing.assert_allclose(np.exp(whole[0]).sum(-1), 1.0, rtol=1e-4)
-  predict = ginconf.model(300, 'predict')
-  one = trax.shapes.ShapeDtype((1, 1), np.int32)
-  checkpoints.set_weights(str(out), predict, one, flat)
-  d = decoding.Decoder(predict, 128)
-  d.block = 10**9  # Token by token.
-  by_token = [d.feed(ids[:1])] + [d.feed([t]) for t in ids[1:]]
-  np.testing.assert_allclose(
-    np.stack(by_token), whole[0, 1:61], atol=2e-4, rtol=1e-4
-  )
-  d.reset()
-  d.block = 16
-  np.testing.assert_allclose(d.feed(ids), whole[0, 60], atol=2e-4, rtol=1e-4)
+  assert_chat_reads_as_eval(out, flat, ids, whole)

@@ -36,7 +36,7 @@ import time
 import jax
 
 from src.core.errors import UserError
-from src.model import chunk_attention, reformer
+from src.model import chunk_attention, reformer, shortlist
 
 F32 = 4
 BASELINE = 0.9e9  # CPU: JAX, Trax, compiled programs, data pipeline.
@@ -115,8 +115,8 @@ def count_weights(setup, vocab_size: int) -> int:
   own = 0 if tied == 'only' else features * vocab_size
   output = 2 * features + own + vocab_size + copy
   size = _output(setup).shortlist
-  if size and size < vocab_size - 1:  # Its head, projection and tail.
-    width = _output(setup).width or max(1, features // 4)
+  if shortlist.applies(size, vocab_size):  # Head, projection and tail.
+    width = shortlist.tail_width(features, _output(setup).width)
     rest = vocab_size - size
     head = (features + 1) * (size + 1)
     output = 2 * features + head + features * width + (width + 1) * rest

@@ -303,7 +303,7 @@ def reformer_lm(
   smeared layers' `w_s` start as their query projections.
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
-  _read_output(lm, output)
+  _read_output(lm, output, vocab_size)
   if any(zero_outputs):
     attention, dense = branch_outputs(lm)
     if not attention or len(attention) != len(dense):
@@ -351,21 +351,18 @@ def _start_aligned(lm):
     layer.start_aligned()
 
 
-def _read_output(lm, output: Output):
+def _read_output(lm, output: Output, vocab_size: int):
   """Builds `lm`'s output layer as `output` says (see `output_layer`)."""
   if output.halves == 'mean':
     (join,) = [s for s in lm.sublayers if isinstance(s, tl.Concatenate)]
     _replace(lm, join, tl.Fn('MeanOfHalves', _mean_of_halves))
   if output.tied:
     _tie(lm, output)
-  if output.shortlist:
-    (embedding,) = [s for s in lm.sublayers if type(s) is tl.Embedding]
-    vocab_size = embedding._vocab_size
-    if output.shortlist < vocab_size - 1:  # Else every piece is on it.
-      layer = shortlist_lib.ShortlistOutput(
-        vocab_size, output.shortlist, output.width
-      )
-      _replace(lm, lm.sublayers[-1], layer)
+  if shortlist_lib.applies(output.shortlist, vocab_size):
+    layer = shortlist_lib.ShortlistOutput(
+      vocab_size, output.shortlist, output.width
+    )
+    _replace(lm, lm.sublayers[-1], layer)
 
 
 def _tie(lm, output: Output):

@@ -27,6 +27,18 @@ from trax.layers import initializers as init
 from src.model import softmax
 
 
+def applies(size: int, vocab_size: int) -> bool:
+  """Whether a shortlist of `size` pieces leaves rarer ones in the
+  vocabulary (0, or a vocabulary no larger, keeps Trax's layer)."""
+  return 0 < size < vocab_size - 1
+
+
+def tail_width(features: int, width: int) -> int:
+  """The rarer pieces' features: `width`, or 0 for a quarter of
+  `features`."""
+  return width or max(1, features // 4)
+
+
 class ShortlistOutput(tl.Layer):
   """`h` `[..., features]` -> log-probabilities `[..., vocab]`; weights
   `(Kh [features, size + 1], bh, P [features, width], Kt [width, vocab -
@@ -49,7 +61,7 @@ class ShortlistOutput(tl.Layer):
 
   def init_weights_and_state(self, input_signature):
     features = input_signature.shape[-1]
-    width = self._width or max(1, features // 4)
+    width = tail_width(features, self._width)
     tail = self._vocab_size - self._size
     rngs = jax.random.split(self.rng, 5)
     glorot = init.GlorotUniformInitializer()
