@@ -256,3 +256,30 @@ def test_attention_text_names_each_class_as_bound():
   )
   one = ('ReformerLM.attention_type = @FastLSHSelfAttention',)
   assert ginconf.parse(TINY_GIN, one).attention_text == 'FastLSHSelfAttention'
+
+
+# tiny.gin: d_model 128, so 256 features; a shortlist's default width 64.
+@pytest.mark.parametrize(
+  'binding,width,kernel',
+  [
+    ((), 256, 256 * 32000),
+    (("output_layer.tied = 'only'",), 128, 256 * 128 + 128 * 32000),
+    (
+      ('output_layer.shortlist = 2048',),
+      256,
+      256 * 2049 + 256 * 64 + 64 * (32000 - 2048),
+    ),
+  ],
+)
+def test_the_loss_memory_counts_the_kernels_each_output_layer_scores(
+  binding, width, kernel
+):
+  """Training's chunked loss holds a copy of the gradient and of the
+  second layout of the kernels it scores: Trax's `features x vocab`,
+  the embedding's matrix through the embedding alone, a shortlist's
+  head, projection and narrow tail (not a full kernel's)."""
+  bindings = long_bindings(32768, (128, 256)) + binding
+  setup = ginconf.parse(TINY_GIN, bindings)
+  est = preflight.estimate(setup, 32000, 1, 2048, n_weights=10**6)
+  assert setup.model['d_model'] == 128
+  assert est.logits == (3 * 2048 * 32000 + 3 * kernel + 32768 * width) * 4

@@ -14,8 +14,10 @@ the per-device batch (float32 everywhere):
   (`3 B L d_ff`, or one chunk of it);
 - logits: training and evaluation compute them `output_loss.chunk_size`
   rows at a time (`3 chunk V`, plus the output kernel's gradient summed
-  over the chunks and its transposed copy, `3 V 2 d_model`, and the rows
-  transposed, `B L 2 d_model`; all `4 B L V` when chunking is off);
+  over the chunks and its transposed copy, `3 V 2 d_model` for Trax's
+  layer, less through the embedding alone or with a shortlist:
+  `loss_operands`, and the rows transposed, `B L 2 d_model`; all `4 B L V`
+  when chunking is off);
 - on CPU, the frameworks themselves (JAX, Trax, compiled programs: `BASELINE`;
   TensorFlow is not loaded, see
   `src.runtime.trax_patches.lazy_tensorflow`).
@@ -130,6 +132,28 @@ def output_features(setup) -> int:
   return d if _output(setup).halves == 'mean' else 2 * d
 
 
+def loss_operands(setup, vocab_size: int) -> tuple[int, int]:
+  """`(width, kernel)`: the features a row of training's chunked loss
+  holds and the floats of the kernels it scores them with (a copy each of
+  their gradient and of their second layout). Trax's layer and a token's
+  own column: the `features x vocab` kernel. Through the embedding alone
+  (`tied = 'only'`): rows `d_model` wide against the embedding's matrix
+  (`TiedOutput.loss_operands`). A shortlist: its head, its projection and
+  the rarer pieces' kernel over the projection's width (the projected
+  rows are made a chunk at a time: `softmax.shortlist_chunk`)."""
+  features = output_features(setup)
+  out = _output(setup)
+  if shortlist.applies(out.shortlist, vocab_size):
+    width = shortlist.tail_width(features, out.width)
+    head = features * (out.shortlist + 1)
+    tail = width * (vocab_size - out.shortlist)
+    return features, head + features * width + tail
+  if out.tied == 'only':
+    d = setup.model['d_model']
+    return d, features * d + d * vocab_size
+  return features, features * vocab_size
+
+
 def _output(setup) -> reformer.Output:
   """The setup's `reformer.Output` (its defaults, Trax's concatenation
   untied, where a setup made by hand has none)."""
@@ -181,9 +205,9 @@ def estimate(
     # Training makes the output layer's gradient with its loss: a chunk's
     # logits, exponentials and gradient, the kernel's gradient summed, and
     # the kernel's and the rows' second layouts (one product each).
-    features = output_features(setup)
+    rows_width, kernel = loss_operands(setup, vocab_size)
     logits = 3 * min(loss_chunk, rows) * vocab_size
-    logits += 3 * vocab_size * features + rows * features
+    logits += 3 * kernel + rows * rows_width
   else:
     logits = 4 * rows * vocab_size
   return Estimate(
