@@ -116,12 +116,10 @@ def count_weights(setup, vocab_size: int) -> int:
   copy = features * d if tied else 0
   own = 0 if tied == 'only' else features * vocab_size
   output = 2 * features + own + vocab_size + copy
-  size = _output(setup).shortlist
-  if shortlist.applies(size, vocab_size):  # Head, projection and tail.
-    width = shortlist.tail_width(features, _output(setup).width)
-    rest = vocab_size - size
-    head = (features + 1) * (size + 1)
-    output = 2 * features + head + features * width + (width + 1) * rest
+  if shortlist.applies(_output(setup).shortlist, vocab_size):
+    head, projection, tail = _shortlist_shapes(setup, vocab_size)
+    kernels = sum(r * c for r, c in (head, projection, tail))
+    output = 2 * features + kernels + head[1] + tail[1]  # And two biases.
   return vocab_size * d + positions + layers + output
 
 
@@ -144,14 +142,20 @@ def loss_operands(setup, vocab_size: int) -> tuple[int, int]:
   features = output_features(setup)
   out = _output(setup)
   if shortlist.applies(out.shortlist, vocab_size):
-    width = shortlist.tail_width(features, out.width)
-    head = features * (out.shortlist + 1)
-    tail = width * (vocab_size - out.shortlist)
-    return features, head + features * width + tail
+    shapes = _shortlist_shapes(setup, vocab_size)
+    return features, sum(r * c for r, c in shapes)
   if out.tied == 'only':
     d = setup.model['d_model']
     return d, features * d + d * vocab_size
   return features, features * vocab_size
+
+
+def _shortlist_shapes(setup, vocab_size: int):
+  """The setup's shortlist layer's kernels' shapes
+  (`shortlist.kernel_shapes`)."""
+  out = _output(setup)
+  features = output_features(setup)
+  return shortlist.kernel_shapes(features, out.shortlist, out.width, vocab_size)
 
 
 def _output(setup) -> reformer.Output:

@@ -39,6 +39,15 @@ def tail_width(features: int, width: int) -> int:
   return width or max(1, features // 4)
 
 
+def kernel_shapes(features: int, size: int, width: int, vocab_size: int):
+  """The layer's kernels' shapes, `(Kh, P, Kt)`: the head over `features`
+  (the shortlist and the "rarer piece" class), the projection to the
+  tail's width (`tail_width`), the rarer pieces' over it. Each kernel's
+  bias is as wide as its last axis."""
+  w = tail_width(features, width)
+  return (features, size + 1), (features, w), (w, vocab_size - size)
+
+
 class ShortlistOutput(tl.Layer):
   """`h` `[..., features]` -> log-probabilities `[..., vocab]`; weights
   `(Kh [features, size + 1], bh, P [features, width], Kt [width, vocab -
@@ -60,16 +69,16 @@ class ShortlistOutput(tl.Layer):
     return h, (w[0], w[2], w[3]), (w[1], w[4])
 
   def init_weights_and_state(self, input_signature):
-    features = input_signature.shape[-1]
-    width = tail_width(features, self._width)
-    tail = self._vocab_size - self._size
+    head, projection, tail = kernel_shapes(
+      input_signature.shape[-1], self._size, self._width, self._vocab_size
+    )
     rngs = jax.random.split(self.rng, 5)
     glorot = init.GlorotUniformInitializer()
     small = init.RandomNormalInitializer(1e-6)
     self.weights = (
-      glorot((features, self._size + 1), rngs[0]),
-      small((self._size + 1,), rngs[1]),
-      glorot((features, width), rngs[2]),
-      glorot((width, tail), rngs[3]),
-      small((tail,), rngs[4]),
+      glorot(head, rngs[0]),
+      small(head[1:], rngs[1]),
+      glorot(projection, rngs[2]),
+      glorot(tail, rngs[3]),
+      small(tail[1:], rngs[4]),
     )
