@@ -64,6 +64,26 @@ def test_a_folder_others_can_write_or_a_link_is_never_used(
   assert _opened(monkeypatch, JADE_COMPILE_CACHE=mine) is None
 
 
+def test_a_named_folder_that_is_refused_says_so_in_one_line(
+  tmp_path, monkeypatch, capsys
+):
+  """A folder the user named (`JADE_COMPILE_CACHE`) and the cache refuses
+  is one line on stderr (every start then compiles again); the default
+  folder refused stays quiet unless `JADE_VERBOSE=1`."""
+  monkeypatch.delenv('JADE_VERBOSE', raising=False)
+  private = tmp_path / 'private'
+  private.mkdir(mode=0o700)
+  named = str(private / 'c')
+  assert _opened(monkeypatch, JADE_COMPILE_CACHE=named) is None
+  lines = capsys.readouterr().err.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f'JADE_COMPILE_CACHE={named}')
+  assert 'compiles again' in lines[0] and 'JADE_COMPILE_CACHE=off' in lines[0]
+  assert _opened(monkeypatch, XDG_CACHE_HOME=str(private)) is None
+  assert capsys.readouterr().err == ''
+  assert _opened(monkeypatch, JADE_COMPILE_CACHE='off') is None
+  assert capsys.readouterr().err == ''
+
+
 def test_a_folder_swapped_after_the_check_is_not_followed(safe_dir):
   fd = cc.open_chain(safe_dir, ['c', 'sub'])
   cache = cc.FolderCache(fd, os.path.join(safe_dir, 'c', 'sub'))

@@ -298,9 +298,25 @@ def prune(parent_fd: int, keep: str, days: float = PRUNE_DAYS):
 _STATE: dict = {}
 
 
+def _refused(e: Exception):
+  """Why the cache is not used: one line on stderr when the user named
+  the folder (`JADE_COMPILE_CACHE`), since every start then compiles
+  again (the long-conversation block ~65 s slower, BENCHMARKS.md "The
+  block on a fresh clone, timed"); else a note with `JADE_VERBOSE=1`."""
+  named = os.environ.get('JADE_COMPILE_CACHE')
+  if not named:
+    quiet.note(f'the compilation cache is not used: {e}')
+    return
+  print(
+    f'JADE_COMPILE_CACHE={named}: not used ({e}), so each start compiles '
+    'again; name a folder only you can write, or JADE_COMPILE_CACHE=off',
+    file=sys.stderr,
+  )
+
+
 def open_cache() -> FolderCache | None:
   """The checked cache folder, held open (None when off or unsafe: then a
-  start compiles, and `JADE_VERBOSE=1` says why)."""
+  start compiles, and `_refused` says why)."""
   found = where()
   if found is None:
     return None
@@ -308,13 +324,13 @@ def open_cache() -> FolderCache | None:
   try:
     parent = open_chain(above, own[:-1])
   except (Unsafe, OSError) as e:
-    quiet.note(f'the compilation cache is not used: {e}')
+    _refused(e)
     return None
   try:
     fd, _ = _open_in(parent, own[-1], own[-1], mine=True)
   except (Unsafe, OSError) as e:
     os.close(parent)
-    quiet.note(f'the compilation cache is not used: {e}')
+    _refused(e)
     return None
   os.utime(fd)  # This subfolder is in use (see `prune`).
   prune(parent, own[-1])
