@@ -51,6 +51,12 @@ with bfloat16 dot instructions also the same product's with bfloat16
 inputs and float32 sums (YNNPACK's products), against which the
 bfloat16 contenders' FLOP/s are set too ("% of bf16 peak").
 
+`--rounds N` runs every contender N times, the contenders in turn in
+each round (ABAB: this kind of machine drifts by +-5% between runs, as
+much as most changes), measures the matmul peaks after each round, and
+reports each contender's median run with the runs' range: its ratios to
+the peers are of medians, its share of the peak of the median peak.
+
 Reported: tokens/s (median of the timed steps; the first steps, which
 compile, are reported separately), peak RSS of the process, and achieved
 FLOP/s = tokens/s x (6 x matmul weights + 3 x attention FLOPs per token),
@@ -518,6 +524,12 @@ def main():
     help='jade trains each length on windows of this many tokens '
     '(train.window); the peers train at this length',
   )
+  parser.add_argument(
+    '--rounds',
+    type=int,
+    default=1,
+    help='run every contender this many times, in turn; report medians',
+  )
   parser.add_argument('--smoke', action='store_true')
   parser.add_argument(
     '--eval',
@@ -533,40 +545,28 @@ def main():
     help='jade: an extra gin binding, e.g. "output_loss.chunk_size = 512"',
   )
   args = parser.parse_args()
+  if args.rounds < 1:
+    parser.error(f'--rounds {args.rounds}: give 1 or more')
   if args.child:
     return child(args)
   if args.smoke:
     args.lengths, args.steps, args.vocabs = [1024], 2, [VOCAB]
-  results = []
-  for length in args.lengths:
-    for vocab in args.vocabs:
-      for name in args.contenders:
-        if name == 'full' and any(
-          r['name'] == 'full' and r['length'] < length and 'error' in r
-          for r in results
-        ):
-          continue  # Already out of memory at a shorter length.
-        python = args.peer_python if 'peer' in name else sys.executable
-        r = measure(
-          name,
-          length,
-          args.steps,
-          vocab,
-          python,
-          args.timeout,
-          args.eval,
-          args.bind,
-          args.window,
-        )
-        r.setdefault('vocab', vocab)
-        r.update(name=name, length=length, asked_vocab=vocab)
-        if args.window:
-          grid = length if name.startswith('jade') else None
-          r.update(length=args.window, grid=grid)
-        results.append(r)
-        print(json.dumps(r), flush=True)
-  jax_peak, blas = measured_peak()
-  bf16_peak = measured_peak('peak-bf16')[0]
+  results, peaks = [], []
+  for turn in range(1, args.rounds + 1):
+    for length in args.lengths:
+      for vocab in args.vocabs:
+        for name in args.contenders:
+          if name == 'full' and any(
+            r['name'] == 'full' and r['length'] < length and 'error' in r
+            for r in results
+          ):
+            continue  # Already out of memory at a shorter length.
+          r = run_row(args, name, length, vocab)
+          r['round'] = turn
+          results.append(r)
+          print(json.dumps(r), flush=True)
+    peaks.append((*measured_peak(), measured_peak('peak-bf16')[0]))
+  jax_peak, blas, bf16_peak = (median_of(p) for p in zip(*peaks))
   machine = {
     'cpu': cpu_name(),
     'matmul_peak_gflops': jax_peak,
@@ -574,6 +574,8 @@ def main():
     'bf16_matmul_peak_gflops': bf16_peak,
   }
   peak = args.peak_gflops or jax_peak
+  if args.rounds > 1:
+    machine['peaks_by_round'] = peaks
   if args.json:
     with open(args.json, 'w') as f:
       json.dump({'machine': machine, 'results': results}, f, indent=2)
@@ -582,8 +584,70 @@ def main():
     + (f'{jax_peak:.0f} GFLOP/s under JAX' if jax_peak else 'not measured')
     + (f", {blas:.0f} under numpy's BLAS" if blas else '')
     + (f'; bfloat16 inputs, float32 sums: {bf16_peak:.0f}' if bf16_peak else '')
+    + (
+      f' (medians of {args.rounds} rounds; float32 '
+      + ', '.join(f'{p[0]:.0f}' for p in peaks if p[0])
+      + ')'
+      if args.rounds > 1
+      else ''
+    )
   )
-  print_table(results, peak, blas, bf16_peak)
+  print_table(
+    by_median(results) if args.rounds > 1 else results, peak, blas, bf16_peak
+  )
+
+
+def run_row(args, name, length, vocab):
+  """One run of one contender (`measure`), labelled with what was asked."""
+  python = args.peer_python if 'peer' in name else sys.executable
+  r = measure(
+    name,
+    length,
+    args.steps,
+    vocab,
+    python,
+    args.timeout,
+    args.eval,
+    args.bind,
+    args.window,
+  )
+  r.setdefault('vocab', vocab)
+  r.update(name=name, length=length, asked_vocab=vocab)
+  if args.window:
+    grid = length if name.startswith('jade') else None
+    r.update(length=args.window, grid=grid)
+  return r
+
+
+def median_of(values):
+  """The median of the values measured (None where none was)."""
+  kept = [v for v in values if v is not None]
+  return statistics.median(kept) if kept else None
+
+
+def by_median(results):
+  """One row per contender, length and vocabulary from several rounds'
+  runs: the median run by tokens/s (its memory, FLOP/s and first steps),
+  with every run's tokens/s in `runs`; a contender whose runs all failed
+  keeps its last error."""
+  groups = {}
+  for r in results:
+    key = (r['name'], r['length'], r.get('asked_vocab', r.get('vocab')))
+    groups.setdefault(key, []).append(r)
+  rows = []
+  for runs in groups.values():
+    good = sorted(
+      (r for r in runs if 'error' not in r), key=lambda r: r['tokens_per_s']
+    )
+    if not good:
+      rows.append(runs[-1])
+      continue
+    row = dict(good[(len(good) - 1) // 2])
+    row['tokens_per_s'] = statistics.median(r['tokens_per_s'] for r in good)
+    row['gflops'] = statistics.median(r['gflops'] for r in good)
+    row['runs'] = [r['tokens_per_s'] for r in good]
+    rows.append(row)
+  return rows
 
 
 def measured_peak(which: str = 'peak'):
@@ -619,6 +683,14 @@ def _best_peers(results, bf16: bool) -> dict:
   return best
 
 
+def tokens_cell(r) -> str:
+  """A row's tokens/s; from several runs, their median and range."""
+  runs = r.get('runs')
+  if not runs or len(runs) < 2:
+    return f'{r["tokens_per_s"]:.0f}'
+  return f'{r["tokens_per_s"]:.0f} ({min(runs):.0f}-{max(runs):.0f})'
+
+
 def print_table(results, peak, blas=None, bf16_peak=None):
   """The table; a bfloat16 contender's (`-bf16`) FLOP/s are also set
   against the bfloat16 product's peak (`bf16_peak`), where measured."""
@@ -647,7 +719,7 @@ def print_table(results, peak, blas=None, bf16_peak=None):
     of_bf16 = f'{100 * r["gflops"] / bf16_peak:.1f}%' if is_bf16 else ''
     print(
       f'| {r["name"]} | {r["length"]} | {r["vocab"]} | '
-      f'{r["tokens_per_s"]:.0f} | {ratio} | {ratio_bf16} | '
+      f'{tokens_cell(r)} | {ratio} | {ratio_bf16} | '
       f'{r["peak_rss_gb"]:.2f} | {rss} | '
       f'{r["gflops"]:.1f} | {share} | {of_blas} | {of_bf16} | '
       f'{r["first_steps_s"]} |'

@@ -438,6 +438,41 @@ def test_train_speed_sets_bfloat16_contenders_against_the_bfloat16_peak(
   assert '| 80.0% |  | 40.0% |' in lines[3]
 
 
+def test_train_speed_rounds_report_each_contenders_median_run(capsys):
+  """bench/train_speed.py --rounds: one row a contender, its median run
+  (tokens/s and FLOP/s the medians, memory the median run's) with the
+  runs' range, its ratio to the peer's median; a failed run is left out
+  and a contender whose runs all failed shows its error."""
+  from bench import train_speed
+
+  row = {'length': 1024, 'vocab': 500, 'asked_vocab': 500}
+  runs = [
+    dict(row, name='peer', tokens_per_s=t, gflops=t / 2, peak_rss_gb=2.0)
+    for t in (100.0, 120.0, 90.0)
+  ] + [
+    dict(row, name='jade', tokens_per_s=t, gflops=t / 2, peak_rss_gb=m)
+    for t, m in ((150.0, 1.0), (210.0, 1.3), (180.0, 1.2))
+  ]
+  runs += [dict(row, name='jade', error='killed (out of memory)')]
+  runs += [dict(row, name='full', error='out of memory: x')] * 2
+  rows = {r['name']: r for r in train_speed.by_median(runs)}
+  assert rows['jade']['tokens_per_s'] == 180.0
+  assert rows['jade']['gflops'] == 90.0
+  assert rows['jade']['peak_rss_gb'] == 1.2  # The median run's.
+  assert rows['jade']['runs'] == [150.0, 180.0, 210.0]
+  assert rows['peer']['tokens_per_s'] == 100.0
+  assert rows['full']['error'].startswith('out of memory')
+  for r in rows.values():
+    r.setdefault('first_steps_s', [1])
+  train_speed.print_table(list(rows.values()), 100.0)
+  out = capsys.readouterr().out
+  assert '| jade | 1024 | 500 | 180 (150-210) | 1.80x |' in out
+  assert '| peer | 1024 | 500 | 100 (90-120) | 1.00x |' in out
+  assert '| full | 1024 | 500 | out of memory: x |' in out
+  assert train_speed.median_of([None, 3.0, 1.0]) == 2.0
+  assert train_speed.median_of([None]) is None
+
+
 def test_matmul_rate_of_bfloat16_inputs_is_measured():
   """`preflight.device_flops_per_second` times a product of bfloat16
   inputs (float32 sums) as it times float32 ones."""
