@@ -23,6 +23,9 @@ Adam, no dropout. Contenders:
   layer (`output_layer.shortlist = 2048`: the 2,048 most used pieces
   scored from all features, the rest through a quarter of them;
   `src/model/shortlist.py`); at a vocabulary of 2,049 or fewer, jade;
+- jade-kept, jade-kept-bf16: jade and jade-bf16 whose blocks all keep
+  their activations for the backward pass (`reversible.kept_blocks`:
+  no block's forward runs again; more memory);
 - jade-xla-attend: jade with Trax's chunked `attend` on XLA instead of the
   fused kernel (`JADE_CHUNK_KERNEL=off`: the trainer before the kernel);
 - jade-bf16, jade-mean-bf16: jade and jade-mean with `precision.products
@@ -161,6 +164,9 @@ def jade_bindings(length):
     # Feed-forwards over chunks of positions, as gin/reformer_32k.gin runs
     # them (the peer chunks its feed-forwards too: `ff_chunks=100`).
     f'ReformerLM.ff_chunk_size = {FF_CHUNK if length > FF_CHUNK else 0}',
+    # Every block's forward runs again in the backward pass, as the peer's
+    # (gin/tiny.gin keeps its blocks' activations; jade-kept here).
+    'reversible.kept_blocks = 0',
   ]
 
 
@@ -378,6 +384,7 @@ MEAN = "output_layer.halves = 'mean'"
 BF16 = "precision.products = 'bfloat16'"
 SHORTLIST = 2048
 SHORT = f'output_layer.shortlist = {SHORTLIST}'
+KEPT = f'reversible.kept_blocks = {LAYERS}'
 JADE_BINDS = {  # Each Jade contender's gin bindings.
   'jade': [],
   'jade-mean': [MEAN],
@@ -386,6 +393,8 @@ JADE_BINDS = {  # Each Jade contender's gin bindings.
   'jade-mean-bf16': [MEAN, BF16],
   'jade-short': [SHORT],
   'jade-short-bf16': [SHORT, BF16],
+  'jade-kept': [KEPT],
+  'jade-kept-bf16': [KEPT, BF16],
 }
 CONTENDERS = {
   **{name: run_jade for name in JADE_BINDS},

@@ -66,6 +66,7 @@ CONFIGURABLES = frozenset(
     'lsh',  # lsh.directed: model.gin files saved before the classes.
     'residual',
     'smear',
+    'reversible',
     'chat',  # chat.n_hashes: how a finished model reads a conversation.
     'ContextLSHSelfAttention',  # query_span, key_span: its own settings.
   }

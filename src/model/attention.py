@@ -19,17 +19,13 @@ classes from `ReformerLM.attention_type`, and gin/*.gin name these:
 
 The smeared classes (keys and values that see the positions before) are
 `src.model.smeared`'s, subclasses of these; `key_context` and
-`query_rows` are what they widen.
-
-In training and evaluation every one of them attends through
-`chunk_attention.attend`: Trax's `attend`, fused into one CPU kernel where
-it applies (the same results within float rounding).
-
-Each reads its settings from Trax's gin names (`SelfAttention.chunk_len`,
-`LSHSelfAttention.n_hashes`, ...), as a subclass of the registered class.
-Any of them starts with its output projections at zero where
-`model.reformer_lm` asks (`start_at_zero`; `residual.zero_attention`).
-Every chat-decoder call takes the path `decode_cache.route` chooses.
+`query_rows` are what they widen. In training and evaluation each
+attends through `chunk_attention.attend` (Trax's `attend`, fused into
+one CPU kernel where it applies). Each reads its settings from Trax's gin
+names (`SelfAttention.chunk_len`, ...), as a subclass of the registered
+class; starts with its output projections at zero where asked
+(`start_at_zero`); and its chat-decoder calls take the path
+`decode_cache.route` chooses.
 """
 
 from __future__ import annotations
@@ -108,10 +104,20 @@ class _Ours:
   _zero_output = False
   _never_rolls = False
   _smeared = False  # Keys and values see the position before (`Smeared...`).
+  _keeps_activations = False  # See `keep_activations`.
 
   def start_at_zero(self):
     """The output projections start at zero when the layer is initialized."""
     self._zero_output = True
+
+  def keep_activations(self):
+    """No custom backward (which runs the forward again): JAX
+    differentiates it (a kept block of `reversible.KeptSerial`)."""
+    self._keeps_activations = True
+
+  @property
+  def has_backward(self):
+    return super().has_backward and not self._keeps_activations
 
   def never_roll(self):
     """The chat decoder's layer: its memory never rolls (see
@@ -206,13 +212,10 @@ class LocalSelfAttention(_Ours, tl.SelfAttention):
   step sees only what training saw.
 
   Trax's chunked `SelfAttention` attends within a chunk and the
-  `n_chunks_before` before it in training, but its predict mode attends to
-  the whole memory: a local block of a mixed model would read, while
-  chatting, thousands of tokens it never learned to weigh. Here the predict
-  step keeps the training window: one token at a time through
-  `local_one_token_step`, longer feeds through
-  `decode_block.windowed_step` (Trax's step with `window_mask`).
-  Unchunked (full) attention is Trax's.
+  `n_chunks_before` before it in training, but while chatting to the whole
+  memory, thousands of tokens it never learned to weigh. Here the predict
+  step keeps the training window (`local_one_token_step`; longer feeds
+  `decode_block.windowed_step`). Unchunked (full) attention is Trax's.
   """
 
   def heads_at_once(self) -> bool:

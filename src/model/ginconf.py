@@ -50,7 +50,15 @@ import gin
 from src.config import safegin
 from src.core import files, rundir
 from src.core.errors import UserError
-from src.model import attention, losses, optim, reformer, settings, smeared
+from src.model import (
+  attention,
+  losses,
+  optim,
+  reformer,
+  reversible,
+  settings,
+  smeared,
+)
 from src.model import precision as precision_lib
 
 lr_schedule = gin.external_configurable(
@@ -71,6 +79,9 @@ for _cls in (
   gin.external_configurable(_cls, module='jade', denylist=['mode'])
 residual = gin.external_configurable(reformer.residual, module='jade')
 smear = gin.external_configurable(reformer.smear, module='jade')
+kept_blocks = gin.external_configurable(
+  reversible.settings, 'reversible', module='jade'
+)
 output_layer = gin.external_configurable(reformer.output_layer, module='jade')
 chat = gin.external_configurable(reformer.chat, module='jade')
 
@@ -385,13 +396,27 @@ def canonical(text: str) -> str:
   return re.sub(r'\\\n[ \t]*', '', text)
 
 
+# Settings of how training runs, not of the model: a run resumes with
+# other values (`reversible.kept_blocks`: the same gradients).
+TRAINING_ONLY = ('reversible.',)
+
+
+def resume_bindings(text: str) -> list[str]:
+  """What a resume compares of gin's listing `text`: its lines but gin's
+  headers, blanks and the `TRAINING_ONLY` settings."""
+  skip = ('#', *TRAINING_ONLY)
+  lines = canonical(text).splitlines()
+  return [x for x in lines if x.strip() and not x.startswith(skip)]
+
+
 def check_same_as_saved(setup: GinSetup, out_dir: str):
-  """A run resumes only with the gin it was started with."""
+  """A run resumes only with the model settings it was started with."""
   saved = saved_text(out_dir)
-  old, new = canonical(saved or ''), canonical(setup.text)
-  if saved is None or old == new:
+  if saved is None:
     return
-  old, new = old.splitlines(), new.splitlines()
+  old, new = resume_bindings(saved), resume_bindings(setup.text)
+  if old == new:
+    return
   diff = next(
     (f'saved "{a}" vs now "{b}"' for a, b in zip(old, new) if a != b),
     'different number of settings',
@@ -407,7 +432,9 @@ def model(vocab_size: int, mode: str):
   """The parsed config's model (Trax's `ReformerLM` with this project's
   layers and `output_layer`), not initialized: the one builder every
   mode and tool uses."""
-  return reformer.reformer_lm(vocab_size, mode, output=output_layer())
+  return reformer.reformer_lm(
+    vocab_size, mode, output=output_layer(), kept=kept_blocks()
+  )
 
 
 def fresh_model(vocab_size: int, offset: str = 'zero'):
@@ -424,6 +451,7 @@ def fresh_model(vocab_size: int, offset: str = 'zero'):
     offset=offset,
     output=output_layer(),
     aligned=smear(),
+    kept=kept_blocks(),
   )
 
 

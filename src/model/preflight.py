@@ -7,7 +7,9 @@ the per-device batch (float32 everywhere):
   gradients, a new copy during the update, plus the optimizer's slots
   (Adam: 2 per weight, Momentum: 1, SGD: 0, Adafactor: ~0.1);
 - activations of one step. The layers are reversible, so activations do
-  not grow with depth: the residual halves and their gradients
+  not grow with depth (but for the blocks that keep theirs,
+  `reversible.kept_blocks`: each holds one layer's, its whole
+  feed-forward's): the residual halves and their gradients
   (`~12 B L d_model`), one layer's LSH attention (the chunked scores and
   their gradients, `3 B H n_hashes L chunk (1 + before)`, plus the sorted
   queries/keys/values, `~8 B H n_hashes L d_head`) and feed-forward
@@ -174,6 +176,18 @@ def optimizer_name() -> str:
     return 'Adam'
 
 
+def kept_blocks(setup) -> int:
+  """How many blocks keep their activations in training (the bound
+  `reversible.kept_blocks`, at most the model's blocks; 0 unbound)."""
+  from src.model import ginconf
+
+  try:
+    kept = int(ginconf.gin.query_parameter('jade.reversible.kept_blocks'))
+  except (ValueError, KeyError, TypeError):
+    kept = 0
+  return max(0, min(kept, int(setup.model['n_layers'])))
+
+
 def estimate(
   setup,
   vocab_size: int,
@@ -183,9 +197,11 @@ def estimate(
   optimizer: str = 'Adam',
   platform: str = 'cpu',
   length: int | None = None,
+  kept: int = 0,
 ) -> Estimate:
   """The memory estimate for one device (see the module docstring);
-  `length`: the training window (default the model's context)."""
+  `length`: the training window (default the model's context); `kept`:
+  blocks that keep their activations (`reversible.kept_blocks`)."""
   m, a = setup.model, setup.attention
   b, length = batch_per_device, length or setup.max_len
   d, d_ff, heads = m['d_model'], m['d_ff'], m['n_heads']
@@ -205,6 +221,10 @@ def estimate(
   ff_rows = min(ff_chunk, b * length) if ff_chunk else b * length
   feed_forward = 3 * ff_rows * d_ff
   rows = b * length
+  # A kept block holds its attention's and its feed-forward's activations
+  # (every chunk's) until its backward pass: measured ~0.5-0.8 GB a block
+  # of the 32k benchmark model, ~0.7 here.
+  kept_held = kept * (attention + rows * d_ff)
   if loss_chunk:  # Training and evaluation both chunk their logits.
     # Training makes the output layer's gradient with its loss: a chunk's
     # logits, exponentials and gradient, the kernel's gradient summed, and
@@ -217,7 +237,9 @@ def estimate(
   return Estimate(
     weights=3 * n_weights * F32,
     optimizer=slots * n_weights * F32,
-    activations=(residual + attention + feed_forward) * F32 * ACTIVATION_FACTOR,
+    activations=(residual + attention + feed_forward + kept_held)
+    * F32
+    * ACTIVATION_FACTOR,
     logits=logits * F32,
     baseline=BASELINE if platform == 'cpu' else 0.0,
   )
@@ -263,12 +285,13 @@ def check(
     optimizer=optimizer_name(),
     platform=platform,
     length=length,
+    kept=kept_blocks(setup),
   )
   limit, where = device_limit()
   if est.total > limit:
     advice = (
       'lower the per-device batch (batch-size), the training window '
-      '(window), ReformerLM.max_len with '
+      '(window), reversible.kept_blocks, ReformerLM.max_len with '
       'its pos_axial_shape, LSHSelfAttention.chunk_len or n_hashes, '
       'vocab-size or output_loss.chunk_size, or use a lighter optimizer '
       '(optimizer.kind)'

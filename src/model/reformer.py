@@ -21,8 +21,8 @@ from trax.layers.research import efficient_attention as ea
 
 from src.core.errors import UserError
 from src.model import positions as axial
+from src.model import reversible, tied
 from src.model import shortlist as shortlist_lib
-from src.model import tied
 
 
 def positions(axial_init_scale: float = 1.0) -> float:
@@ -284,6 +284,7 @@ def reformer_lm(
   offset: str = 'zero',
   output: Output = Output(),
   aligned: bool = False,
+  kept: int = 0,
 ):
   """`trax.models.ReformerLM` with the gin-bound settings.
 
@@ -291,18 +292,18 @@ def reformer_lm(
   embeddings are drawn with std `axial_init_scale / sqrt(d_model)` when
   the model is initialized; None keeps Trax's initializer (std 1.0), which
   only matters for a model that is then initialized, not loaded.
-  The attention layers are the classes `ReformerLM.attention_type` names
+  The attention classes are `ReformerLM.attention_type`'s
   (`src.model.attention`). `zero_outputs` (see `residual`): whether each
   block's attention output projections, and its feed-forward output
   layers, start at zero when the model is initialized. Its axial
   positions are `positions.AxialPositions` (any window of the grid);
   `offset` is where a training window starts on it ('zero' or 'random').
-  `output` (see `output_layer`): halves 'mean' puts the mean of the
-  reversible halves where Trax concatenates them; `tied` also scores
-  tokens through the token embedding. `aligned` (see `smear`): the
-  smeared layers' `w_s` start as their query projections.
+  `output`: see `output_layer`. `aligned` (see `smear`): the
+  smeared layers' `w_s` start as their query projections. `kept`: see
+  `reversible.settings`.
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
+  _keep_last(lm, kept, mode == 'train')
   _read_output(lm, output, vocab_size)
   if any(zero_outputs):
     attention, dense = branch_outputs(lm)
@@ -334,6 +335,25 @@ def reformer_lm(
         init = tl.RandomNormalInitializer(axial_init_scale / math.sqrt(d_model))
       _replace(lm, layer, axial.AxialPositions.like(layer, offset, init))
   return lm
+
+
+def _keep_last(lm, blocks: int, training: bool):
+  """`lm`'s reversible stack, in training, as a `reversible.KeptSerial`
+  whose last `blocks` blocks (all, where it has fewer) keep their
+  activations; none: Trax's stack."""
+  if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+    raise UserError(
+      f'reversible.kept_blocks = {blocks!r}: write a whole number of blocks '
+      '(0: none) in the gin file'
+    )
+  (stack,) = [x for x in all_layers(lm) if isinstance(x, tl.ReversibleSerial)]
+  n_blocks = sum(
+    getattr(x, '_attention_layer', None) is not None for x in stack.sublayers
+  )
+  if blocks and training and n_blocks:
+    per_block = len(stack.sublayers) // n_blocks
+    kept = min(blocks, n_blocks) * per_block
+    _replace(lm, stack, reversible.KeptSerial(stack.sublayers, kept))
 
 
 def _start_aligned(lm):
