@@ -352,6 +352,7 @@ def parse_text(
     local = per_class.get('SelfAttention')
     settings.check_local(model_settings, local, path)
   blocks = [kinds[i % len(kinds)] for i in range(model_settings['n_layers'])]
+  _checked(kept_blocks, path)  # Refused here, naming the file.
   return GinSetup(
     path,
     gin.config_str(),

@@ -177,15 +177,11 @@ def optimizer_name() -> str:
 
 
 def kept_blocks(setup) -> int:
-  """How many blocks keep their activations in training (the bound
-  `reversible.kept_blocks`, at most the model's blocks; 0 unbound)."""
+  """How many blocks keep their activations in training (the parsed
+  `reversible.kept_blocks`, checked; at most the model's blocks)."""
   from src.model import ginconf
 
-  try:
-    kept = int(ginconf.gin.query_parameter('jade.reversible.kept_blocks'))
-  except (ValueError, KeyError, TypeError):
-    kept = 0
-  return max(0, min(kept, int(setup.model['n_layers'])))
+  return min(ginconf.kept_blocks(), int(setup.model['n_layers']))
 
 
 def estimate(

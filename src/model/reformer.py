@@ -340,12 +340,7 @@ def reformer_lm(
 def _keep_last(lm, blocks: int, training: bool):
   """`lm`'s reversible stack, in training, as a `reversible.KeptSerial`
   whose last `blocks` blocks (all, where it has fewer) keep their
-  activations; none: Trax's stack."""
-  if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
-    raise UserError(
-      f'reversible.kept_blocks = {blocks!r}: write a whole number of blocks '
-      '(0: none) in the gin file'
-    )
+  activations (checked by `reversible.settings`); none: Trax's stack."""
   (stack,) = [x for x in all_layers(lm) if isinstance(x, tl.ReversibleSerial)]
   n_blocks = sum(
     getattr(x, '_attention_layer', None) is not None for x in stack.sublayers

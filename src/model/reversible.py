@@ -28,6 +28,8 @@ from trax import fastmath
 from trax import layers as tl
 from trax.layers import combinators as cb
 
+from src.core.errors import UserError
+
 
 def settings(kept_blocks: int = 0) -> int:
   """How the reversible stack differentiates its blocks (gin:
@@ -39,8 +41,18 @@ def settings(kept_blocks: int = 0) -> int:
       block's forward runs again in the backward pass), or more.
 
   Returns:
-    `kept_blocks`.
+    `kept_blocks`; anything but a whole number from 0 is one line naming
+    the setting (`model.reformer_lm` and the memory pre-flight read it).
   """
+  if (
+    isinstance(kept_blocks, bool)
+    or not isinstance(kept_blocks, int)
+    or kept_blocks < 0
+  ):
+    raise UserError(
+      f'reversible.kept_blocks = {kept_blocks!r}: write a whole number of '
+      'blocks (0: none) in the gin file'
+    )
   return kept_blocks
 
 
