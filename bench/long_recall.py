@@ -72,7 +72,10 @@ trains those instead), then scores each with the recipe's 8 hash rounds
 unless given).
 Results go to `WORK/long_recall.json` (`score --json FILE` for one run;
 nothing is written into the run's folder); a markdown table is printed
-for BENCHMARKS.md.
+for BENCHMARKS.md, each distance's right answers of all its samples and
+of its first six (the hidden check asks six a distance), and whether
+the seed meets the aim (5, 5, 4 and 4 of 6 at ~1k, ~4k, ~12k, ~24k;
+`AIM`) by all (scaled: 15 of 18) and by the first six.
 """
 
 from __future__ import annotations
@@ -249,6 +252,7 @@ def score(
             'samples': samples,
             'tokens': int(np.mean(measured)),
             'replies': replies,
+            'first': sum(said(v, r) for v, r, _ in replies[:FIRST]),
           }
         )
         print(
@@ -471,27 +475,56 @@ def _piece_hits(pieces: dict, seen, right) -> None:
       pieces[key][1] += 1
 
 
+# The issue's aim: right answers of the first `FIRST` conversations a
+# distance (the hidden check asks 6), by distance: ~1k, ~4k, ~12k, ~24k.
+FIRST = 6
+AIM = {1000: 5, 4000: 5, 12000: 4, 24000: 4}
+
+
+def at_aim(rows, first=False) -> bool | None:
+  """Whether a seed's stated `rows` meet `AIM` (None: a distance it does
+  not name): by the first `FIRST` conversations a distance (`first`),
+  or by all, the aim scaled to the samples (15 of 18 for 5 of 6)."""
+  if {r['distance'] for r in rows} != set(AIM):
+    return None
+  if first and any('first' not in r for r in rows):
+    return None  # Rows scored before the count was kept.
+  for r in rows:
+    want = AIM[r['distance']]
+    if first and r['first'] < want:
+      return False
+    if not first and r['right'] * FIRST < want * r['samples']:
+      return False
+  return True
+
+
 def table(results) -> str:
   distances = sorted({r['distance'] for res in results for r in res['rows']})
   lines = [
     '| seed | train time | '
     + ' | '.join(f'~{d:,} tokens' for d in distances)
-    + ' | control (nothing stated) |',
-    '|-' * (len(distances) + 3) + '|',
+    + ' | control (nothing stated) | at the aim: all, first six |',
+    '|-' * (len(distances) + 4) + '|',
   ]
   for res in results:
     cells, control = [], [0, 0]
+    stated = [r for r in res['rows'] if r['stated']]
     for d in distances:
       for r in res['rows']:
         if r['distance'] == d and r['stated']:
-          cells.append(f'{r["right"]}/{r["samples"]} ({r["tokens"]:,})')
+          first = f'first {FIRST}: {r.get("first", "?")}'
+          cells.append(
+            f'{r["right"]}/{r["samples"]} ({first}; {r["tokens"]:,})'
+          )
         elif r['distance'] == d:
           control[0] += r['right']
           control[1] += r['samples']
+    aims = [at_aim(stated), at_aim(stated, first=True)]
+    aim = ', '.join({True: 'yes', False: 'no', None: '-'}[a] for a in aims)
     lines.append(
       f'| {res["seed"]} | {sum(res["seconds"]) / 60:.1f} min | '
       + ' | '.join(cells)
-      + f' | {control[0]}/{control[1]} |'
+      + f' | {control[0]}/{control[1]} | {aim} |'
     )
   return '\n'.join(lines)
 

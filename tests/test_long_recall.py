@@ -356,3 +356,41 @@ def test_run_takes_seeds_with_commas_or_spaces(tmp_path, monkeypatch, capsys):
   assert stop.value.code == 2
   assert '--seeds 0 x: write seeds as 0,1,2' in capsys.readouterr().err
   assert not (tmp_path / 'new').exists()
+
+
+def test_the_table_says_whether_a_seed_is_at_the_aim_by_all_and_first_six():
+  """`at_aim`: 5, 5, 4 and 4 right of 6 at ~1k, ~4k, ~12k and ~24k, by all
+  the conversations a distance (scaled: 15 of 18) and by the first six
+  (what the hidden check asks); the table's last column says both
+  (seeds 4, 1 and 0 of BENCHMARKS.md "The stand-in's five seeds with
+  blocks that keep their activations")."""
+  from bench import long_recall as bench
+
+  def result(seed, right, first):
+    rows = []
+    for d, r, f in zip(sorted(bench.AIM), right, first):
+      row = {'distance': d, 'samples': 18, 'tokens': d, 'first': f}
+      rows += [
+        {**row, 'stated': True, 'right': r},
+        {**row, 'stated': False, 'right': 0},
+      ]
+    return {'seed': seed, 'seconds': [60.0], 'rows': rows}
+
+  seeds = [
+    result(4, (16, 17, 17, 17), (6, 5, 5, 5)),
+    result(1, (17, 15, 15, 15), (6, 4, 3, 4)),
+    result(0, (16, 11, 16, 14), (5, 2, 5, 3)),
+  ]
+  stated = [[r for r in s['rows'] if r['stated']] for s in seeds]
+  assert [bench.at_aim(r) for r in stated] == [True, True, False]
+  assert [bench.at_aim(r, first=True) for r in stated] == [True, False, False]
+  assert bench.at_aim(stated[0][:3]) is None  # ~24k not asked.
+  old = [{k: v for k, v in r.items() if k != 'first'} for r in stated[0]]
+  assert bench.at_aim(old, first=True) is None
+  lines = bench.table(seeds).splitlines()
+  assert [line.rsplit('|', 2)[1].strip() for line in lines[2:]] == [
+    'yes, yes',
+    'yes, no',
+    'no, no',
+  ]
+  assert '16/18 (first 6: 6; 1,000)' in lines[2]
