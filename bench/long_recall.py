@@ -252,7 +252,6 @@ def score(
             'samples': samples,
             'tokens': int(np.mean(measured)),
             'replies': replies,
-            'first': sum(said(v, r) for v, r, _ in replies[:FIRST]),
           }
         )
         print(
@@ -481,17 +480,20 @@ FIRST = 6
 AIM = {1000: 5, 4000: 5, 12000: 4, 24000: 4}
 
 
+def first_right(row) -> int:
+  """Right answers among a row's first `FIRST` replies."""
+  return sum(said(value, reply) for value, reply, _ in row['replies'][:FIRST])
+
+
 def at_aim(rows, first=False) -> bool | None:
   """Whether a seed's stated `rows` meet `AIM` (None: a distance it does
   not name): by the first `FIRST` conversations a distance (`first`),
   or by all, the aim scaled to the samples (15 of 18 for 5 of 6)."""
   if {r['distance'] for r in rows} != set(AIM):
     return None
-  if first and any('first' not in r for r in rows):
-    return None  # Rows scored before the count was kept.
   for r in rows:
     want = AIM[r['distance']]
-    if first and r['first'] < want:
+    if first and first_right(r) < want:
       return False
     if not first and r['right'] * FIRST < want * r['samples']:
       return False
@@ -512,7 +514,7 @@ def table(results) -> str:
     for d in distances:
       for r in res['rows']:
         if r['distance'] == d and r['stated']:
-          first = f'first {FIRST}: {r.get("first", "?")}'
+          first = f'first {FIRST}: {first_right(r)}'
           cells.append(
             f'{r["right"]}/{r["samples"]} ({first}; {r["tokens"]:,})'
           )

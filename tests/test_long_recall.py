@@ -369,10 +369,15 @@ def test_the_table_says_whether_a_seed_is_at_the_aim_by_all_and_first_six():
   def result(seed, right, first):
     rows = []
     for d, r, f in zip(sorted(bench.AIM), right, first):
-      row = {'distance': d, 'samples': 18, 'tokens': d, 'first': f}
+      # The first six replies name the word `f` times; the rest so that
+      # all 18 name it `r` times.
+      named = [True] * f + [False] * (6 - f) + [True] * (r - f)
+      named += [False] * (18 - len(named))
+      replies = [('lantern', 'lantern.' if n else 'lamp.', 0.1) for n in named]
+      row = {'distance': d, 'samples': 18, 'tokens': d}
       rows += [
-        {**row, 'stated': True, 'right': r},
-        {**row, 'stated': False, 'right': 0},
+        {**row, 'stated': True, 'right': r, 'replies': replies},
+        {**row, 'stated': False, 'right': 0, 'replies': []},
       ]
     return {'seed': seed, 'seconds': [60.0], 'rows': rows}
 
@@ -385,8 +390,7 @@ def test_the_table_says_whether_a_seed_is_at_the_aim_by_all_and_first_six():
   assert [bench.at_aim(r) for r in stated] == [True, True, False]
   assert [bench.at_aim(r, first=True) for r in stated] == [True, False, False]
   assert bench.at_aim(stated[0][:3]) is None  # ~24k not asked.
-  old = [{k: v for k, v in r.items() if k != 'first'} for r in stated[0]]
-  assert bench.at_aim(old, first=True) is None
+  assert [bench.first_right(r) for r in stated[2]] == [5, 2, 5, 3]
   lines = bench.table(seeds).splitlines()
   assert [line.rsplit('|', 2)[1].strip() for line in lines[2:]] == [
     'yes, yes',
