@@ -32,6 +32,9 @@ Adam, no dropout. Contenders:
   = 'bfloat16'`: every training product reads bfloat16 and sums in
   float32 (fast where the CPU has AVX512-BF16 or AMX; on the CPU with
   `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=individual_dot`);
+- jade-bf16-no-amx: jade-bf16 with the project's kernels built without
+  AMX (`JADE_AMX=off`: the fused attention's products on AVX512-BF16
+  instructions; the same as jade-bf16 on a CPU without AMX);
 - peer: lucidrains' reformer-pytorch 1.4.4 (`pip install -r
   bench/requirements.txt`, e.g. in its own venv: --peer-python), torch
   threads = cores;
@@ -390,6 +393,7 @@ JADE_BINDS = {  # Each Jade contender's gin bindings.
   'jade-mean': [MEAN],
   'jade-xla-attend': [],
   'jade-bf16': [BF16],
+  'jade-bf16-no-amx': [BF16],  # Built without AMX (JADE_AMX=off).
   'jade-mean-bf16': [MEAN, BF16],
   'jade-short': [SHORT],
   'jade-short-bf16': [SHORT, BF16],
@@ -459,6 +463,8 @@ def measure(
   env = dict(os.environ)
   if BF16 in JADE_BINDS.get(name, ()):  # bfloat16 products need YNNPACK's.
     env['XLA_FLAGS'] = f'{env.get("XLA_FLAGS", "")} {YNN_PRODUCTS}'.strip()
+  if name.endswith('-no-amx'):
+    env['JADE_AMX'] = 'off'
   if name.startswith('peer-tuned'):
     if not os.path.exists(JEMALLOC):
       return {'error': f'no {JEMALLOC} (apt install libjemalloc2)'}

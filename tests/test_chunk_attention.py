@@ -356,3 +356,19 @@ def test_the_switches_read_as_jade_kernels_does(
   monkeypatch.setenv('JADE_CHUNK_SKIP', skip)
   assert chunk_attention.kernel_mode() == mode
   assert chunk_attention.skips_dead_tiles() is skips
+
+
+def test_jade_amx_off_builds_a_library_of_its_own_without_amx(monkeypatch):
+  """The kernel's bfloat16 products run on AMX where the CPU has it
+  (`kernels.amx()`, this process's library); `JADE_AMX=off` names a
+  library of its own, built without AMX's instructions."""
+  if not kernels.ready():
+    pytest.skip('no C++ compiler here: the kernels are not built')
+  flags = pathlib.Path('/proc/cpuinfo').read_text().split()
+  assert kernels.amx() is ('amx_bf16' in flags and kernels.native_bf16())
+  name = kernels._library_name()
+  monkeypatch.setenv('JADE_AMX', ' OFF ')
+  assert kernels.amx_off() and '-mno-amx-tile' in kernels._options()
+  assert kernels._library_name() != name
+  monkeypatch.setenv('JADE_AMX', 'on')
+  assert kernels._library_name() == name

@@ -94,3 +94,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeCastTransposeBf16, cast_transpose_impl,
 
 // 1 where the library was built for AVX512-BF16 (`kernels.native_bf16()`).
 extern "C" int JadeNativeBf16() { return jade::kNativeBf16 ? 1 : 0; }
+
+// 1 where the library was built for AMX and Linux lends its tiles
+// (`kernels.amx()`): the attention kernel's bfloat16 products run on them.
+extern "C" int JadeAmx() { return jade::pair_group() == 16 ? 1 : 0; }

@@ -136,14 +136,24 @@ struct Scratch {
 };
 
 // Calls fn(j0, cols) for each run of consecutive live tiles of a slot
-// (`live`: its `s.tiles()` flags).
+// (`live`: its `s.tiles()` flags), in groups of `group` tiles from the
+// slot's first: a group with a live tile is read whole.
 template <class F>
-void live_runs(const Shape& s, const uint8_t* live, F fn) {
-  for (int64_t t = 0; t < s.tiles();) {
-    int64_t e = t;
-    while (e < s.tiles() && live[e]) ++e;
-    if (e > t) fn(t * 16, s.tile_end(e - 1) - t * 16);
-    t = e + 1;
+void live_runs(const Shape& s, const uint8_t* live, F fn, int64_t group = 1) {
+  auto alive = [&](int64_t g) {
+    for (int64_t t = g * group; t < std::min((g + 1) * group, s.tiles()); ++t)
+      if (live[t]) return true;
+    return false;
+  };
+  const int64_t groups = (s.tiles() + group - 1) / group;
+  for (int64_t g = 0; g < groups;) {
+    int64_t e = g;
+    while (e < groups && alive(e)) ++e;
+    if (e > g) {
+      const int64_t last = std::min(e * group, s.tiles()) - 1;
+      fn(g * group * 16, s.tile_end(last) - g * group * 16);
+    }
+    g = e + 1;
   }
 }
 
@@ -308,15 +318,24 @@ struct Call {
   void by_keys(int64_t m, int64_t dim, const float* pa, const uint8_t* live,
                const float* bk, const uint32_t* bn, float* c, bool& written,
                Scratch& w) const {
-    live_runs(s, live, [&](int64_t j0, int64_t cols) {
-      if (s.bf16)
-        product_bf16(m, dim, cols, rows_paired(m, cols, pa + j0, s.width, w),
-                     bn + (j0 / 2) * dim, dim, c, dim, written);
-      else
-        gemm(m, dim, cols, pa + j0, s.width, 1, bk + j0 * dim, dim, c, dim,
-             written);
-      written = true;
-    });
+    // Summed over the keys: AMX's sums of bfloat16 pairs round by groups of
+    // 16 pairs, so runs start where a pass reading every key starts its
+    // groups (`jade::pair_group`): the same sums with the dead tiles
+    // skipped or read (their A is 0), bit for bit.
+    const int64_t group = s.bf16 ? 2 * jade::pair_group() / 16 : 1;
+    live_runs(
+        s, live,
+        [&](int64_t j0, int64_t cols) {
+          if (s.bf16)
+            product_bf16(m, dim, cols,
+                         rows_paired(m, cols, pa + j0, s.width, w),
+                         bn + (j0 / 2) * dim, dim, c, dim, written);
+          else
+            gemm(m, dim, cols, pa + j0, s.width, 1, bk + j0 * dim, dim, c,
+                 dim, written);
+          written = true;
+        },
+        std::max<int64_t>(group, 1));
   }
 
   // C (+)= A^T B for a slot's keys (C's rows): A as in `by_keys`, B `m`

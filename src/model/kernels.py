@@ -28,6 +28,11 @@ the kernels; `JADE_VERBOSE=1` says why in one line. `JADE_KERNELS=off`
 does the same on purpose: none is built or run, and every caller computes
 as without a compiler (to rule the kernels out when something looks
 wrong; `JADE_CHUNK_KERNEL=off` turns off the fused attention alone).
+
+Where the CPU has AMX (Intel Sapphire Rapids and later) and Linux lends
+its tiles, the fused attention's bfloat16 products run on them (`amx()`;
+`src/model/bf16.h`); `JADE_AMX=off` builds the library without (its
+products on AVX512-BF16 instructions alone: to compare, or rule AMX out).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ SOURCES = (
 )
 HEADERS = (_HERE / 'cpu_pool.h', _HERE / 'bf16.h', _HERE / 'vec8.h')
 _OPTIONS = ('-O3', '-march=native', '-std=c++17', '-fPIC', '-w')
+_NO_AMX = ('-mno-amx-tile', '-mno-amx-bf16', '-mno-amx-int8')  # JADE_AMX=off.
 _LINK = ('-shared',)  # The objects into one library.
 # XLA's name for each handler: the library's symbol.
 TARGETS = {
@@ -80,7 +86,7 @@ def _library_name() -> str:
   digest = hashlib.sha256()
   for path in (*SOURCES, *HEADERS):
     digest.update(path.name.encode() + b'\0' + path.read_bytes())
-  digest.update(' '.join((*_OPTIONS, *_LINK)).encode())
+  digest.update(' '.join((*_options(), *_LINK)).encode())
   digest.update(compile_cache.machine_key().encode())
   return f'kernels-{digest.hexdigest()[:16]}.so'
 
@@ -96,7 +102,8 @@ def _build(folder_fd: int, name: str):
     raise OSError('no C++ compiler (c++) on PATH')
   with tempfile.TemporaryDirectory(prefix='jade-kernel-') as scratch:
     out = os.path.join(scratch, name)
-    command = [compiler, *_OPTIONS, f'-I{jax.ffi.include_dir()}', f'-I{_HERE}']
+    include = (f'-I{jax.ffi.include_dir()}', f'-I{_HERE}')
+    command = [compiler, *_options(), *include]
     objects = [os.path.join(scratch, f'{s.stem}.o') for s in SOURCES]
     jobs = [
       [*command, '-c', str(source), '-o', obj]
@@ -153,6 +160,17 @@ def switched_off() -> bool:
   return os.environ.get('JADE_KERNELS', 'on').strip().lower() == 'off'
 
 
+def amx_off() -> bool:
+  """`JADE_AMX=off`: the library is built without AMX."""
+  return os.environ.get('JADE_AMX', 'on').strip().lower() == 'off'
+
+
+def _options() -> tuple:
+  """The compiler's options: `_OPTIONS`, and `_NO_AMX` under `amx_off()`
+  (a library of its own name)."""
+  return (*_OPTIONS, *_NO_AMX) if amx_off() else _OPTIONS
+
+
 def ready() -> bool:
   """Builds (once per machine) and registers the kernels for XLA's CPU
   backend; False where they cannot be or are `switched_off()` (the
@@ -167,6 +185,12 @@ def native_bf16() -> bool:
   if not ready():
     return False
   return bool(_library().JadeNativeBf16())
+
+
+def amx() -> bool:
+  """Whether the attention kernel's bfloat16 products run on AMX tiles:
+  the library built for them (not `amx_off()`) and Linux lent them."""
+  return ready() and bool(_library().JadeAmx())
 
 
 def pass_rows(chunk: int, width: int) -> int:
@@ -197,6 +221,7 @@ def _library():
       capsule = jax.ffi.pycapsule(getattr(library, symbol))
       jax.ffi.register_ffi_target(target, capsule, platform='cpu')
     library.JadeNativeBf16.restype = ctypes.c_int
+    library.JadeAmx.restype = ctypes.c_int
     library.JadeChunkPassRows.restype = ctypes.c_int64
     library.JadeChunkPassRows.argtypes = (ctypes.c_int64, ctypes.c_int64)
     return library
