@@ -322,7 +322,8 @@ struct Call {
     // 16 pairs, so runs start where a pass reading every key starts its
     // groups (`jade::pair_group`): the same sums with the dead tiles
     // skipped or read (their A is 0), bit for bit.
-    const int64_t group = s.bf16 ? 2 * jade::pair_group() / 16 : 1;
+    const int64_t keys = s.bf16 ? 2 * jade::pair_group() : 1;  // A group's.
+    const int64_t group = std::max<int64_t>(keys / 16, 1);      // In tiles.
     live_runs(
         s, live,
         [&](int64_t j0, int64_t cols) {
@@ -335,7 +336,7 @@ struct Call {
                  dim, written);
           written = true;
         },
-        std::max<int64_t>(group, 1));
+        group);
   }
 
   // C (+)= A^T B for a slot's keys (C's rows): A as in `by_keys`, B `m`
