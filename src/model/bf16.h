@@ -18,7 +18,10 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+// AMX's products where the compiler targets them on Linux (`JADE_AMX`: the
+// tiles are asked of Linux, below).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define JADE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -156,7 +159,7 @@ inline void gemm_bf16_vector(int64_t rows, int64_t cols, int64_t pairs,
     gemm_bf16_rows<1>(r, cols, pairs, a, ar, ak, b, ldb, c, ldc, accumulate);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(JADE_AMX)
 // AMX (Intel Sapphire Rapids and later): `tdpbf16ps` adds a [16 x 16 pairs]
 // by [16 pairs x 16] product of bfloat16 pairs to a 16 x 16 float32 tile in
 // one instruction, ~8x `vdpbf16ps`'s products a cycle. Its pairs are the
@@ -284,15 +287,13 @@ inline void gemm_bf16_amx(int64_t rows, int64_t cols, int64_t pairs,
 }
 #endif
 
-// The pairs of a contracted dimension summed as one group, whose rounding
-// is not that of the same pairs in other groups: 16 under AMX (a sum over
-// pairs [0, 24) differs from the sums over [0, 8) and [8, 24) added), 1 with
-// `vdpbf16ps` (pair after pair).
-inline int64_t pair_group() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-  if (amx_allowed()) return 16;
+// Whether `gemm_bf16` runs on AMX: built for it, and Linux lent the tiles.
+inline bool amx_in_use() {
+#if defined(JADE_AMX)
+  return amx_allowed();
+#else
+  return false;
 #endif
-  return 1;
 }
 
 // C[r, c] (+)= sum_p A's pair (r, p) . B's pair (p, c), in float32: by AMX
@@ -301,7 +302,7 @@ inline void gemm_bf16(int64_t rows, int64_t cols, int64_t pairs,
                       const uint32_t* a, int64_t ar, int64_t ak,
                       const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
                       bool accumulate) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(JADE_AMX)
   if (amx_allowed())
     return gemm_bf16_amx(rows, cols, pairs, a, ar, ak, b, ldb, c, ldc,
                          accumulate);
@@ -311,12 +312,18 @@ inline void gemm_bf16(int64_t rows, int64_t cols, int64_t pairs,
 #else
 constexpr bool kNativeBf16 = false;
 
-inline int64_t pair_group() { return 1; }  // No bfloat16 products here.
+inline bool amx_in_use() { return false; }  // No bfloat16 products here.
 
 inline void gemm_bf16(int64_t, int64_t, int64_t, const uint32_t*, int64_t,
                       int64_t, const uint32_t*, int64_t, float*, int64_t,
                       bool) {}  // Never called: callers check kNativeBf16.
 #endif
+
+// The pairs of a contracted dimension summed as one group, whose rounding
+// is not that of the same pairs in other groups: 16 under AMX (a sum over
+// pairs [0, 24) differs from the sums over [0, 8) and [8, 24) added), 1 with
+// `vdpbf16ps` (pair after pair).
+inline int64_t pair_group() { return amx_in_use() ? 16 : 1; }
 
 }  // namespace jade
 

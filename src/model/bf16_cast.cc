@@ -97,4 +97,4 @@ extern "C" int JadeNativeBf16() { return jade::kNativeBf16 ? 1 : 0; }
 
 // 1 where the library was built for AMX and Linux lends its tiles
 // (`kernels.amx()`): the attention kernel's bfloat16 products run on them.
-extern "C" int JadeAmx() { return jade::pair_group() == 16 ? 1 : 0; }
+extern "C" int JadeAmx() { return jade::amx_in_use() ? 1 : 0; }

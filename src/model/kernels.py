@@ -155,14 +155,21 @@ def _private_folder() -> tuple[int, str | None]:
   return os.open(folder, flags), folder
 
 
+def off(variable: str) -> bool:
+  """Whether the switch `variable` is set to off (any case, any spaces
+  around): how every `JADE_..._KERNEL`, `JADE_KERNELS` and `JADE_AMX`
+  reads."""
+  return os.environ.get(variable, 'on').strip().lower() == 'off'
+
+
 def switched_off() -> bool:
   """`JADE_KERNELS=off`: no kernel is built or run in this process."""
-  return os.environ.get('JADE_KERNELS', 'on').strip().lower() == 'off'
+  return off('JADE_KERNELS')
 
 
 def amx_off() -> bool:
   """`JADE_AMX=off`: the library is built without AMX."""
-  return os.environ.get('JADE_AMX', 'on').strip().lower() == 'off'
+  return off('JADE_AMX')
 
 
 def _options() -> tuple:

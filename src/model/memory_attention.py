@@ -22,8 +22,6 @@ XLA's passes; the kernel runs only on XLA's CPU backend, in float32.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 from jax import numpy as jnp
@@ -36,7 +34,7 @@ MAX_FAR_KEYS = 256  # The kernel's bound (`kMaxFarKeys`).
 
 def switched_off() -> bool:
   """`JADE_MEMORY_KERNEL=off`: XLA's passes, to compare or rule it out."""
-  return os.environ.get('JADE_MEMORY_KERNEL', 'on').strip().lower() == 'off'
+  return kernels.off('JADE_MEMORY_KERNEL')
 
 
 def applies(self, keys) -> bool:
