@@ -49,6 +49,7 @@ from pathlib import Path
 import jax
 
 from src.runtime import quiet
+from src.runtime.switches import off
 
 _HERE = Path(__file__).parent
 SOURCES = (
@@ -153,13 +154,6 @@ def _private_folder() -> tuple[int, str | None]:
   folder = tempfile.mkdtemp(prefix='jade-kernel-')  # 0700, ours, new.
   flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, 'O_NOFOLLOW', 0)
   return os.open(folder, flags), folder
-
-
-def off(variable: str) -> bool:
-  """Whether the switch `variable` is set to off (any case, any spaces
-  around): how every `JADE_..._KERNEL`, `JADE_KERNELS` and `JADE_AMX`
-  reads."""
-  return os.environ.get(variable, 'on').strip().lower() == 'off'
 
 
 def switched_off() -> bool:

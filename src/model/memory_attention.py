@@ -27,6 +27,7 @@ import numpy as np
 from jax import numpy as jnp
 
 from src.model import decode_select, decode_state, kernels
+from src.runtime import switches
 
 TARGET = 'jade_memory_attention'
 MAX_FAR_KEYS = 256  # The kernel's bound (`kMaxFarKeys`).
@@ -34,7 +35,7 @@ MAX_FAR_KEYS = 256  # The kernel's bound (`kMaxFarKeys`).
 
 def switched_off() -> bool:
   """`JADE_MEMORY_KERNEL=off`: XLA's passes, to compare or rule it out."""
-  return kernels.off('JADE_MEMORY_KERNEL')
+  return switches.off('JADE_MEMORY_KERNEL')
 
 
 def applies(self, keys) -> bool:

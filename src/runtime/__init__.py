@@ -11,7 +11,9 @@ _DONE: list[bool] = []
 
 
 def bootstrap(light: bool = False, bf16_products: bool = False):
-  """Once per process: XLA's CPU flags (`xla`), library noise silenced
+  """Once per process: glibc's heap set to keep a step's scratch where the
+  process may train (`heap.keep_scratch`; not under `light`), XLA's CPU
+  flags (`xla`), library noise silenced
   (`quiet`), JAX's compilation cache in the user's checked cache folder
   (`compile_cache`),
   then Trax imported and patched (`trax_patches`). Later calls do nothing.
@@ -21,8 +23,10 @@ def bootstrap(light: bool = False, bf16_products: bool = False):
   products (`xla.configure`)."""
   if _DONE:
     return
-  from src.runtime import compile_cache, quiet, trax_patches, xla
+  from src.runtime import compile_cache, heap, quiet, trax_patches, xla
 
+  if not light:
+    heap.keep_scratch()  # Before any thread of JAX's allocates.
   xla.configure(bf16_products)
   quiet.silence_libraries()
   compile_cache.install()

@@ -1,0 +1,15 @@
+"""The project's on/off environment switches, read one way.
+
+`JADE_KERNELS`, `JADE_AMX`, `JADE_MEMORY_KERNEL` (src/model/kernels.py)
+and `JADE_HEAP` (heap.py) are on unless set to off (any case, any spaces
+around).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def off(variable: str) -> bool:
+  """Whether the switch `variable` is set to off."""
+  return os.environ.get(variable, 'on').strip().lower() == 'off'
