@@ -10,7 +10,9 @@ by more than most changes), each in a fresh process into a fresh out-dir,
 and prints the median and mean of each run's step times (steps after the
 first `--skip`, each timed to its result: compilation and the data's
 first batches excluded) and the median of its steps' minor page faults
-(fresh memory the kernel maps and zeroes). A variant is
+(fresh memory the kernel maps and zeroes). Each run compiles anew
+(`JADE_COMPILE_CACHE=off`, unless `--cached`): a compile's speed varies
+and a cached one would stand for all of a variant's rounds. A variant is
 `LABEL|ENV=VALUE ...|BINDING;...`: environment settings and gin bindings
 (`--bind`) for that variant.
 
@@ -174,10 +176,19 @@ def main():
   parser.add_argument(
     '--trace', default='', help='also profile each run into this folder'
   )
+  parser.add_argument(
+    '--cached',
+    action='store_true',
+    help='let runs read the compilation cache (one compile a variant)',
+  )
   if sys.argv[1:2] == ['--child']:  # --child SKIP TRACE TRAIN_ARGS...
     return child(sys.argv[4:], int(sys.argv[2]), sys.argv[3])
   args = parser.parse_args()
   variants = [variant(v) for v in args.variant]
+  # Each run compiles its own programs: with the cache a variant's rounds
+  # all run one compile, and two compiles of one program ran run 2's step
+  # 1.11x apart on the Xeon (BENCHMARKS.md "Page faults and compiles").
+  no_cache = {} if args.cached else {'JADE_COMPILE_CACHE': 'off'}
   print(
     f'{args.preset}, {args.steps} steps a run (median, mean of steps '
     f'after {args.skip}):'
@@ -217,7 +228,7 @@ def main():
       try:
         done = subprocess.run(
           cmd,
-          env={**os.environ, **env},
+          env={**os.environ, **no_cache, **env},
           cwd=ROOT,
           capture_output=True,
           text=True,
