@@ -52,6 +52,7 @@ import numpy as np
 from trax.layers.research import efficient_attention as ea
 
 from src.model import kernels
+from src.runtime import switches
 
 _CAUSAL, _EXCLUDE_SELF, _MASKED = 1, 2, 4
 _BF16 = 8  # Products of bfloat16 inputs (where the CPU has AVX512-BF16).
@@ -197,7 +198,7 @@ def takes(rows: int, chunk: int, before: int) -> bool:
 def skips_dead_tiles() -> bool:
   """Whether the kernel skips the key tiles the causal mask zeroes (unless
   `JADE_CHUNK_SKIP=off`): the call's flag and the pre-flight's count."""
-  return os.environ.get('JADE_CHUNK_SKIP', 'on').strip().lower() != 'off'
+  return not switches.off('JADE_CHUNK_SKIP')
 
 
 def live_share(

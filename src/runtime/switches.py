@@ -1,8 +1,8 @@
 """The project's on/off environment switches, read one way.
 
-`JADE_KERNELS`, `JADE_AMX`, `JADE_MEMORY_KERNEL` (src/model/kernels.py)
-and `JADE_HEAP` (heap.py) are on unless set to off (any case, any spaces
-around).
+`JADE_KERNELS`, `JADE_AMX`, `JADE_MEMORY_KERNEL` (src/model/kernels.py),
+`JADE_CHUNK_SKIP` (src/model/chunk_attention.py) and `JADE_HEAP`
+(heap.py) are on unless set to off (any case, any spaces around).
 """
 
 from __future__ import annotations
