@@ -48,8 +48,7 @@ from pathlib import Path
 
 import jax
 
-from src.runtime import quiet
-from src.runtime.switches import off
+from src.runtime import quiet, switches
 
 _HERE = Path(__file__).parent
 SOURCES = (
@@ -158,12 +157,12 @@ def _private_folder() -> tuple[int, str | None]:
 
 def switched_off() -> bool:
   """`JADE_KERNELS=off`: no kernel is built or run in this process."""
-  return off('JADE_KERNELS')
+  return switches.off('JADE_KERNELS')
 
 
 def amx_off() -> bool:
   """`JADE_AMX=off`: the library is built without AMX."""
-  return off('JADE_AMX')
+  return switches.off('JADE_AMX')
 
 
 def _options() -> tuple:

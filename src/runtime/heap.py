@@ -28,7 +28,6 @@ little to return. `JADE_HEAP=off` leaves glibc's own settings.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 
 from src.runtime import switches
@@ -37,12 +36,10 @@ from src.runtime import switches
 @functools.cache
 def _glibc(name: str, *argtypes):
   """glibc's function `name` (returning int), or None where there is
-  none."""
-  library = ctypes.util.find_library('c')
-  if not library:
-    return None
+  none: looked up among the symbols the process already has (no
+  `find_library`, which runs `ldconfig` at every start-up)."""
   try:
-    function = getattr(ctypes.CDLL(library), name)
+    function = getattr(ctypes.CDLL(None), name)
   except (OSError, AttributeError):
     return None
   function.argtypes = list(argtypes)
