@@ -10,7 +10,12 @@ by more than most changes), each in a fresh process into a fresh out-dir,
 and prints the median and mean of each run's step times (steps after the
 first `--skip`, each timed to its result: compilation and the data's
 first batches excluded) and the median of its steps' minor page faults
-(fresh memory the kernel maps and zeroes). Each run compiles anew
+(fresh memory the kernel maps and zeroes). A step is timed to its result,
+so the Python work around it (Trax's loop and ours, tens of ms) adds to
+it; `train.py` overlaps that work with the step before: run 2 on the Xeon
+took 207.4 ms a step here and 175.6 ms by `train.py`'s progress line over
+300 steps (BENCHMARKS.md "Sums over rows as products"). Each run compiles
+anew
 (`JADE_COMPILE_CACHE=off`, unless `--cached`): a compile's speed varies
 and a cached one would stand for all of a variant's rounds. A variant is
 `LABEL|ENV=VALUE ...|BINDING;...`: environment settings and gin bindings
@@ -23,8 +28,9 @@ A fine-tune preset (`init-from`) needs its pretrained run: pass
 `--skip` into DIR/LABEL-ROUND and prints where a step goes: the time XLA's
 CPU threads spent in each operation (its own time, nested ones taken out;
 a kernel's helper tasks on XLA's pool are not recorded, only the call),
-the time a step had at least one operation running, and the heaviest
-operations (their HLO names: `XLA_FLAGS=--xla_dump_to=...` names them).
+the time a step had at least one operation running, the shares of its
+time in which none, one, and two or more of XLA's threads ran one, and the
+heaviest operations (their HLO names: `XLA_FLAGS=--xla_dump_to=...` names them).
 A profiled run's step times include the profile's own cost. A matrix
 product (`dot`) with Eigen is recorded only while it is handed to the
 pool: its work runs after its event ends, as unnamed tasks, so products
@@ -152,9 +158,44 @@ def trace_summary(folder: str, top: int = 12) -> list[str]:
     f'{sum(own.values()) / n / 1000:.1f} ms (all threads; products '
     'left out: their work runs after their events)'
   ]
+  shares = threads_busy(by_thread.values(), steps)
+  lines.append(
+    "  XLA's threads running an operation: none "
+    + ', one '.join(f'{shares[k]:.0%}' for k in (0, 1))
+    + f", two or more {shares[2]:.0%} of the steps' time"
+  )
   for name, us in own.most_common(top):
     lines.append(f'    {us / n / 1000:7.2f} ms  {name}')
   return lines
+
+
+def threads_busy(threads, steps) -> list[float]:
+  """The shares of the `steps`' time in which none, one, and two or more
+  of `threads` (each a list of trace events) ran an operation."""
+  edges = []
+  for events in threads:
+    end = float('-inf')  # One thread's operations, nested ones merged.
+    for e in sorted(events, key=lambda e: e['ts']):
+      start, stop = max(e['ts'], end), e['ts'] + e['dur']
+      if stop > start:
+        edges += [(start, 1), (stop, -1)]
+        end = stop
+  edges.sort()
+  shares = [0.0, 0.0, 0.0]
+  for step in steps:
+    lo, hi = step['ts'], step['ts'] + step['dur']
+    running, last = 0, lo
+    for t, change in edges:
+      if t > last and t > lo:
+        shares[min(running, 2)] += min(t, hi) - max(last, lo)
+        last = t
+      if t >= hi:
+        break
+      running += change
+    if last < hi:
+      shares[min(running, 2)] += hi - last
+  total = sum(shares) or 1.0
+  return [x / total for x in shares]
 
 
 def variant(text: str) -> tuple[str, dict, list[str]]:

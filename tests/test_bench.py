@@ -379,7 +379,8 @@ def test_preset_steps_times_each_variant(tmp_path):
 
 def test_preset_steps_trace_summary_counts_own_time_and_busy_time(tmp_path):
   """A step's operations: a loop whose body ran two products (its own
-  time is the rest), on two threads at once part of the time."""
+  time is the rest), on two threads at once part of the time (the shares
+  of the step with none, one and two threads running one)."""
   import gzip
   import json
 
@@ -414,7 +415,11 @@ def test_preset_steps_trace_summary_counts_own_time_and_busy_time(tmp_path):
     ' an operation running 6.0 ms of it',  # 1-6 ms and 4-7 ms: 1-7 ms.
   ], lines
   assert 'own time 8.0 ms' in lines[0]  # The loop's 5 and the fusion's 3.
-  own = {line.split()[2]: float(line.split()[0]) for line in lines[1:]}
+  # None 0-1 and 7-10 ms, one 1-4 and 6-7 ms, both 4-6 ms.
+  assert lines[1].endswith(
+    "none 40%, one 40%, two or more 20% of the steps' time"
+  ), lines[1]
+  own = {line.split()[2]: float(line.split()[0]) for line in lines[2:]}
   assert own == {'fusion.1': 3.0, 'dot.2': 2.0, 'while.1': 2.0, 'dot.1': 1.0}
 
 
