@@ -14,10 +14,10 @@ first batches excluded) and the median of its steps' minor page faults
 so the Python work around it (Trax's loop and ours, tens of ms) adds to
 it; `train.py` overlaps that work with the step before: run 2 on the Xeon
 took 207.4 ms a step here and 175.6 ms by `train.py`'s progress line over
-300 steps (BENCHMARKS.md "Sums over rows as products"). Each run compiles
-anew
-(`JADE_COMPILE_CACHE=off`, unless `--cached`): a compile's speed varies
-and a cached one would stand for all of a variant's rounds. A variant is
+300 steps (BENCHMARKS.md "Sums over rows as products"). Each run
+compiles anew (`JADE_COMPILE_CACHE=off`, unless `--cached`): a compile's
+speed varies and a cached one would stand for all of a variant's rounds.
+A variant is
 `LABEL|ENV=VALUE ...|BINDING;...`: environment settings and gin bindings
 (`--bind`) for that variant.
 
