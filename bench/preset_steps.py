@@ -135,7 +135,7 @@ def trace_summary(folder: str, top: int = 12) -> list[str]:
   by_thread = defaultdict(list)
   for e in ops:
     by_thread[e['pid'], e['tid']].append(e)
-  own, spans = Counter(), []
+  own, spans = Counter(), []  # spans: each thread's outermost operations.
   for thread_ops in by_thread.values():
     stack = []  # Open operations on this thread, outermost first.
     for e in sorted(thread_ops, key=lambda e: (e['ts'], -e['dur'])):
@@ -143,9 +143,10 @@ def trace_summary(folder: str, top: int = 12) -> list[str]:
         stack.pop()
       if stack:
         own[stack[-1]['name']] -= e['dur']
+      else:
+        spans.append((e['ts'], e['ts'] + e['dur']))
       own[e['name']] += e['dur']
       stack.append(e)
-      spans.append((e['ts'], e['ts'] + e['dur']))
   busy, end = 0.0, float('-inf')
   for start, stop in sorted(spans):  # The union of every operation's span.
     busy += max(0.0, stop - max(start, end))
@@ -158,7 +159,7 @@ def trace_summary(folder: str, top: int = 12) -> list[str]:
     f'{sum(own.values()) / n / 1000:.1f} ms (all threads; products '
     'left out: their work runs after their events)'
   ]
-  shares = threads_busy(by_thread.values(), steps)
+  shares = threads_busy(spans, steps)
   lines.append(
     "  XLA's threads running an operation: none "
     + ', one '.join(f'{shares[k]:.0%}' for k in (0, 1))
@@ -169,18 +170,13 @@ def trace_summary(folder: str, top: int = 12) -> list[str]:
   return lines
 
 
-def threads_busy(threads, steps) -> list[float]:
+def threads_busy(spans, steps) -> list[float]:
   """The shares of the `steps`' time in which none, one, and two or more
-  of `threads` (each a list of trace events) ran an operation."""
-  edges = []
-  for events in threads:
-    end = float('-inf')  # One thread's operations, nested ones merged.
-    for e in sorted(events, key=lambda e: e['ts']):
-      start, stop = max(e['ts'], end), e['ts'] + e['dur']
-      if stop > start:
-        edges += [(start, 1), (stop, -1)]
-        end = stop
-  edges.sort()
+  threads ran an operation; `spans`: every thread's outermost operations
+  as `(start, stop)` (a thread's do not overlap)."""
+  edges = sorted(
+    [(start, 1) for start, _ in spans] + [(stop, -1) for _, stop in spans]
+  )
   shares = [0.0, 0.0, 0.0]
   for step in steps:
     lo, hi = step['ts'], step['ts'] + step['dur']
