@@ -161,9 +161,8 @@ def trace_summary(folder: str, top: int = 12) -> list[str]:
   ]
   shares = threads_busy(spans, steps)
   lines.append(
-    "  XLA's threads running an operation: none "
-    + ', one '.join(f'{shares[k]:.0%}' for k in (0, 1))
-    + f", two or more {shares[2]:.0%} of the steps' time"
+    f"  XLA's threads running an operation: none {shares[0]:.0%}, one "
+    f"{shares[1]:.0%}, two or more {shares[2]:.0%} of the steps' time"
   )
   for name, us in own.most_common(top):
     lines.append(f'    {us / n / 1000:7.2f} ms  {name}')
@@ -182,7 +181,7 @@ def threads_busy(spans, steps) -> list[float]:
     lo, hi = step['ts'], step['ts'] + step['dur']
     running, last = 0, lo
     for t, change in edges:
-      if t > last and t > lo:
+      if t > last:  # `last` starts at `lo`: an edge before it adds nothing.
         shares[min(running, 2)] += min(t, hi) - max(last, lo)
         last = t
       if t >= hi:
