@@ -1,6 +1,6 @@
 """The project's CPU kernels: one library, built and registered with XLA.
 
-Five sources, compiled together (with `cpu_pool.h`, their one way of
+Six sources, compiled together (with `cpu_pool.h`, their one way of
 spreading work over XLA's threads, `bf16.h`, their bfloat16 rounding and
 products, and `vec8.h`, their 8-float vectors and micro-tile height) into
 one shared library:
@@ -14,7 +14,9 @@ one shared library:
 - `gather_rows.cc`: rows taken by index and their gradient (the LSH
   layer's sort into bucket order and back: `src.model.gather_rows`);
 - `memory_attention.cc`: a chat's new tokens over a wide LSH layer's
-  whole key cache, fused (`src.model.memory_attention`).
+  whole key cache, fused (`src.model.memory_attention`);
+- `output_layer.cc`: the output layer and its cross-entropy, one chunk of
+  rows fused on AMX tiles (`src.model.output_layer`).
 
 The library is compiled once per source, jaxlib and CPU with the system's
 C++ compiler (`c++`; its sources side by side, ~10 s on 2 cores) into
@@ -57,6 +59,7 @@ SOURCES = (
   _HERE / 'lsh_hash.cc',
   _HERE / 'gather_rows.cc',
   _HERE / 'memory_attention.cc',
+  _HERE / 'output_layer.cc',
 )
 HEADERS = (_HERE / 'cpu_pool.h', _HERE / 'bf16.h', _HERE / 'vec8.h')
 _OPTIONS = ('-O3', '-march=native', '-std=c++17', '-fPIC', '-w')
@@ -72,6 +75,8 @@ TARGETS = {
   'jade_gather_rows': 'JadeGatherRows',
   'jade_scatter_add_rows': 'JadeScatterAddRows',
   'jade_memory_attention': 'JadeMemoryAttention',
+  'jade_output_pack': 'JadeOutputPack',
+  'jade_output_chunk': 'JadeOutputChunk',
 }
 
 

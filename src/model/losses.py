@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from trax import layers as tl
 
 from src.core.errors import UserError
-from src.model import shortlist, softmax, tied
+from src.model import output_layer, shortlist, softmax, tied
 
 
 def loss_layer():
@@ -113,6 +113,9 @@ def _fused_loss(x, kernel, bias, t, w, c):
   many = isinstance(kernel, tuple)
 
   def forward(x, kernel, bias, t, w):
+    if output_layer.applies(kernel, c):  # bfloat16 products on AMX.
+      return output_layer.loss_and_grads(x, kernel, bias, t, w, c)
+
     def body(carry, chunk):
       if many:
         (loss, hit_rows, dk, db), dx = softmax.shortlist_chunk(

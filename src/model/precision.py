@@ -34,6 +34,7 @@ individual products XLA's CPU backend then fails (`explained`).
 from __future__ import annotations
 
 import collections
+import contextvars
 import functools
 import math
 from typing import NamedTuple
@@ -57,6 +58,8 @@ _BF16 = jnp.dtype('bfloat16')
 # rounding those by the kernel too cost 0.7-0.8 s of a ~6 s step
 # (BENCHMARKS.md "bfloat16 products in YNNPACK's layout").
 KERNEL_CAST_MAX = 1 << 20
+# Set while `bfloat16_products` traces its function (`tracing_bfloat16`).
+_TRACING = contextvars.ContextVar('jade_bfloat16_products', default=False)
 
 
 def precision(products: str = 'float32') -> str:
@@ -117,12 +120,28 @@ def bfloat16_products(fn):
 
   @functools.wraps(fn)
   def rewritten(*args):
-    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    # JAX's trace caches key on its configuration, not on `_TRACING`: the
+    # matmul precision (no other effect on the CPU, whose float32 products
+    # this rewrites anyway) keeps a trace made here from being reused
+    # where `fn` runs in float32, and the other way round.
+    token = _TRACING.set(True)
+    try:
+      with jax.default_matmul_precision('bfloat16'):
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    finally:
+      _TRACING.reset(token)
     leaves = jax.tree_util.tree_leaves(args)
     outs = _evaluate(closed.jaxpr, closed.consts, leaves)
     return jax.tree_util.tree_unflatten(tree_structure(shapes), outs)
 
   return rewritten
+
+
+def tracing_bfloat16() -> bool:
+  """Whether the function being traced now is one `bfloat16_products`
+  rewrites: a layer may then compute its products in bfloat16 itself,
+  summed in float32 (the output layer on AMX: `src.model.output_layer`)."""
+  return _TRACING.get()
 
 
 def _is_float32_product(eqn) -> bool:
