@@ -113,7 +113,7 @@ def _fused_loss(x, kernel, bias, t, w, c):
   many = isinstance(kernel, tuple)
 
   def forward(x, kernel, bias, t, w):
-    if output_layer.applies(kernel, c):  # bfloat16 products on AMX.
+    if output_layer.applies(x, kernel, c):  # bfloat16 products on AMX.
       return output_layer.loss_and_grads(x, kernel, bias, t, w, c)
 
     def body(carry, chunk):

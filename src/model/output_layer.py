@@ -3,7 +3,7 @@ chunk, fused on AMX tiles by the CPU kernel `output_layer.cc`, where the
 step's products read bfloat16 (`precision.products = 'bfloat16'`, or
 'auto' on such a CPU) and the CPU has AMX (`src.model.kernels.amx()`).
 
-`applies(kernel, c)` says whether it runs; `loss_and_grads(x, kernel,
+`applies(x, kernel, c)` says whether it runs; `loss_and_grads(x, kernel,
 bias, t, w, c)` is then `src.model.losses._fused_loss`'s forward pass:
 `((loss sum, weighted hits), (d/dx, d/dkernel, d/dbias))` for rows `x`
 `[n, d]` (n a multiple of `c`), a plain output layer's kernel `[d,
@@ -38,9 +38,10 @@ MIN_VOCAB = 4096
 _TILE = 32  # The kernel's chunk rows and features: multiples of this.
 
 
-def applies(kernel, c: int) -> bool:
-  """Whether `loss_and_grads` runs for this output layer's kernel (`[d,
-  vocab]`; a shortlist layer's tuple never) and chunks of `c` rows."""
+def applies(x, kernel, c: int) -> bool:
+  """Whether `loss_and_grads` runs for rows `x`, this output layer's
+  kernel (`[d, vocab]`; a shortlist layer's tuple never) and chunks of `c`
+  rows."""
   if isinstance(kernel, tuple) or not precision.tracing_bfloat16():
     return False
   d, v = kernel.shape
@@ -48,7 +49,7 @@ def applies(kernel, c: int) -> bool:
     v >= MIN_VOCAB
     and d % _TILE == 0
     and c % _TILE == 0
-    and kernel.dtype == jnp.float32
+    and kernel.dtype == x.dtype == jnp.float32
     and not switches.off('JADE_OUTPUT_KERNEL')
     and jax.default_backend() == 'cpu'
     and kernels.amx()
