@@ -134,8 +134,8 @@ void tiles_from_words(int64_t rows, int64_t pairs, const uint32_t* w,
                   w + r * pairs + q, 64);
 }
 
-// B panels from words `w` ([pairs, cols] row-major... given as [cols,
-// pairs]: panel j16 holds w[j, p] at [p][j % 16]).
+// B panels of pairs along each of `cols` rows: `w` is `[cols, pairs]`
+// row-major (`words_in_rows`), panel j / 16 holds w[j, p] at [p][j % 16].
 void panels_from_column_words(int64_t cols, int64_t pairs, const uint32_t* w,
                               uint32_t* out) {
   for (int64_t j = 0; j < cols; ++j)
@@ -159,7 +159,7 @@ ffi::Error pack_impl(ffi::ThreadPool pool, ffi::AnyBuffer kernel,
   const float* k = kernel.typed_data<float>();
   uint32_t* ka = out->typed_data<uint32_t>();
   uint32_t* kb = ka + vp * d / 2;
-  // Rows past v: zero.
+  // 32 rows a task, the rows past v zero.
   const int64_t groups = vp / 32;
   jade::run_all<jade::NoState>(pool, groups, [&](int64_t g, jade::NoState&) {
     std::vector<float> rows(32 * d);
@@ -215,7 +215,7 @@ struct Scratch {
   std::vector<uint32_t> words, ga, gb;
 };
 
-// The running maximum and sum of exponentials of a block's rows, per row
+// A block's maximum and its sum of exponentials (from that maximum), per row
 // of the chunk (`m`, `s`, c each).
 void first_pass(const Call& k, int64_t block, Scratch& w, float* m,
                 float* s) {

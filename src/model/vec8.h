@@ -2,7 +2,7 @@
 // one AVX register, half an AVX-512 one), the height of their products'
 // micro-tiles, their exponential and their float32 product
 // (src/model/chunk_attention.cc, src/model/lsh_hash.cc,
-// src/model/memory_attention.cc).
+// src/model/memory_attention.cc, src/model/output_layer.cc).
 #ifndef JADE_VEC8_H_
 #define JADE_VEC8_H_
 
