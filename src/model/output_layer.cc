@@ -147,8 +147,8 @@ bool is_f32(const ffi::AnyBuffer& b) {
   return b.element_type() == ffi::DataType::F32;
 }
 
-ffi::Error pack_impl(ffi::ThreadPool pool, ffi::AnyBuffer kernel,
-                     ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error pack_tiles(ffi::ThreadPool pool, ffi::AnyBuffer kernel,
+                      ffi::Result<ffi::AnyBuffer> out) {
   const auto dims = kernel.dimensions();
   if (!is_f32(kernel) || dims.size() != 2 || dims[1] % 32 ||
       out->element_type() != ffi::DataType::U32 ||
@@ -174,11 +174,7 @@ ffi::Error pack_impl(ffi::ThreadPool pool, ffi::AnyBuffer kernel,
     std::vector<uint32_t> w(32 * d / 2);
     words_in_rows(32, d, x, d, w.data());
     // ka: tiles of rows [32g, 32g + 32): two row panels.
-    for (int64_t r = 0; r < 32; ++r)
-      for (int64_t q = 0; q < d / 2; q += 16)
-        std::memcpy(ka + ((g * 2 + r / 16) * (d / 32) + q / 16) * kTile +
-                        (r % 16) * 16,
-                    w.data() + r * (d / 2) + q, 64);
+    tiles_from_words(32, d / 2, w.data(), ka + g * 2 * (d / 32) * kTile);
     // kb: rows d (panels of 16), the 16 pairs across these 32 rows.
     std::vector<uint32_t> across(16 * d);
     jade::pairs_across_rows(32, d, x, d, across.data(), d);
@@ -211,7 +207,7 @@ struct Call {
 };
 
 struct Scratch {
-  std::vector<float> l, top;
+  std::vector<float> l;
   std::vector<uint32_t> words, ga, gb;
 };
 
@@ -221,16 +217,14 @@ void first_pass(const Call& k, int64_t block, Scratch& w, float* m,
                 float* s) {
   const int64_t rows = k.rows(block), r0 = block * kBlock, c = k.c;
   w.l.resize(kBlock * c);
-  w.top.resize(c);
   k.logits(block, w.l.data());
-  float* top = w.top.data();
-  std::fill(top, top + c, -FLT_MAX);
+  std::fill(m, m + c, -FLT_MAX);
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = w.l.data() + r * c;
     const float add = k.bias_at(r0 + r);
     for (int64_t j = 0; j < c; j += 8) {
       const v8 x = *reinterpret_cast<const v8*>(row + j) + add;
-      v8& t = *reinterpret_cast<v8*>(top + j);
+      v8& t = *reinterpret_cast<v8*>(m + j);
       t = x > t ? x : t;
     }
   }
@@ -242,9 +236,8 @@ void first_pass(const Call& k, int64_t block, Scratch& w, float* m,
     for (int64_t j = 0; j < c; j += 8)
       *reinterpret_cast<v8*>(s + j) +=
           vexp(*reinterpret_cast<const v8*>(row + j) + add -
-               *reinterpret_cast<const v8*>(top + j));
+               *reinterpret_cast<const v8*>(m + j));
   }
-  std::memcpy(m, top, c * 4);
 }
 
 // A block's gradient rows, their bias sums and true logits, and both
@@ -303,7 +296,7 @@ struct Tiles {
   ~Tiles() { _tile_release(); }
 };
 
-ffi::Error chunk_impl(ffi::ThreadPool pool, ffi::AnyBuffer packed,
+ffi::Error chunk_tiles(ffi::ThreadPool pool, ffi::AnyBuffer packed,
                       ffi::AnyBuffer rows, ffi::AnyBuffer bias,
                       ffi::AnyBuffer targets, ffi::AnyBuffer weights,
                       ffi::AnyBuffer dk_in, ffi::Result<ffi::AnyBuffer> loss,
@@ -400,6 +393,39 @@ ffi::Error chunk_impl(ffi::ThreadPool pool, ffi::AnyBuffer packed,
 }
 
 }  // namespace
+#endif
+
+namespace {
+
+// The handlers: on AMX tiles where the library was built for them; without
+// AMX they refuse (src/model/output_layer.py never calls them there:
+// `kernels.amx()` is False).
+ffi::Error pack_impl(ffi::ThreadPool pool, ffi::AnyBuffer kernel,
+                     ffi::Result<ffi::AnyBuffer> out) {
+#if defined(JADE_AMX)
+  return pack_tiles(pool, kernel, out);
+#else
+  return ffi::Error::InvalidArgument("output layer: built without AMX");
+#endif
+}
+
+ffi::Error chunk_impl(ffi::ThreadPool pool, ffi::AnyBuffer packed,
+                      ffi::AnyBuffer rows, ffi::AnyBuffer bias,
+                      ffi::AnyBuffer targets, ffi::AnyBuffer weights,
+                      ffi::AnyBuffer dk_in, ffi::Result<ffi::AnyBuffer> loss,
+                      ffi::Result<ffi::AnyBuffer> hits,
+                      ffi::Result<ffi::AnyBuffer> dbias,
+                      ffi::Result<ffi::AnyBuffer> dxt,
+                      ffi::Result<ffi::AnyBuffer> dk) {
+#if defined(JADE_AMX)
+  return chunk_tiles(pool, packed, rows, bias, targets, weights, dk_in, loss,
+                     hits, dbias, dxt, dk);
+#else
+  return ffi::Error::InvalidArgument("output layer: built without AMX");
+#endif
+}
+
+}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeOutputPack, pack_impl,
                               ffi::Ffi::Bind()
@@ -421,40 +447,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeOutputChunk, chunk_impl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
-#else
-// Without AMX: the handlers refuse (src/model/output_layer.py never calls
-// them there: `kernels.amx()` is False).
-namespace {
-ffi::Error no_amx_pack(ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) {
-  return ffi::Error::InvalidArgument("output layer: built without AMX");
-}
-ffi::Error no_amx_chunk(ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                        ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                        ffi::Result<ffi::AnyBuffer>,
-                        ffi::Result<ffi::AnyBuffer>,
-                        ffi::Result<ffi::AnyBuffer>,
-                        ffi::Result<ffi::AnyBuffer>,
-                        ffi::Result<ffi::AnyBuffer>) {
-  return ffi::Error::InvalidArgument("output layer: built without AMX");
-}
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeOutputPack, no_amx_pack,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeOutputChunk, no_amx_chunk,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-#endif
