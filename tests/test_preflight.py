@@ -147,7 +147,7 @@ def test_the_time_estimate_weighs_long_attention_chunks(monkeypatch):
   GFLOP/s, the kernel built and skipping the tiles the mask zeroes) one
   window of 4,096 with chunks of 2,048 took 2.1x the step of 16 windows of
   256 with chunks of 256 (0.816 s against 0.390)."""
-  from src.model import chunk_attention
+  from src.model import chunk_attention, kernels
 
   monkeypatch.setattr(preflight, 'device_flops_per_second', lambda: 9.8e10)
 
@@ -176,11 +176,16 @@ def test_the_time_estimate_weighs_long_attention_chunks(monkeypatch):
   small = ginconf.parse(gin, ('SelfAttention.chunk_len = 8',))
   by_xla, fused = preflight.attention_parts(small, 4096, 256)
   assert by_xla > 0 and fused > 0  # Local 256 x 16 by XLA, LSH fused.
-  # bfloat16 products: the same step at the bfloat16 rate.
+  # bfloat16 products: the same step at the bfloat16 rate; on AMX the
+  # kernel's passes take 32 rows, not 16, so more of their tiles are live.
   fast = preflight.step_seconds(long, 1000, 1, 4096, 'bfloat16')
   overhead = preflight.STEP_OVERHEAD
   speedup = preflight.BFLOAT16_SPEEDUP
-  assert fast - overhead == pytest.approx((last - overhead) / speedup)
+  ratio = (fast - overhead) / ((last - overhead) / speedup)
+  if kernels.amx():
+    assert 1.001 < ratio < 1.2
+  else:
+    assert ratio == pytest.approx(1)
 
 
 def test_the_kernels_live_share_counts_the_tiles_it_scores(monkeypatch):

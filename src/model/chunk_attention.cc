@@ -462,7 +462,7 @@ struct Backward {
       float *gi = g + i * s.width, *pi = p + i * s.width;
       float dot = 0.f;
       if (s.bf16)
-        for (int64_t j = 0; j < s.width; ++j) dot += pi[j] * gi[j];
+        dot = jade::dot(pi, gi, s.width);
       else
         for (int64_t u = 0; u < s.dv; ++u)
           dot += go[(row0 + i) * s.dv + u] * o[(row0 + i) * s.dv + u];
@@ -524,12 +524,17 @@ struct Backward {
 
 // Query rows a pass of a chunk of `chunk` rows whose window is `width`
 // keys: on AVX2 (6-row tiles) 48, measured best for chunks of 512 and 2,048
-// on a Zen 3 (1.1-1.2x against 16; BENCHMARKS.md).
-int64_t pass_rows(int64_t chunk, int64_t width) {
-  return chunk <= 64       ? chunk
-         : kTileRows == 6  ? 48
-         : width > 2048    ? 16
-                           : 32;
+// on a Zen 3 (1.1-1.2x against 16; BENCHMARKS.md). With bfloat16 products
+// on AMX (`bf16`) at least 32: two 16-row tiles of A a block, and the
+// rows' pairs of the key gradients' products (`to_keys`) one whole group
+// of 16, not padded (the walkthrough's run 4 1.2x against 16; 64 no faster).
+int64_t pass_rows(int64_t chunk, int64_t width, bool bf16) {
+  const int64_t rows = chunk <= 64       ? chunk
+                       : kTileRows == 6  ? 48
+                       : width > 2048    ? 16
+                                         : 32;
+  return bf16 && jade::amx_in_use() && chunk > rows ? std::max<int64_t>(rows, 32)
+                                                     : rows;
 }
 
 // The shape of a call, checked: any mismatch is the call's error.
@@ -564,7 +569,7 @@ ffi::Error shape_of(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   s->before = before;
   s->chunks = s->n / chunk;
   s->width = (before + 1) * chunk;
-  s->rows = pass_rows(chunk, s->width);
+  s->rows = pass_rows(chunk, s->width, (flags & 8) && jade::kNativeBf16);
   s->group = std::clamp<int64_t>(s->chunks / (4 * std::max<int64_t>(threads, 1)), 1, 16);
   s->causal = flags & 1;
   s->exclude_self = flags & 2;
@@ -669,6 +674,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeChunkAttentionBackward, backward_impl,
 
 // Query rows a pass of this build's kernel (`chunk_attention.live_share`:
 // which key tiles the causal mask lets it skip).
-extern "C" int64_t JadeChunkPassRows(int64_t chunk, int64_t width) {
-  return pass_rows(chunk, width);
+extern "C" int64_t JadeChunkPassRows(int64_t chunk, int64_t width,
+                                     int64_t bf16) {
+  return pass_rows(chunk, width, bf16 != 0);
 }

@@ -202,7 +202,12 @@ def skips_dead_tiles() -> bool:
 
 
 def live_share(
-  length: int, chunk: int, before: int, n_hashes: int = 1, n_buckets: int = 0
+  length: int,
+  chunk: int,
+  before: int,
+  n_hashes: int = 1,
+  n_buckets: int = 0,
+  bf16: bool = False,
 ) -> float:
   """The share of key tiles the kernel scores in a causal call on windows
   of `length` tokens, chunks of `chunk` sorted rows each reading `before`
@@ -214,7 +219,8 @@ def live_share(
   passes of 48 rows, where the kernel found 20.1%, 40.6% and 47.5% of
   the tiles dead on trained buckets (BENCHMARKS.md "Skipping the key
   tiles the mask zeroes"). 1.0 where nothing is skipped
-  (`JADE_CHUNK_SKIP=off`, no kernel)."""
+  (`JADE_CHUNK_SKIP=off`, no kernel). `bf16`: the call's products are
+  bfloat16 (on AMX a pass takes more rows, so more tiles are live)."""
   if not skips_dead_tiles() or not kernels.ready():
     return 1.0
   rng = np.random.default_rng(0)
@@ -226,7 +232,7 @@ def live_share(
     return 1.0  # Not a call the kernel takes.
   at = at.reshape(-1, chunk)
   tiles = np.minimum.reduceat(at, np.arange(0, chunk, 16), axis=1)
-  rows = kernels.pass_rows(chunk, (before + 1) * chunk)
+  rows = kernels.pass_rows(chunk, (before + 1) * chunk, bf16)
   last = np.maximum.reduceat(at, np.arange(0, chunk, rows), axis=1)
   live = [np.roll(tiles, back, 0)[:, None] <= last[..., None] for back in
           range(before + 1)]  # fmt: skip

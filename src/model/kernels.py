@@ -198,10 +198,11 @@ def amx() -> bool:
   return ready() and bool(_library().JadeAmx())
 
 
-def pass_rows(chunk: int, width: int) -> int:
+def pass_rows(chunk: int, width: int, bf16: bool = False) -> int:
   """Query rows the built attention kernel takes a pass, for chunks of
-  `chunk` rows reading `width` keys (its tile shape, this CPU's)."""
-  return int(_library().JadeChunkPassRows(chunk, width))
+  `chunk` rows reading `width` keys (its tile shape, this CPU's), its
+  products in float32 or (`bf16`) bfloat16."""
+  return int(_library().JadeChunkPassRows(chunk, width, int(bf16)))
 
 
 @functools.cache
@@ -228,7 +229,7 @@ def _library():
     library.JadeNativeBf16.restype = ctypes.c_int
     library.JadeAmx.restype = ctypes.c_int
     library.JadeChunkPassRows.restype = ctypes.c_int64
-    library.JadeChunkPassRows.argtypes = (ctypes.c_int64, ctypes.c_int64)
+    library.JadeChunkPassRows.argtypes = (ctypes.c_int64,) * 3
     return library
   except (OSError, AttributeError) as e:
     quiet.note(

@@ -391,10 +391,14 @@ def step_parts(
 
 
 def _step_split(
-  setup, vocab_size: int, batch_per_device: int, length: int | None
+  setup,
+  vocab_size: int,
+  batch_per_device: int,
+  length: int | None,
+  products: str = 'float32',
 ) -> tuple[float, float, float]:
   """A step's products: `(dense, attention by XLA, attention by the fused
-  kernel)`."""
+  kernel)`, the kernel's in `products` (see `attention_parts`)."""
   length = length or setup.max_len
   tokens = batch_per_device * length
   weights = (
@@ -402,14 +406,20 @@ def _step_split(
   )
   if _output(setup).tied == 'only':  # Its kernel is made, then multiplied.
     weights += output_features(setup) * vocab_size
-  return (3.0 * tokens * 2.0 * weights, *attention_parts(setup, tokens, length))
+  return (
+    3.0 * tokens * 2.0 * weights,
+    *attention_parts(setup, tokens, length, products),
+  )
 
 
-def attention_parts(setup, tokens: int, length: int) -> tuple[float, float]:
+def attention_parts(
+  setup, tokens: int, length: int, products: str = 'float32'
+) -> tuple[float, float]:
   """A step's attention products over `tokens` tokens on windows of
   `length` (forward + backward) as `(by XLA, by the fused kernel)`: each
   block's call goes to the kernel where `chunk_attention.takes` says it
-  will (its size, the CPU, the kernels built)."""
+  will (its size, the CPU, the kernels built), the tiles it scores
+  counted for its passes in `products` ('float32' or 'bfloat16')."""
   m, a = setup.model, setup.attention
   per_key = (
     3.0
@@ -433,7 +443,9 @@ def attention_parts(setup, tokens: int, length: int) -> tuple[float, float]:
     keys = chunk * (1 + before) * hashes  # Scores per query.
     if chunk_attention.takes(length * hashes, chunk, before):
       # The kernel skips the tiles of keys the causal mask zeroes.
-      live = chunk_attention.live_share(length, chunk, before, hashes, buckets)
+      live = chunk_attention.live_share(
+        length, chunk, before, hashes, buckets, products == 'bfloat16'
+      )
       parts[1] += per_key * keys * live
     else:
       parts[0] += per_key * keys
@@ -479,7 +491,7 @@ def step_seconds(
   """Estimated seconds per training step on this device, its products in
   `products` ('float32' or 'bfloat16', as `precision` resolved them)."""
   dense, by_xla, fused = _step_split(
-    setup, vocab_size, batch_per_device, length
+    setup, vocab_size, batch_per_device, length, products
   )
   rate = device_flops_per_second()
   if products == 'bfloat16':

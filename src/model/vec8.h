@@ -43,6 +43,26 @@ inline v8 vexp(v8 x) {
   return reinterpret_cast<v8>(reinterpret_cast<v8i>(y * reinterpret_cast<v8>(scale)) & live);
 }
 
+// sum_j a[j] b[j] for j < n, in four 8-float sums (an FMA chain of one
+// sum would wait on the FMA's latency at every step), then their lanes.
+inline float dot(const float* a, const float* b, int64_t n) {
+  v8 s0{}, s1{}, s2{}, s3{};
+  int64_t j = 0;
+  auto at = [](const float* x) { return *reinterpret_cast<const v8*>(x); };
+  for (; j + 32 <= n; j += 32) {
+    s0 += at(a + j) * at(b + j);
+    s1 += at(a + j + 8) * at(b + j + 8);
+    s2 += at(a + j + 16) * at(b + j + 16);
+    s3 += at(a + j + 24) * at(b + j + 24);
+  }
+  for (; j + 8 <= n; j += 8) s0 += at(a + j) * at(b + j);
+  const v8 s = (s0 + s1) + (s2 + s3);
+  float total = 0.f;
+  for (int h = 0; h < 8; ++h) total += s[h];
+  for (; j < n; ++j) total += a[j] * b[j];
+  return total;
+}
+
 // A product's micro-tiles are `kTileRows` rows of C; the rows
 // left over go 4, 2, 1 at a time.
 // Rows [r, r + R) of C (+)= A B, columns [0, cols) in tiles of 16 (then
