@@ -41,8 +41,8 @@
 
 namespace ffi = xla::ffi;
 
-#if defined(JADE_AMX)
 namespace {
+#if defined(JADE_AMX)
 
 using jade::pair;
 using jade::v8;
@@ -147,45 +147,6 @@ bool is_f32(const ffi::AnyBuffer& b) {
   return b.element_type() == ffi::DataType::F32;
 }
 
-ffi::Error pack_tiles(ffi::ThreadPool pool, ffi::AnyBuffer kernel,
-                      ffi::Result<ffi::AnyBuffer> out) {
-  const auto dims = kernel.dimensions();
-  if (!is_f32(kernel) || dims.size() != 2 || dims[1] % 32 ||
-      out->element_type() != ffi::DataType::U32 ||
-      int64_t(out->element_count()) != pack_words(dims[0], dims[1]))
-    return ffi::Error::InvalidArgument(
-        "output pack: float32 [v, d] (d a multiple of 32) -> uint32 words");
-  const int64_t v = dims[0], d = dims[1], vp = up32(v);
-  const float* k = kernel.typed_data<float>();
-  uint32_t* ka = out->typed_data<uint32_t>();
-  uint32_t* kb = ka + vp * d / 2;
-  // 32 rows a task, the rows past v zero.
-  const int64_t groups = vp / 32;
-  jade::run_all<jade::NoState>(pool, groups, [&](int64_t g, jade::NoState&) {
-    std::vector<float> rows(32 * d);
-    float* x = rows.data();
-    for (int64_t r = 0; r < 32; ++r) {
-      const int64_t at = g * 32 + r;
-      if (at < v)
-        std::memcpy(x + r * d, k + at * d, d * 4);
-      else
-        std::memset(x + r * d, 0, d * 4);
-    }
-    std::vector<uint32_t> w(32 * d / 2);
-    words_in_rows(32, d, x, d, w.data());
-    // ka: tiles of rows [32g, 32g + 32): two row panels.
-    tiles_from_words(32, d / 2, w.data(), ka + g * 2 * (d / 32) * kTile);
-    // kb: rows d (panels of 16), the 16 pairs across these 32 rows.
-    std::vector<uint32_t> across(16 * d);
-    jade::pairs_across_rows(32, d, x, d, across.data(), d);
-    uint32_t* to = kb + g * (d / 16) * kTile;
-    for (int64_t kp = 0; kp < d / 16; ++kp)
-      for (int64_t kk = 0; kk < 16; ++kk)
-        for (int64_t p = 0; p < 16; ++p)
-          to[kp * kTile + kk * 16 + p] = across[p * d + kp * 16 + kk];
-  });
-  return ffi::Error::Success();
-}
 
 struct Call {
   int64_t v, vp, c, d;
@@ -295,8 +256,56 @@ struct Tiles {
   }
   ~Tiles() { _tile_release(); }
 };
+#endif
 
-ffi::Error chunk_tiles(ffi::ThreadPool pool, ffi::AnyBuffer packed,
+// The handlers: on AMX tiles where the library was built for them; without
+// AMX they refuse (src/model/output_layer.py never calls them there:
+// `kernels.amx()` is False).
+ffi::Error pack_impl(ffi::ThreadPool pool, ffi::AnyBuffer kernel,
+                     ffi::Result<ffi::AnyBuffer> out) {
+#if !defined(JADE_AMX)
+  return ffi::Error::InvalidArgument("output layer: built without AMX");
+#else
+  const auto dims = kernel.dimensions();
+  if (!is_f32(kernel) || dims.size() != 2 || dims[1] % 32 ||
+      out->element_type() != ffi::DataType::U32 ||
+      int64_t(out->element_count()) != pack_words(dims[0], dims[1]))
+    return ffi::Error::InvalidArgument(
+        "output pack: float32 [v, d] (d a multiple of 32) -> uint32 words");
+  const int64_t v = dims[0], d = dims[1], vp = up32(v);
+  const float* k = kernel.typed_data<float>();
+  uint32_t* ka = out->typed_data<uint32_t>();
+  uint32_t* kb = ka + vp * d / 2;
+  // 32 rows a task, the rows past v zero.
+  const int64_t groups = vp / 32;
+  jade::run_all<jade::NoState>(pool, groups, [&](int64_t g, jade::NoState&) {
+    std::vector<float> rows(32 * d);
+    float* x = rows.data();
+    for (int64_t r = 0; r < 32; ++r) {
+      const int64_t at = g * 32 + r;
+      if (at < v)
+        std::memcpy(x + r * d, k + at * d, d * 4);
+      else
+        std::memset(x + r * d, 0, d * 4);
+    }
+    std::vector<uint32_t> w(32 * d / 2);
+    words_in_rows(32, d, x, d, w.data());
+    // ka: tiles of rows [32g, 32g + 32): two row panels.
+    tiles_from_words(32, d / 2, w.data(), ka + g * 2 * (d / 32) * kTile);
+    // kb: rows d (panels of 16), the 16 pairs across these 32 rows.
+    std::vector<uint32_t> across(16 * d);
+    jade::pairs_across_rows(32, d, x, d, across.data(), d);
+    uint32_t* to = kb + g * (d / 16) * kTile;
+    for (int64_t kp = 0; kp < d / 16; ++kp)
+      for (int64_t kk = 0; kk < 16; ++kk)
+        for (int64_t p = 0; p < 16; ++p)
+          to[kp * kTile + kk * 16 + p] = across[p * d + kp * 16 + kk];
+  });
+  return ffi::Error::Success();
+#endif
+}
+
+ffi::Error chunk_impl(ffi::ThreadPool pool, ffi::AnyBuffer packed,
                       ffi::AnyBuffer rows, ffi::AnyBuffer bias,
                       ffi::AnyBuffer targets, ffi::AnyBuffer weights,
                       ffi::AnyBuffer dk_in, ffi::Result<ffi::AnyBuffer> loss,
@@ -304,6 +313,9 @@ ffi::Error chunk_tiles(ffi::ThreadPool pool, ffi::AnyBuffer packed,
                       ffi::Result<ffi::AnyBuffer> dbias,
                       ffi::Result<ffi::AnyBuffer> dxt,
                       ffi::Result<ffi::AnyBuffer> dk) {
+#if !defined(JADE_AMX)
+  return ffi::Error::InvalidArgument("output layer: built without AMX");
+#else
   const auto rd = rows.dimensions();
   if (!is_f32(rows) || rd.size() != 2 || rd[0] % 32 || rd[1] % 32)
     return ffi::Error::InvalidArgument(
@@ -390,38 +402,6 @@ ffi::Error chunk_tiles(ffi::ThreadPool pool, ffi::AnyBuffer packed,
     out_hits[j] = truth[j] >= top[j] ? 1.f : 0.f;
   }
   return ffi::Error::Success();
-}
-
-}  // namespace
-#endif
-
-namespace {
-
-// The handlers: on AMX tiles where the library was built for them; without
-// AMX they refuse (src/model/output_layer.py never calls them there:
-// `kernels.amx()` is False).
-ffi::Error pack_impl(ffi::ThreadPool pool, ffi::AnyBuffer kernel,
-                     ffi::Result<ffi::AnyBuffer> out) {
-#if defined(JADE_AMX)
-  return pack_tiles(pool, kernel, out);
-#else
-  return ffi::Error::InvalidArgument("output layer: built without AMX");
-#endif
-}
-
-ffi::Error chunk_impl(ffi::ThreadPool pool, ffi::AnyBuffer packed,
-                      ffi::AnyBuffer rows, ffi::AnyBuffer bias,
-                      ffi::AnyBuffer targets, ffi::AnyBuffer weights,
-                      ffi::AnyBuffer dk_in, ffi::Result<ffi::AnyBuffer> loss,
-                      ffi::Result<ffi::AnyBuffer> hits,
-                      ffi::Result<ffi::AnyBuffer> dbias,
-                      ffi::Result<ffi::AnyBuffer> dxt,
-                      ffi::Result<ffi::AnyBuffer> dk) {
-#if defined(JADE_AMX)
-  return chunk_tiles(pool, packed, rows, bias, targets, weights, dk_in, loss,
-                     hits, dbias, dxt, dk);
-#else
-  return ffi::Error::InvalidArgument("output layer: built without AMX");
 #endif
 }
 
