@@ -177,6 +177,10 @@ def incremental_forward(
   if self._never_rolls:  # Its keys: `x` holds the block from position 0.
     rows = x[:q_len]
     parts = self._key_parts(rows, weights, self.key_context(None, rows, 0))
+    if self.carries_next:  # Each row's value carries the row after it.
+      d, dv = self._d_qk, self._d_v
+      after = self.next_values(decode_state.ahead(rows), weights)
+      parts = parts.at[:, d : d + dv].add(after)
     keys = decode_keys.write_keys(keys, parts, 0)
   return out, new._replace(ring=ring, counts=counts, keys=keys).plain()
 
@@ -269,6 +273,10 @@ def indexed_layer_step(self, x, weights, state, rng):
   q, qb, parts = _token_queries(
     self, x, weights, appended, example(s.rotations)
   )
+  keys, parts = decode_keys.with_next(
+    self, s.keys, parts, x, weights, appended.inputs[0], q_start, 1
+  )
+  s = s._replace(keys=keys)
   own = decode_state.flat(decode_index.own_buckets(self, qb))
   ring, counts = decode_index.write_index(s.ring, s.counts, own, q_start)
   x_q = self.query_rows(appended.inputs[0], x, q_start)

@@ -137,6 +137,7 @@ _ATTENTION_CLASSES = {
   'SmearedLocalSelfAttention',
   'SmearedDirectedLSHSelfAttention',
   'ContextLSHSelfAttention',
+  'CarriedLSHSelfAttention',
 }
 
 
