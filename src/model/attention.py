@@ -49,6 +49,7 @@ from src.model import (
   lsh_hash,
 )
 from src.model.decode_state import shifted, unwrap
+from src.model.gather_rows import sort_order, unsorted
 
 
 def settings_name(cls) -> str:
@@ -357,8 +358,19 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
   def heads_at_once(self) -> bool:
     return True
 
-  # Values carry the next position: `next_values`, `not_ahead` (smeared.py).
+  # Values carry the next position (`smeared.CarriedLSHSelfAttention`).
   carries_next = False
+
+  def with_next(self, x, v, weights):
+    """`lsh_forward`'s values `v` of the window's rows `x`, as they are
+    (a class whose values carry the next position adds it)."""
+    del x, weights
+    return v
+
+  def not_ahead(self, o, x, weights, sorted_logits):
+    """`lsh_forward`'s output `o`, as it is (see `with_next`)."""
+    del x, weights, sorted_logits
+    return o
 
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
     return lsh_forward(self, x, mask, weights=weights, **kwargs)
@@ -518,14 +530,12 @@ def lsh_forward(
   attend_rng, output_rng = fastmath.random.split(rng)
   q = jnp.matmul(x, self.weight(weights, 'q'))
   v = self._values(x, weights, self.key_context(None, x, 0))
-  if self.carries_next:
-    following = self.next_values(decode_state.ahead(x), weights)
-    v = v + following
+  v = self.with_next(x, v, weights)
 
   buckets, state = _buckets(self, q, x, mask, state, update_state)
   seqlen = x.shape[0]
 
-  sticker, undo_sort = gather_rows.sort_order(buckets, seqlen, self._n_hashes)
+  sticker, undo_sort = sort_order(buckets, seqlen, self._n_hashes)
 
   st = sticker % seqlen
   sq = gather_rows.take_rows(q, st)
@@ -553,11 +563,8 @@ def lsh_forward(
     rng=attend_rng,
   )
 
-  o = gather_rows.unsorted(
-    so, slogits, undo_sort, sticker, self._n_hashes, seqlen
-  )
-  if self.carries_next:  # A row that read itself alone: not ahead.
-    o = self.not_ahead(o, following, (slogits, undo_sort, sticker))
+  o = unsorted(so, slogits, undo_sort, sticker, self._n_hashes, seqlen)
+  o = self.not_ahead(o, x, weights, (slogits, undo_sort, sticker))
   out = heads.project_one(self, o, weights, output_rng, project_output)
   return out, state
 

@@ -242,21 +242,27 @@ class CarriedLSHSelfAttention(ContextLSHSelfAttention):
     return (*weights, jnp.zeros(shape, weights[0].dtype))
 
   def next_values(self, x_next, weights):
+    """What the values of the rows before `x_next` (`[..., n, d]`, one
+    head) carry of them: `x_next w_n`."""
     return jnp.matmul(x_next, self.weight(weights, 'n'))
 
-  def not_ahead(self, o, following, sorted_logits):
+  def with_next(self, x, v, weights):
+    return v + self.next_values(decode_state.ahead(x), weights)
+
+  def not_ahead(self, o, x, weights, sorted_logits):
     """One head's output `o` (`[length, d_v]`, in position order) less
-    `following` (`next_values`) where a position read only itself in
-    every hash round (`sorted_logits`: the attention's log-sum-exps as
-    sorted, the sort's undoing and its positions): Trax scores a row's
-    own key 1e5 below the others, so only a row with no other key in
-    view (the first position, a few early ones) gives it weight, and its
-    own value would hand it the next position's input, which a chat's
-    row never has."""
+    what `with_next` added where a position read only itself in every
+    hash round (`sorted_logits`: the attention's log-sum-exps as sorted,
+    the sort's undoing and its positions): Trax scores a row's own key
+    1e5 below the others, so only a row with no other key in view (the
+    first position, a few early ones) gives it weight, and its own value
+    would hand it the next position's input, which a chat's row never
+    has."""
     slogits, undo_sort, sticker = sorted_logits
     logits = gather_rows.permute_rows(slogits, undo_sort, sticker)
     logits = jnp.reshape(logits, (self._n_hashes, -1, 1))
     alone = jnp.max(logits, axis=0) < ALONE
+    following = self.next_values(decode_state.ahead(x), weights)
     return o - jnp.where(alone, following, 0)
 
 
