@@ -224,9 +224,10 @@ class CarriedLSHSelfAttention(ContextLSHSelfAttention):
   reads it at the next position (its smeared values read the position
   before). A query never reads its own key's next position (Trax
   excludes a row's own key; a row with no other key in view is read
-  without it, `attention._read_alone`), so nothing is read ahead; a chat
-  adds a position's `x_(s+1) w_n` to its cached value when the next
-  position arrives (`decode_keys.with_next`).
+  without it, `not_ahead`), so nothing is read ahead; a chat adds a
+  position's `x_(s+1) w_n` to its cached value when the next position
+  arrives (`decode_keys.with_next`). Its gin settings are its base's
+  (`CarriedLSHSelfAttention.query_span`, ...).
   """
 
   EXTRA_ROLES = ContextLSHSelfAttention.EXTRA_ROLES + ('n',)
