@@ -323,19 +323,22 @@ def probe(
   invented=False,
   bindings=(),
   distractor=False,
+  unseen=False,
+  talk_from=None,
 ):
   """`{chars: {'stated', 'control', 'hits', 'control_hits', 'value',
   'value_control', 'value_hits', 'value_control_hits', 'pieces'}}` (and
   with `distractor`, 'distractor' and 'slot'; see the module's text), on
   the run's eval model (`_probe_model`); `bindings`: gin bindings read
   over the run's (e.g. how the LSH layer reads: `LSHSelfAttention.chunk_len
-  = 4096`)."""
+  = 4096`); `unseen`, `talk_from` as `score`'s (a model trained on the
+  stand-in is probed in its own phrasings and small talk)."""
   tok, forward, length = _probe_model(run, chars, bindings)
 
   def score(turns, value):
     return _score(forward, tok, length, turns, value)
 
-  talk, (train_words, held) = _talk(source)
+  talk, (train_words, held) = _talk(source, talk_from)
   words = train_words if seen else held
   if invented:  # Words no model can guess.
     words = [task.invented(np.random.default_rng([7, i])) for i in range(999)]
@@ -344,7 +347,8 @@ def probe(
   )
   out = {}
   for n in chars:
-    found = _probe_at(n, samples, talk, words, distractor, counts, score)
+    kinds = (distractor, unseen)
+    found = _probe_at(n, samples, talk, words, kinds, counts, score)
     for key in ('stated', 'control', 'value', 'value_control', 'distractor'):
       if key in found:
         found[key] = round(float(np.mean(found[key])), 2)
@@ -380,9 +384,11 @@ def _probe_model(run: str, chars, bindings):
   return model.tok, scoring.forward_fn(layer), length
 
 
-def _probe_at(n, samples, talk, words, distractor, counts, score) -> dict:
+def _probe_at(n, samples, talk, words, kinds, counts, score) -> dict:
   """The probe's sums at `n` characters of small talk (`score(turns,
-  value)`: `_score` on the run's model)."""
+  value)`: `_score` on the run's model; `kinds`: `(distractor, unseen)`,
+  `probe`'s)."""
+  distractor, unseen = kinds
   found = {
     'stated': [],
     'control': [],
@@ -398,7 +404,7 @@ def _probe_at(n, samples, talk, words, distractor, counts, score) -> dict:
   for i in range(samples):
     for stated, key in ((True, 'stated'), (False, 'control')):
       rng = np.random.default_rng(1000 + i)  # The same draw for both.
-      c = task.make(rng, talk, words, n, 'word', stated=stated)
+      c = task.make(rng, talk, words, n, 'word', stated, unseen)
       turns = c.turns
       if distractor and stated:
         other = _other(rng, words, c.value)
@@ -556,15 +562,15 @@ def main(argv=None):
   parser.add_argument(
     '--unseen',
     action='store_true',
-    help='score, run: the word stated and asked in phrasings no training '
-    "conversation uses; data: write the data in those phrasings (a user's "
-    'own, for a check as the hidden one)',
+    help='score, run, probe: the word stated and asked in phrasings no '
+    'training conversation uses; data: write the data in those phrasings '
+    "(a user's own, for a check as the hidden one)",
   )
   parser.add_argument(
     '--talk',
     metavar='FOLDER',
-    help='data, score, run: the small talk between drawn from FOLDER (e.g. '
-    "chatterbot's categories the README leaves out of training)",
+    help='data, score, run, probe: the small talk between drawn from FOLDER '
+    "(e.g. chatterbot's categories the README leaves out of training)",
   )
   parser.add_argument(
     '--invented',
@@ -653,6 +659,8 @@ def main(argv=None):
       args.invented,
       args.bind,
       args.distractor,
+      args.unseen,
+      args.talk,
     )
     return
   if args.what == 'score':

@@ -85,6 +85,29 @@ def test_the_probe_counts_pieces_by_place_and_by_how_rare():
   }
 
 
+@pytest.mark.parametrize('unseen', [False, True])
+def test_the_probe_asks_in_the_phrasings_it_is_told(unseen):
+  """`probe --unseen` (a model trained on the stand-in) states and asks
+  the word in `WORD_UNSEEN`'s phrasings, else in the training ones; the
+  control is the same draw without the statement."""
+  from bench import long_recall as bench
+
+  asked = []
+
+  def score(turns, value):
+    asked.append((turns, value))  # None: nothing to count.
+
+  bench._probe_at(300, 3, TALK, ['lantern'], (False, unseen), {}, score)
+  said = long_recall.WORD_UNSEEN if unseen else long_recall.WORD
+  other = long_recall.WORD if unseen else long_recall.WORD_UNSEEN
+  stated = [turns for i, (turns, _) in enumerate(asked) if i % 2 == 0]
+  assert len(stated) == 3 and all(v == 'lantern' for _, v in asked)
+  for turns in stated:
+    first = turns[0][1]
+    assert first in [p.format('lantern') for p in said[0]]
+    assert first not in [p.format('lantern') for p in other[0]]
+
+
 def test_a_distractor_is_stated_once_beside_the_asked_statement():
   """`with_distractor`: another value said once, right before or right
   after the statement asked about; the question and the answer are the
