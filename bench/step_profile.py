@@ -118,7 +118,7 @@ def head_parts(layer, weights, x, reps):
   (`vmap` over the heads): (name, fwd s, vjp s, FLOPs fwd)."""
   from trax.layers.research import efficient_attention as ea
 
-  from src.model import chunk_attention, gather_rows, lsh_hash
+  from src.model import attention, chunk_attention, gather_rows, lsh_hash
 
   n, buckets_n = x.shape[0], x.shape[0] // CHUNK
   wq, wv, wo = (layer.weight(weights, r) for r in ('q', 'v', 'o'))
@@ -137,7 +137,7 @@ def head_parts(layer, weights, x, reps):
     return lsh_hash.hash_rounds(q, turns, buckets_n)
 
   def sort(buckets):
-    sticker, undo = gather_rows.sort_order(buckets, n, 1)
+    sticker, undo = attention._sort_order(buckets, n, 1)
     return sticker % n, sticker, undo
 
   def gather(q, v, st):
@@ -161,7 +161,7 @@ def head_parts(layer, weights, x, reps):
     )
 
   def unsort(so, slogits, undo, sticker):
-    return gather_rows.unsorted(so, slogits, undo, sticker, 1, n)
+    return attention._unsorted(so, slogits, undo, sticker, 1, n)
 
   def output(o, wo):  # All heads in one product (src/model/heads.py).
     return jnp.einsum('hnd,hde->ne', o, wo)

@@ -698,16 +698,15 @@ def test_the_context_holds_every_token_shown_however_a_reply_ends(
 
 
 def _random_context_weights(model, rng):
-  """The context weights (`w_c`, `w_r`; `w_n`) of `model`'s
-  `ContextLSHSelfAttention` (`CarriedLSHSelfAttention`) layers made random
-  (they start at zero)."""
+  """The context weights (`w_c`, `w_r`) of `model`'s
+  `ContextLSHSelfAttention` layers made random (they start at zero)."""
   for layer in reformer.branch_outputs(model)[0]:
     roles = attention.weight_roles(layer)
     if 'c' not in roles:
       continue
     layer.weights = tuple(
       jax.numpy.asarray(rng.normal(0, 0.3, np.shape(w)), np.float32)
-      if role in ('c', 'r', 'n')
+      if role in ('c', 'r')
       else w
       for role, w in zip(roles, layer.weights)
     )
@@ -725,18 +724,16 @@ def _random_context_weights(model, rng):
         'ContextLSHSelfAttention.context_scale = 0.5',
       ),
     ),
-    ('CarriedLSHSelfAttention', ()),
   ],
 )
 def test_smeared_attention_reads_while_chatting_what_training_reads(lsh, extra):
   """A model with smeared attention (`SmearedLocalSelfAttention`,
   `SmearedDirectedLSHSelfAttention`: each key and value sees the position
   before; `ContextLSHSelfAttention`: its directed query and key also read
-  sums of the last few positions; `CarriedLSHSelfAttention`: its values
-  also carry the position after each key) gives, token by token, in
-  blocks at any position, from a start block and after a `rewind`, the
-  logits of the training (eval) forward pass (LSH made exact; random
-  weights, so the smearing and context weights are not zero)."""
+  sums of the last few positions) gives, token by token, in blocks at any
+  position, from a start block and after a `rewind`, the logits of the
+  training (eval) forward pass (LSH made exact; random weights, so the
+  smearing and context weights are not zero)."""
   from .conftest import MICRO
 
   smeared = (
@@ -752,7 +749,7 @@ def test_smeared_attention_reads_while_chatting_what_training_reads(lsh, extra):
   _random_context_weights(full_model, np.random.default_rng(5))
   roles = [attention.weight_roles(a) for a in reformer.branch_outputs(
     full_model)[0]]  # fmt: skip
-  assert all(r[-2:] in (('s', 'u'), ('c', 'r'), ('r', 'n')) for r in roles)
+  assert all(r[-2:] in (('s', 'u'), ('c', 'r')) for r in roles), roles
   predict = ginconf.model(300, 'predict')
   predict.init(trax.shapes.ShapeDtype((1, 1), np.int32))
   predict.weights = full_model.weights
@@ -778,7 +775,7 @@ def test_smeared_attention_reads_while_chatting_what_training_reads(lsh, extra):
     got = d.feed(ids[100:110], blocks=True)
     np.testing.assert_allclose(got, whole[0, 110], atol=2e-4, rtol=1e-4)
   # A token read and taken back: the token after it reads as if never
-  # read (a carried value is made again, not added to twice).
+  # read.
   d.reset()
   d.min_start = 10**9
   d.feed(ids[:63], blocks=True)  # With the start's pad: one block.

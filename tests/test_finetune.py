@@ -274,16 +274,12 @@ GROWN = (
 )
 
 
-@pytest.mark.parametrize(
-  'grown, new', [('ContextLSHSelfAttention', 2), ('CarriedLSHSelfAttention', 3)]
-)
-def test_a_finetune_grows_smeared_lsh_into_context_lsh(tmp_path, grown, new):
+def test_a_finetune_grows_smeared_lsh_into_context_lsh(tmp_path):
   """A model trained with `SmearedDirectedLSHSelfAttention` fine-tunes as
-  `ContextLSHSelfAttention` or `CarriedLSHSelfAttention` (bound in its
-  place): the trained weights, the new projections of each grown block
-  (blocks 1 and 3: the list cycles; 2 or 3 a block) at zero, the same
-  function at its first step; the run says so. Another change of class is
-  refused as any model setting is."""
+  `ContextLSHSelfAttention` (bound in its place): the trained weights, the
+  two new projections of each grown block (blocks 1 and 3: the list
+  cycles) at zero, the same function at its first step; the run says so.
+  Another change of class is refused as any model setting is."""
   source, out = str(tmp_path / 'src'), str(tmp_path / 'ft')
   trainer.train(
     train_settings(source, steps=1), MICRO + GROWN, log=lambda line: None
@@ -292,7 +288,7 @@ def test_a_finetune_grows_smeared_lsh_into_context_lsh(tmp_path, grown, new):
   settings = settings.__class__(
     settings.values, settings.source, settings.given - {'vocab-size'}
   )
-  context = GROWN[1].replace('@SmearedDirectedLSHSelfAttention', '@' + grown)
+  context = GROWN[1].replace('@SmearedDirected', '@Context')
   wrong = (
     GROWN[1]
     .replace('@SmearedLocal', '@ContextLSH')
@@ -306,21 +302,23 @@ def test_a_finetune_grows_smeared_lsh_into_context_lsh(tmp_path, grown, new):
   said = [line for line in lines if line.startswith('grows')]
   assert said == [
     'grows the pretrained model (its weights, the new ones at zero): '
-    f'SmearedDirectedLSHSelfAttention -> {grown}'
+    'SmearedDirectedLSHSelfAttention -> ContextLSHSelfAttention'
   ]
   before = modelfolder.read_weights(source)[0]
   after = flat_weights(loop.model)
-  assert len(after) == len(before) + 2 * new
+  assert len(after) == len(before) + 4
   zeros = [i for i, w in enumerate(after) if not np.any(w)]
   kept = [w for i, w in enumerate(after) if i not in zeros]
-  assert len(zeros) == 2 * new and len(kept) == len(before)
+  assert len(zeros) == 4 and len(kept) == len(before)
   assert all(np.array_equal(a, b) for a, b in zip(kept, before))
   tokens = [5, 6, 7, 8, 9, 10, 11]
   grown_logits = decoding.Decoder.load(out).feed(tokens)
   np.testing.assert_allclose(
     grown_logits, decoding.Decoder.load(source).feed(tokens), atol=2e-5
   )
-  assert grown in open(os.path.join(out, 'model.gin')).read()
+  assert (
+    'ContextLSHSelfAttention' in open(os.path.join(out, 'model.gin')).read()
+  )
 
 
 def test_a_finetune_grows_the_output_layer_into_a_tied_one(tmp_path):

@@ -38,7 +38,6 @@ _OUR_ATTENTION = {
   'SmearedLocalSelfAttention',
   'SmearedDirectedLSHSelfAttention',
   'ContextLSHSelfAttention',
-  'CarriedLSHSelfAttention',
 }
 _OPTIMIZERS = {'Adam', 'Adafactor', 'SGD', 'Momentum', 'RMSProp', 'SM3'}
 ACTIVATIONS = frozenset(
@@ -70,7 +69,6 @@ CONFIGURABLES = frozenset(
     'reversible',
     'chat',  # chat.n_hashes: how a finished model reads a conversation.
     'ContextLSHSelfAttention',  # query_span, key_span: its own settings.
-    'CarriedLSHSelfAttention',  # The same, its subclass's.
   }
   | _ATTENTION
   | _OPTIMIZERS

@@ -49,7 +49,6 @@ from src.model import (
   lsh_hash,
 )
 from src.model.decode_state import shifted, unwrap
-from src.model.gather_rows import sort_order, unsorted
 
 
 def settings_name(cls) -> str:
@@ -358,20 +357,6 @@ class FastLSHSelfAttention(_Ours, tl.LSHSelfAttention):
   def heads_at_once(self) -> bool:
     return True
 
-  # Values carry the next position (`smeared.CarriedLSHSelfAttention`).
-  carries_next = False
-
-  def with_next(self, x, v, weights):
-    """`lsh_forward`'s values `v` of the window's rows `x`, as they are
-    (a class whose values carry the next position adds it)."""
-    del x, weights
-    return v
-
-  def not_ahead(self, o, x, weights, sorted_logits):
-    """`lsh_forward`'s output `o`, as it is (see `with_next`)."""
-    del x, weights, sorted_logits
-    return o
-
   def forward_unbatched(self, x, mask=None, *, weights, **kwargs):
     return lsh_forward(self, x, mask, weights=weights, **kwargs)
 
@@ -500,6 +485,39 @@ def _buckets(self, q, x, mask, state, update_state):
   return buckets, state
 
 
+def _sort_order(buckets, seqlen: int, n_hashes: int):
+  """`(sticker, undo_sort)`: the positions in bucket order (each hash
+  round's block of `seqlen` in turn) and the permutation back; the keys
+  sorted alone (see `lsh_forward`)."""
+  ticker = jnp.arange(n_hashes * seqlen, dtype=jnp.int32)
+  buckets_and_t = seqlen * buckets + (ticker % seqlen)
+  buckets_and_t = jax.lax.stop_gradient(buckets_and_t)
+
+  # Hash-based sort ("s" at the start of variable names means "sorted").
+  sbuckets_and_t = jax.lax.sort(buckets_and_t)
+  sticker = (ticker // seqlen) * seqlen + sbuckets_and_t % seqlen
+  undo_sort = jnp.zeros_like(ticker).at[sticker].set(ticker)
+  sticker = jax.lax.stop_gradient(sticker)
+  undo_sort = jax.lax.stop_gradient(undo_sort)
+  return sticker, undo_sort
+
+
+def _unsorted(so, slogits, undo_sort, sticker, n_hashes: int, seqlen: int):
+  """The attention outputs back in position order, the hash rounds'
+  outputs weighted by their share of the probability mass (Trax's)."""
+  # Trax undoes the logits' sort with another sort; a gather is the same
+  # permutation.
+  o = gather_rows.permute_rows(so, undo_sort, sticker)
+  logits = gather_rows.permute_rows(slogits, undo_sort, sticker)
+
+  if n_hashes > 1:
+    o = jnp.reshape(o, (n_hashes, seqlen, o.shape[-1]))
+    logits = jnp.reshape(logits, (n_hashes, seqlen, 1))
+    probs = jnp.exp(logits - fastmath.logsumexp(logits, axis=0, keepdims=True))
+    o = jnp.sum(o * probs, axis=0)
+  return o
+
+
 def _kv_info(mask, st):
   """Trax's key positions for a masked layer: negative where the sorted
   position is padding (`mask` is True on valid tokens)."""
@@ -530,12 +548,11 @@ def lsh_forward(
   attend_rng, output_rng = fastmath.random.split(rng)
   q = jnp.matmul(x, self.weight(weights, 'q'))
   v = self._values(x, weights, self.key_context(None, x, 0))
-  v = self.with_next(x, v, weights)
 
   buckets, state = _buckets(self, q, x, mask, state, update_state)
   seqlen = x.shape[0]
 
-  sticker, undo_sort = sort_order(buckets, seqlen, self._n_hashes)
+  sticker, undo_sort = _sort_order(buckets, seqlen, self._n_hashes)
 
   st = sticker % seqlen
   sq = gather_rows.take_rows(q, st)
@@ -563,8 +580,7 @@ def lsh_forward(
     rng=attend_rng,
   )
 
-  o = unsorted(so, slogits, undo_sort, sticker, self._n_hashes, seqlen)
-  o = self.not_ahead(o, x, weights, (slogits, undo_sort, sticker))
+  o = _unsorted(so, slogits, undo_sort, sticker, self._n_hashes, seqlen)
   out = heads.project_one(self, o, weights, output_rng, project_output)
   return out, state
 

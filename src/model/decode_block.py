@@ -94,10 +94,6 @@ def lsh_block(self, x, weights, state, rng, n):
     weights,
     decode_state.by_example(s.rotations, batch, self._n_heads),
   )
-  keys, parts = decode_keys.with_next(
-    self, s.keys, parts, x, weights, mem[0], q_start, n
-  )
-  s = s._replace(keys=keys)
   # Each token's own entries first (a later token of the block reads
   # them; `select_indexed` reads no bucket from the token's position on).
   buckets = _write_block_buckets(

@@ -177,10 +177,6 @@ def incremental_forward(
   if self._never_rolls:  # Its keys: `x` holds the block from position 0.
     rows = x[:q_len]
     parts = self._key_parts(rows, weights, self.key_context(None, rows, 0))
-    if self.carries_next:  # Each row's value carries the row after it.
-      d, dv = self._d_qk, self._d_v
-      after = self.next_values(decode_state.ahead(rows), weights)
-      parts = parts.at[:, d : d + dv].add(after)
     keys = decode_keys.write_keys(keys, parts, 0)
   return out, new._replace(ring=ring, counts=counts, keys=keys).plain()
 
@@ -211,12 +207,10 @@ def one_token_step(self, x, *, q_start, weights, state, rng):
   return out, (jnp.reshape(all_buckets, (-1,)), new_idx, hash_rng)
 
 
-def _token_queries(self, x, weights, appended, s):
+def _token_queries(self, x, weights, appended, rotations):
   """Each head's query, buckets and `_key_parts` of a new token `x`
   (`[batch, 1, d_model]`, in the memory already: `appended`), hashed with
-  its rotations (of the layer's state `s`), and the key cache with the
-  value before it carrying it where the layer's values do
-  (`decode_keys.with_next`): `(q, qb, parts, keys)`."""
+  its `rotations` (`[batch, heads, ...]`)."""
 
   def query(rows, w_h, turns_h):  # The row as a memory of one position.
     x_b, before = rows
@@ -225,14 +219,8 @@ def _token_queries(self, x, weights, appended, s):
     return q, qb, self._key_parts(x_b, w_h, before)
 
   # Its predecessor: the memory's row before it.
-  mem, q_start = appended.inputs[0], appended.q_start
-  before = self.key_context(mem, x, q_start)
-  rotations = decode_state.by_example(s.rotations, x.shape[0], self._n_heads)
-  q, qb, parts = decode_state.each_head(query, (x, before), weights, rotations)
-  keys, parts = decode_keys.with_next(
-    self, s.keys, parts, x, weights, mem, q_start, 1
-  )
-  return q, qb, parts, keys
+  before = self.key_context(appended.inputs[0], x, appended.q_start)
+  return decode_state.each_head(query, (x, before), weights, rotations)
 
 
 def _indexed_heads(self, x_q, weights, per, q_start, rng):
@@ -278,8 +266,9 @@ def indexed_layer_step(self, x, weights, state, rng):
   def example(a):  # `[batch * heads, ...]` as `[batch, heads, ...]`.
     return decode_state.by_example(a, batch, heads)
 
-  q, qb, parts, keys = _token_queries(self, x, weights, appended, s)
-  s = s._replace(keys=keys)
+  q, qb, parts = _token_queries(
+    self, x, weights, appended, example(s.rotations)
+  )
   own = decode_state.flat(decode_index.own_buckets(self, qb))
   ring, counts = decode_index.write_index(s.ring, s.counts, own, q_start)
   x_q = self.query_rows(appended.inputs[0], x, q_start)

@@ -17,7 +17,7 @@ from jax import numpy as jnp
 from trax import fastmath
 from trax.layers.research import efficient_attention as ea
 
-from src.model import decode_select, decode_state
+from src.model import decode_select
 
 
 def write_keys(keys, parts, q_start):
@@ -26,54 +26,6 @@ def write_keys(keys, parts, q_start):
   place."""
   at = (0,) * (keys.ndim - 2) + (q_start, 0)
   return jax.lax.dynamic_update_slice(keys, parts.astype(keys.dtype), at)
-
-
-def with_next(self, keys, parts, x, weights, mem, q_start, n):
-  """A chat's new rows' `_key_parts` and the key cache, for a layer whose
-  values carry the position after each key (`carries_next`; others: as
-  they are): each of the `n` real rows of `x` (`[batch, length, d]`, from
-  `q_start`) adds its `next_values` to the value of the row before it, in
-  `parts` (`[batch, heads, length, width]`) or, for the first, the cached
-  position `q_start - 1` of `keys` (`[batch * heads, mem, width]`), whose
-  parts are made again from the memory of inputs `mem` (`[batch, mem,
-  d]`, the rows written): the same whatever was read after it before a
-  `rewind`. The last real row's value waits for the next call, as
-  training's last position of a window reads nothing after it.
-
-  Returns:
-    `(keys, parts)`.
-  """
-  if not self.carries_next:
-    return keys, parts
-  before = jnp.maximum(q_start - 1, 0)
-  x_before = jax.lax.dynamic_slice_in_dim(mem, before, 1, axis=1)
-  context = self.key_context(mem, x_before, before)
-
-  def remade(rows, w_h, _):
-    x_b, context_b, x_first = rows
-    parts_b = self._key_parts(x_b, w_h, context_b)
-    return parts_b, self.next_values(x_first, w_h)
-
-  zeros = jnp.zeros((x.shape[0], self._n_heads))
-  row, first = decode_state.each_head(
-    remade, (x_before, context, x[:, :1]), weights, zeros
-  )
-  d, dv = self._d_qk, self._d_v
-  row = row.at[..., d : d + dv].add(first)
-  row = decode_state.flat(row).astype(keys.dtype)
-  kept = jax.lax.dynamic_slice_in_dim(keys, before, 1, axis=1)
-  row = jnp.where(q_start > 0, row, kept)
-  keys = jax.lax.dynamic_update_slice_in_dim(keys, row, before, axis=1)
-
-  def following(x_b, w_h, _):
-    return self.next_values(x_b, w_h)
-
-  added = decode_state.each_head(following, x, weights, zeros)
-  real = jnp.arange(1, x.shape[1]) < n  # Row i + 1 stands after row i.
-  parts = parts.at[..., :-1, d : d + dv].add(
-    jnp.where(real[:, None], added[..., 1:, :], 0).astype(parts.dtype)
-  )
-  return keys, parts
 
 
 def attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng):
@@ -200,11 +152,6 @@ def attend_selected(self, x, q, q_start, kv_indices, weights, rng):
   parts = self._key_parts(
     x[kv_indices], weights, self.selected_context(x, kv_indices)
   )
-  if self.carries_next:  # The row after each, up to the token's own.
-    follows = x[jnp.minimum(kv_indices + 1, q_start)]
-    after = jnp.where((kv_indices < q_start)[:, None], follows, 0)
-    d, dv = self._d_qk, self._d_v
-    parts = parts.at[:, d : d + dv].add(self.next_values(after, weights))
   return attend_parts(self, x_q, q, q_start, kv_indices, parts, weights, rng)
 
 

@@ -172,12 +172,6 @@ def shifted(x, first=None):
   return jnp.concatenate([first, x[..., :-1, :]], axis=-2)
 
 
-def ahead(x):
-  """Each row's successor (along the rows, axis -2): all rows of `x` but
-  the first, then zeros (nothing known after the last)."""
-  return jnp.concatenate([x[..., 1:, :], jnp.zeros_like(x[..., :1, :])], -2)
-
-
 def rows_before(mem_inputs, x, start):
   """The predecessors of the rows `x` (`[..., n, d]`) that stand in a
   layer's memory of inputs (`[..., mem, d]`) from `start` (or are about

@@ -1,8 +1,6 @@
 """Rows taken by index, as the LSH layer sorts into bucket order and back,
 by the CPU kernel `gather_rows.cc` where it runs.
 
-`sort_order` puts positions in bucket order and `unsorted` takes the
-attention's outputs back (as `attention.lsh_forward` sorts).
 `take_rows(x, idx)` is `jnp.take(x, idx, axis=0)` (its gradient adds the
 rows back where they came from: a scatter-add, since the hash rounds of
 one position take its row more than once); `permute_rows(x, perm,
@@ -28,7 +26,6 @@ import functools
 import jax
 import numpy as np
 from jax import numpy as jnp
-from trax import fastmath
 from trax.layers.research import efficient_attention as ea
 
 from src.model import kernels
@@ -113,36 +110,3 @@ def _permute_backward(saved, g):
 
 
 _permute.defvjp(_permute_forward, _permute_backward)
-
-
-def sort_order(buckets, seqlen: int, n_hashes: int):
-  """`(sticker, undo_sort)`: the positions in bucket order (each hash
-  round's block of `seqlen` in turn) and the permutation back; the keys
-  sorted alone (see `attention.lsh_forward`)."""
-  ticker = jnp.arange(n_hashes * seqlen, dtype=jnp.int32)
-  buckets_and_t = seqlen * buckets + (ticker % seqlen)
-  buckets_and_t = jax.lax.stop_gradient(buckets_and_t)
-
-  # Hash-based sort ("s" at the start of variable names means "sorted").
-  sbuckets_and_t = jax.lax.sort(buckets_and_t)
-  sticker = (ticker // seqlen) * seqlen + sbuckets_and_t % seqlen
-  undo_sort = jnp.zeros_like(ticker).at[sticker].set(ticker)
-  sticker = jax.lax.stop_gradient(sticker)
-  undo_sort = jax.lax.stop_gradient(undo_sort)
-  return sticker, undo_sort
-
-
-def unsorted(so, slogits, undo_sort, sticker, n_hashes: int, seqlen: int):
-  """The attention outputs back in position order, the hash rounds'
-  outputs weighted by their share of the probability mass (Trax's)."""
-  # Trax undoes the logits' sort with another sort; a gather is the same
-  # permutation.
-  o = permute_rows(so, undo_sort, sticker)
-  logits = permute_rows(slogits, undo_sort, sticker)
-
-  if n_hashes > 1:
-    o = jnp.reshape(o, (n_hashes, seqlen, o.shape[-1]))
-    logits = jnp.reshape(logits, (n_hashes, seqlen, 1))
-    probs = jnp.exp(logits - fastmath.logsumexp(logits, axis=0, keepdims=True))
-    o = jnp.sum(o * probs, axis=0)
-  return o

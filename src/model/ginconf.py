@@ -75,7 +75,6 @@ for _cls in (
   smeared.SmearedLocalSelfAttention,
   smeared.SmearedDirectedLSHSelfAttention,
   smeared.ContextLSHSelfAttention,
-  smeared.CarriedLSHSelfAttention,
 ):
   gin.external_configurable(_cls, module='jade', denylist=['mode'])
 residual = gin.external_configurable(reformer.residual, module='jade')

@@ -137,7 +137,6 @@ _ATTENTION_CLASSES = {
   'SmearedLocalSelfAttention',
   'SmearedDirectedLSHSelfAttention',
   'ContextLSHSelfAttention',
-  'CarriedLSHSelfAttention',
 }
 
 

@@ -22,7 +22,7 @@ from jax import numpy as jnp
 from trax import fastmath
 
 from src.core.errors import UserError
-from src.model import decode_state, gather_rows
+from src.model import decode_state
 from src.model.attention import (
   DirectedLSHSelfAttention,
   LocalSelfAttention,
@@ -209,64 +209,3 @@ class ContextLSHSelfAttention(SmearedDirectedLSHSelfAttention):
     d = x_q.shape[-1] // 2
     a = super()._directed_queries(x_q[..., :d], weights)
     return a + jnp.matmul(x_q[..., d:], self.weight(weights, 'c'))
-
-
-class CarriedLSHSelfAttention(ContextLSHSelfAttention):
-  """`ContextLSHSelfAttention` whose values also carry what followed each
-  key: `v_s = x_s w_v + x_(s-1) w_u + x_(s+1) w_n` (`w_n` one more
-  projection a head, at zero when grown from a trained layer).
-
-  A reply that copies a word said once finds the word's first piece by
-  the lookup; the next pieces were found by the token before, which a
-  common piece ("r" of "r|ich") cannot tell from the small talk's many
-  others ("r|outer"). A value that holds the position after the key
-  found hands the next piece on with the lookup itself: the layer above
-  reads it at the next position (its smeared values read the position
-  before). A query never reads its own key's next position (Trax
-  excludes a row's own key; a row with no other key in view is read
-  without it, `not_ahead`), so nothing is read ahead; a chat adds a
-  position's `x_(s+1) w_n` to its cached value when the next position
-  arrives (`decode_keys.with_next`). Its gin settings are its base's
-  (`CarriedLSHSelfAttention.query_span`, ...).
-  """
-
-  EXTRA_ROLES = ContextLSHSelfAttention.EXTRA_ROLES + ('n',)
-  GROWN_WEIGHTS = 3
-  carries_next = True
-
-  def create_weights_unbatched(self, input_signature, rng):
-    """The base's weights of one head, plus `w_n` (zeros)."""
-    weights = super().create_weights_unbatched(input_signature, rng)
-    if isinstance(input_signature, (tuple, list)):
-      input_signature = input_signature[0]
-    shape = (input_signature.shape[-1], self._d_v)
-    return (*weights, jnp.zeros(shape, weights[0].dtype))
-
-  def next_values(self, x_next, weights):
-    """What the values of the rows before `x_next` (`[..., n, d]`, one
-    head) carry of them: `x_next w_n`."""
-    return jnp.matmul(x_next, self.weight(weights, 'n'))
-
-  def with_next(self, x, v, weights):
-    return v + self.next_values(decode_state.ahead(x), weights)
-
-  def not_ahead(self, o, x, weights, sorted_logits):
-    """One head's output `o` (`[length, d_v]`, in position order) less
-    what `with_next` added where a position read only itself in every
-    hash round (`sorted_logits`: the attention's log-sum-exps as sorted,
-    the sort's undoing and its positions): Trax scores a row's own key
-    1e5 below the others, so only a row with no other key in view (the
-    first position, a few early ones) gives it weight, and its own value
-    would hand it the next position's input, which a chat's row never
-    has."""
-    slogits, undo_sort, sticker = sorted_logits
-    logits = gather_rows.permute_rows(slogits, undo_sort, sticker)
-    logits = jnp.reshape(logits, (self._n_hashes, -1, 1))
-    alone = jnp.max(logits, axis=0) < ALONE
-    following = self.next_values(decode_state.ahead(x), weights)
-    return o - jnp.where(alone, following, 0)
-
-
-# A row's log-sum-exp below this read only its own key (scored 1e5 below
-# its dot product; the others' scores are tens at most).
-ALONE = -5e4
