@@ -296,8 +296,33 @@ def train(work: str, configs, data: str, seed: int, extra) -> tuple:
 
 def said(value: str, reply: str) -> bool:
   """Whether the reply names the value as a word of its own ("statement"
-  does not name "state")."""
-  return re.search(rf'(?<!\w){re.escape(value)}(?!\w)', reply, re.I) is not None
+  does not name "state"), outside the answer's own frame ("X, right?"
+  does not name "right"; `unframed`)."""
+  found = re.search(rf'(?<!\w){re.escape(value)}(?!\w)', unframed(reply), re.I)
+  return found is not None
+
+
+# The answers' frames (`WORD`'s and `WORD_UNSEEN`'s): the text before and
+# after the value, longest first.
+FRAMES = sorted(
+  {tuple(a.split('{}')) for a in task.WORD[3] + task.WORD_UNSEEN[3]},
+  key=lambda f: -len(f[0]) - len(f[1]),
+)
+
+
+def unframed(reply: str) -> str:
+  """`reply` without the answer frame it begins and ends with (the
+  longest of `FRAMES` that fits: "You said X." -> "X"), so a word of the
+  frame is not taken for the value asked ("right" in "sold, right?", a
+  control's reply; BENCHMARKS.md "The copy, not the distance")."""
+  text = reply.strip()
+  for before, after in FRAMES:
+    fits = text.lower().startswith(before.lower())
+    if fits and text.lower().endswith(after.lower()):
+      inner = text[len(before) : len(text) - len(after)]
+      if inner.strip():
+        return inner
+  return text
 
 
 def _value_pieces(tok, text: str, value: str) -> list[int]:

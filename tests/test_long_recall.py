@@ -170,6 +170,24 @@ def test_the_score_counts_the_word_said_as_a_word_of_its_own():
   assert not bench.said('rest', 'forest')
 
 
+def test_the_score_does_not_take_a_word_of_the_answers_frame_for_the_value():
+  """A reply in an answer's frame names the value only inside it: a
+  control's "sold, right?" does not name "right"; "right, right?", "You
+  said right." and "I have it: have." do; a reply in no frame is read
+  whole."""
+  from bench import long_recall as bench
+
+  assert not bench.said('right', 'sold, right?')
+  assert not bench.said('said', 'You said lantern.')
+  assert not bench.said('have', 'I have it: lantern.')
+  assert bench.said('right', 'right, right?')
+  assert bench.said('right', 'You said right.')
+  assert bench.said('have', 'I have it: have.')
+  assert bench.said('right', 'that is right')
+  assert bench.said('rich', 'You said rich, right?')
+  assert not bench.said('right', 'You said rich, right?')
+
+
 def test_run_trains_the_readme_recipe_each_run_from_the_one_before(
   tmp_path, monkeypatch
 ):
