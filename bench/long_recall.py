@@ -316,9 +316,9 @@ def unframed(reply: str) -> str:
   frame is not taken for the value asked ("right" in "sold, right?", a
   control's reply; BENCHMARKS.md "The copy, not the distance")."""
   text = reply.strip()
+  low = text.lower()
   for before, after in FRAMES:
-    fits = text.lower().startswith(before.lower())
-    if fits and text.lower().endswith(after.lower()):
+    if low.startswith(before.lower()) and low.endswith(after.lower()):
       inner = text[len(before) : len(text) - len(after)]
       if inner.strip():
         return inner
@@ -372,8 +372,9 @@ def probe(
   )
   out = {}
   for n in chars:
-    kinds = (distractor, unseen)
-    found = _probe_at(n, samples, talk, words, kinds, counts, score)
+    found = _probe_at(
+      n, samples, talk, words, counts, score, distractor, unseen
+    )
     for key in ('stated', 'control', 'value', 'value_control', 'distractor'):
       if key in found:
         found[key] = round(float(np.mean(found[key])), 2)
@@ -409,11 +410,12 @@ def _probe_model(run: str, chars, bindings):
   return model.tok, scoring.forward_fn(layer), length
 
 
-def _probe_at(n, samples, talk, words, kinds, counts, score) -> dict:
+def _probe_at(
+  n, samples, talk, words, counts, score, distractor=False, unseen=False
+) -> dict:
   """The probe's sums at `n` characters of small talk (`score(turns,
-  value)`: `_score` on the run's model; `kinds`: `(distractor, unseen)`,
+  value)`: `_score` on the run's model; `distractor`, `unseen`:
   `probe`'s)."""
-  distractor, unseen = kinds
   found = {
     'stated': [],
     'control': [],

@@ -97,7 +97,7 @@ def test_the_probe_asks_in_the_phrasings_it_is_told(unseen):
   def score(turns, value):
     asked.append((turns, value))  # None: nothing to count.
 
-  bench._probe_at(300, 3, TALK, ['lantern'], (False, unseen), {}, score)
+  bench._probe_at(300, 3, TALK, ['lantern'], {}, score, unseen=unseen)
   said = long_recall.WORD_UNSEEN if unseen else long_recall.WORD
   other = long_recall.WORD if unseen else long_recall.WORD_UNSEEN
   stated = [turns for i, (turns, _) in enumerate(asked) if i % 2 == 0]

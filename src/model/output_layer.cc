@@ -147,7 +147,6 @@ bool is_f32(const ffi::AnyBuffer& b) {
   return b.element_type() == ffi::DataType::F32;
 }
 
-
 struct Call {
   int64_t v, vp, c, d;
   const uint32_t *ka, *kb;
@@ -306,13 +305,13 @@ ffi::Error pack_impl(ffi::ThreadPool pool, ffi::AnyBuffer kernel,
 }
 
 ffi::Error chunk_impl(ffi::ThreadPool pool, ffi::AnyBuffer packed,
-                      ffi::AnyBuffer rows, ffi::AnyBuffer bias,
-                      ffi::AnyBuffer targets, ffi::AnyBuffer weights,
-                      ffi::AnyBuffer dk_in, ffi::Result<ffi::AnyBuffer> loss,
-                      ffi::Result<ffi::AnyBuffer> hits,
-                      ffi::Result<ffi::AnyBuffer> dbias,
-                      ffi::Result<ffi::AnyBuffer> dxt,
-                      ffi::Result<ffi::AnyBuffer> dk) {
+                     ffi::AnyBuffer rows, ffi::AnyBuffer bias,
+                     ffi::AnyBuffer targets, ffi::AnyBuffer weights,
+                     ffi::AnyBuffer dk_in, ffi::Result<ffi::AnyBuffer> loss,
+                     ffi::Result<ffi::AnyBuffer> hits,
+                     ffi::Result<ffi::AnyBuffer> dbias,
+                     ffi::Result<ffi::AnyBuffer> dxt,
+                     ffi::Result<ffi::AnyBuffer> dk) {
 #if !defined(JADE_AMX)
   return ffi::Error::InvalidArgument("output layer: built without AMX");
 #else
