@@ -257,7 +257,12 @@ def training_set(
 # words, dictionary words, numbers and names, so a model that gets them
 # right copies them (an invented word cannot be guessed). Mixed into
 # training (`train.py --replay FOLDER --replay-share X`; BENCHMARKS.md
-# "Recall in a long chat").
+# "Recall in a long chat"). A statement puts no word of four letters or
+# more right before its value ("is", "be", ":"): the word before a value
+# is learned as a cue, word by word, and such a word said as a value is
+# then answered with what came after it ("the dog is called zuvo" once
+# made "called" a word no seed could keep; BENCHMARKS.md "No word a user
+# might keep as the practice's cue").
 PRACTICE_KEYS = (
   "password,door code,wifi password,dog's name,cat's name,favourite colour,"
   "code name,sister's name,brother's name,lucky word,street,team name,"
@@ -270,8 +275,8 @@ PRACTICE = (
   ('', 'Just so you know, ', 'By the way, ', 'Note: ', 'FYI, ',
    'Quick thing: ', 'Oh, and ', 'Listen, '),
   ('the {k} is {v}.', '{v} is the {k}.', 'the {k}: {v}', 'my {k} is {v}.',
-   'the {k} will be {v}.', "the {k}? It's {v}.", 'we call the {k} {v}.',
-   'the {k} is called {v}.'),
+   'the {k} will be {v}.', "the {k}? It's {v}.", 'for the {k}, it is {v}.',
+   'the {k} is now {v}.'),
   ('OK.', 'Okay.', 'Noted, thanks.', 'Got it.', 'Sure.', 'Understood.',
    'Thanks for telling me.', 'Good to know.', 'Alright.'),
   ('What is the {k}?', 'What was the {k} again?', 'Remind me of the {k}.',
