@@ -442,11 +442,15 @@ def test_the_table_says_whether_a_seed_is_at_the_aim_by_all_and_first_six():
 
 
 def test_no_practice_statement_puts_a_word_a_user_might_keep_before_its_value():
-  """A fact's statement says its value after "is", "be" or a mark, never
-  right after a word of four letters or more: that word would be
-  learned as the cue of a value, and said as a value itself, answered
-  with what followed it ("the {k} is called {v}")."""
-  for phrasing in long_recall.PRACTICE[1]:
-    before = phrasing.split('{v}')[0].replace('{k}', 'password').rstrip()
-    last = re.search(r"[A-Za-z']*$", before).group().replace("'", '')
-    assert len(last) < 4, phrasing
+  """A fact's statement (with each of its openings) says its value after
+  "is", "now" or a mark, never right after a word of four letters or
+  more: that word would be learned as the cue of a value, and said as a
+  value itself, answered with what followed it ("the {k} is called
+  {v}")."""
+  intros, statements = long_recall.PRACTICE[:2]
+  for intro in intros:
+    for phrasing in statements:
+      before = (intro + phrasing).split('{v}')[0]
+      before = before.replace('{k}', 'password').rstrip()
+      last = re.search(r"[A-Za-z']*$", before).group().replace("'", '')
+      assert len(last) < 4, intro + phrasing

@@ -258,7 +258,7 @@ def training_set(
 # right copies them (an invented word cannot be guessed). Mixed into
 # training (`train.py --replay FOLDER --replay-share X`; BENCHMARKS.md
 # "Recall in a long chat"). A statement puts no word of four letters or
-# more right before its value ("is", "be", ":"): the word before a value
+# more right before its value ("is", "now", ":"): the word before a value
 # is learned as a cue, word by word, and such a word said as a value is
 # then answered with what came after it ("the dog is called zuvo" once
 # made "called" a word no seed could keep; BENCHMARKS.md "No word a user
