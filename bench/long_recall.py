@@ -207,6 +207,7 @@ def score(
   unseen=False,
   talk_from=None,
   far_keys=None,
+  words=None,
 ):
   """Rows of right answers by distance (module doc). `unseen`: the word
   stated and asked in phrasings no training conversation uses
@@ -227,8 +228,9 @@ def score(
       for stated in (True, False):
         rng = np.random.default_rng([distance, 7])
         right, measured, replies = 0, [], []
-        for _ in range(samples):
-          conv, count = _sample(rng, talk, held, tok, distance, stated, unseen)
+        for i in range(samples):
+          pool = asked(words, held, i)
+          conv, count = _sample(rng, talk, pool, tok, distance, stated, unseen)
           body = {
             'messages': [
               {'role': 'assistant' if r == 'ai' else 'user', 'content': t}
@@ -263,6 +265,15 @@ def score(
   finally:
     http_server.should_exit = True
   return rows
+
+
+def asked(words, held, i: int):
+  """The words the `i`-th conversation of a distance draws its value
+  from: `held` (the held-out words), or with `words` given only the
+  `i`-th of them in turn, so each is asked as often as the others (`score
+  --words`: e.g. the phrasings' own words against others of the same
+  kind, BENCHMARKS.md "The phrasings' own words as values")."""
+  return [words[i % len(words)]] if words else held
 
 
 def train(work: str, configs, data: str, seed: int, extra) -> tuple:
@@ -640,6 +651,12 @@ def main(argv=None):
   )
   parser.add_argument('--json', help='score: also write the rows here')
   parser.add_argument(
+    '--words',
+    type=lambda text: [w for w in text.split(',') if w] or None,
+    help='score: ask for these words in turn (a,b,c) instead of the '
+    'held-out ones',
+  )
+  parser.add_argument(
     '--config',
     action='append',
     help='run: the presets trained in turn, each from the one before '
@@ -701,6 +718,7 @@ def main(argv=None):
       args.unseen,
       args.talk,
       args.far_keys,
+      args.words,
     )
     if args.json:  # Not into RUN: a model folder is read, never written.
       with open(args.json, 'w') as f:

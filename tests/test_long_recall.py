@@ -454,3 +454,23 @@ def test_no_practice_statement_puts_a_word_a_user_might_keep_before_its_value():
       before = before.replace('{k}', 'password').rstrip()
       last = re.search(r"[A-Za-z']*$", before).group().replace("'", '')
       assert len(last) < 4, intro + phrasing
+
+
+def test_score_words_asks_each_given_word_in_turn(tmp_path, monkeypatch):
+  """`score --words a,b` asks a, b, a, ... (each as often as the other),
+  not the held-out words; without it every conversation draws from them."""
+  from bench import long_recall as bench
+
+  held = ['tree', 'lamp', 'cloud']
+  assert [bench.asked(['tell', 'river'], held, i) for i in range(4)] == [
+    ['tell'],
+    ['river'],
+    ['tell'],
+    ['river'],
+  ]
+  assert bench.asked(None, held, 3) == held
+  got = []
+  monkeypatch.setattr(bench, 'score', lambda *a, **k: got.append(a[9]) or [])
+  bench.main(['score', str(tmp_path), '--words', 'tell,river,'])
+  bench.main(['score', str(tmp_path)])
+  assert got == [['tell', 'river'], None]
