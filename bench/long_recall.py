@@ -272,7 +272,7 @@ def asked(words, held, i: int):
   from: `held` (the held-out words), or with `words` given only the
   `i`-th of them in turn, so each is asked as often as the others (`score
   --words`: e.g. the phrasings' own words against others of the same
-  kind, BENCHMARKS.md "The phrasings' own words as values")."""
+  kind, BENCHMARKS.md "Today's recipe on the Zen 4")."""
   return [words[i % len(words)]] if words else held
 
 
