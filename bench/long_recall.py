@@ -668,6 +668,8 @@ def main(argv=None):
   if not all(s.isdigit() for s in seeds):
     parser.error(f'--seeds {" ".join(args.seeds)}: write seeds as 0,1,2')
   seeds = [int(s) for s in seeds]
+  if args.words and args.what != 'score':
+    parser.error(f'--words: only score asks given words, not {args.what}')
   distances = [int(d) for d in args.distances.split(',')]
   n = args.conversations or 4000
   if args.what == 'data':

@@ -474,3 +474,7 @@ def test_score_words_asks_each_given_word_in_turn(tmp_path, monkeypatch):
   bench.main(['score', str(tmp_path), '--words', 'tell,river,'])
   bench.main(['score', str(tmp_path)])
   assert got == [['tell', 'river'], None]
+  monkeypatch.setattr(bench, 'train', lambda *a: ('out', [1.0]))
+  (tmp_path / 'data').mkdir()
+  with pytest.raises(SystemExit):  # Not taken in silence by `run`.
+    bench.main(['run', str(tmp_path), '--words', 'tell'])
