@@ -23,6 +23,10 @@ Adam, no dropout. Contenders:
   layer (`output_layer.shortlist = 2048`: the 2,048 most used pieces
   scored from all features, the rest through a quarter of them;
   `src/model/shortlist.py`); at a vocabulary of 2,049 or fewer, jade;
+  from 8,000 pieces asked, jade's own default (`shortlist.auto_size`):
+  every jade contender without a shortlist binding has the layer there;
+- jade-full, jade-full-bf16: jade and jade-bf16 with Trax's full output
+  layer at every vocabulary (`output_layer.shortlist = 0`);
 - jade-kept, jade-kept-bf16: jade and jade-bf16 whose blocks all keep
   their activations for the backward pass (`reversible.kept_blocks`:
   no block's forward runs again; more memory);
@@ -80,6 +84,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -120,11 +125,6 @@ def output_features(name):
   averages them (as jade-mean does), and the full-attention
   TransformerLM has one stream."""
   return D if MEAN in JADE_BINDS.get(name, [MEAN]) else 2 * D
-
-
-def shortlist_of(name) -> int:
-  """The contender's output-layer shortlist (0: none)."""
-  return SHORTLIST if SHORT in JADE_BINDS.get(name, []) else 0
 
 
 def flops_per_token(length, lsh=True, vocab=VOCAB, output_in=D, shortlist=0):
@@ -222,9 +222,13 @@ def run_jade(length, steps, vocab, with_eval=False, binds=(), window=0):
     trainer.train(settings, gin_bindings=bindings, log=lambda line: None)
     with open(os.path.join(work, 'run', 'tokenizer.json')) as f:
       vocab_used = json.load(f)['vocab_size']
+    with open(os.path.join(work, 'run', 'model.gin')) as f:
+      found = re.search(r'^output_layer\.shortlist = (\d+)', f.read(), re.M)
   finally:
     shutil.rmtree(work, ignore_errors=True)
-  return times, vocab_used
+  # The run's shortlist: bound, or the trainer's for a large vocabulary.
+  shortlist = int(found.group(1)) if found else 0
+  return times, (vocab_used, shortlist)
 
 
 def run_peer(length, steps, vocab, bf16=False):
@@ -387,6 +391,7 @@ MEAN = "output_layer.halves = 'mean'"
 BF16 = "precision.products = 'bfloat16'"
 SHORTLIST = 2048
 SHORT = f'output_layer.shortlist = {SHORTLIST}'
+FULL = 'output_layer.shortlist = 0'  # Trax's layer at any vocabulary.
 KEPT = f'reversible.kept_blocks = {LAYERS}'
 JADE_BINDS = {  # Each Jade contender's gin bindings.
   'jade': [],
@@ -397,6 +402,8 @@ JADE_BINDS = {  # Each Jade contender's gin bindings.
   'jade-mean-bf16': [MEAN, BF16],
   'jade-short': [SHORT],
   'jade-short-bf16': [SHORT, BF16],
+  'jade-full': [FULL],
+  'jade-full-bf16': [FULL, BF16],
   'jade-kept': [KEPT],
   'jade-kept-bf16': [KEPT, BF16],
 }
@@ -430,7 +437,17 @@ def child(args):
   times, vocab = CONTENDERS[args.child](
     args.length, args.steps, args.vocab, **kwargs
   )
-  print(json.dumps({'times': times, 'vocab': vocab, 'peak_rss': peak_rss()}))
+  vocab, shortlist = vocab if isinstance(vocab, tuple) else (vocab, 0)
+  print(
+    json.dumps(
+      {
+        'times': times,
+        'vocab': vocab,
+        'shortlist': shortlist,
+        'peak_rss': peak_rss(),
+      }
+    )
+  )
 
 
 def measure(
@@ -501,7 +518,7 @@ def measure(
     'peak_rss_gb': out['peak_rss'] / 1e9,
     'gflops': tokens_per_s
     * flops_per_token(
-      tokens, lsh, vocab, output_features(name), shortlist_of(name)
+      tokens, lsh, vocab, output_features(name), out.get('shortlist', 0)
     )
     / 1e9,
     'wall': wall,

@@ -207,3 +207,56 @@ def test_a_shortlist_model_trains_resumes_and_chats_what_it_trains(tmp_path):
   whole = np.asarray(full_model.pure_fn(x, w, st, jax.random.PRNGKey(0))[0])
   np.testing.assert_allclose(np.exp(whole[0]).sum(-1), 1.0, rtol=1e-4)
   assert_chat_reads_as_eval(out, flat, ids, whole)
+
+
+@pytest.mark.parametrize(
+  'vocab, bindings, saved, added',
+  [
+    (8000, (), None, ('output_layer.shortlist = 2048',)),
+    (7999, (), None, ()),
+    (32000, ('output_layer.shortlist = 0',), None, ()),
+    (32000, ('output_layer.tied = True',), None, ()),
+    # A run resumes with the output layer it started with.
+    (32000, (), 'ReformerLM.n_layers = 1\n', ()),
+    (
+      500,
+      (),
+      'output_layer.shortlist = 2048\n',
+      ('output_layer.shortlist = 2048',),
+    ),
+  ],
+)
+def test_a_new_run_at_thousands_of_pieces_gets_a_shortlist(
+  tmp_path, vocab, bindings, saved, added
+):
+  from src.training import plan
+
+  if saved is not None:
+    (tmp_path / 'model.gin').write_text(saved)
+  s = train_settings(tmp_path, **{'vocab-size': vocab})
+  setup = ginconf.parse(TINY_GIN, MICRO + bindings)
+  assert plan._output_choice(s, setup, None) == added
+  # A fine-tune takes its pretrained model's output layer.
+  assert plan._output_choice(s, setup, ('', 'pretrained')) == ()
+
+
+def test_a_run_started_without_a_shortlist_resumes_without_one(
+  tmp_path, monkeypatch
+):
+  """A run started before the default (or below its vocabulary) resumes
+  as it started; a new run gets the layer, says so, and saves it."""
+  from src.training import trainer
+
+  out, fresh, lines = tmp_path / 'old', tmp_path / 'new', []
+  monkeypatch.setattr(shortlist, 'AUTO_FROM', 10**6)
+  trainer.train(train_settings(out, steps=2), MICRO, log=lines.append)
+  monkeypatch.setattr(shortlist, 'AUTO_FROM', 300)
+  monkeypatch.setattr(shortlist, 'AUTO_SIZE', 100)
+  trainer.train(train_settings(out, steps=3), MICRO, log=lines.append)
+  assert 'shortlist' not in (out / 'model.gin').read_text()
+  assert not any('the most used' in x for x in lines)
+  trainer.train(train_settings(fresh, steps=2), MICRO, log=lines.append)
+  assert 'output_layer.shortlist = 100' in (fresh / 'model.gin').read_text()
+  assert sum('output_layer.shortlist = 100 (the most' in x for x in lines) == 1
+  loaded = modelfolder.load(str(fresh), 'model-dir', 'train it')
+  assert loaded.setup.output.shortlist == 100

@@ -18,7 +18,7 @@ from src.config.jsonconfig import Section
 from src.core import files, rundir
 from src.core.errors import UserError
 from src.data import chatformat, corpus, tokenizer, windows
-from src.model import ginconf, preflight
+from src.model import ginconf, preflight, shortlist
 from src.runtime import xla
 from src.storage import snapshots
 from src.training import distributed, finetune
@@ -70,6 +70,7 @@ class RunPlan:
   finetune: finetune.Plan | None  # A fine-tune run's source, if any.
   tokenizer: tokenizer.Tokenizer
   gin: ginconf.GinSetup  # The model's gin setup (file, bindings, text).
+  gin_added: tuple[str, ...]  # Bindings the plan added (`_output_choice`).
   corpus: corpus.Corpus  # The training token cache.
   eval_corpus: corpus.Corpus | None  # `eval-data`'s token cache, if set.
   replay_corpus: corpus.Corpus | None  # `replay`'s token cache, if set.
@@ -118,12 +119,24 @@ def window_length(s, setup: ginconf.GinSetup) -> int:
   return length
 
 
-def _setup(s, gin_bindings, base, fine, log=print) -> ginconf.GinSetup:
+def _setup(s, gin_bindings, base, fine, chosen, log=print):
   """The model's settings: the gin file, the preset's `gin-bindings`, the
   command line's `--bind` (a fine-tune's model settings under them; it
-  may read its attention otherwise, `finetune.READING`, and says so)."""
+  may read its attention otherwise, `finetune.READING`, and says so), and
+  the output layer `_output_choice` adds (`chosen`: the chief's, in
+  another process of a run). Returns `(setup, bindings added)`."""
   bindings = tuple(s['gin-bindings']) + tuple(gin_bindings)
   setup = ginconf.parse(s['gin'], bindings, base=base)
+  added = chosen
+  if added is None:
+    added = _output_choice(s, setup, base)
+  if added:
+    setup = ginconf.parse(s['gin'], bindings + added, base=base)
+    log(
+      f'vocabulary of {s["vocab-size"]:,} pieces: {added[0]} (the most '
+      'used pieces scored from all features, the rest through a quarter of '
+      'them; --bind "output_layer.shortlist = 0" keeps Trax\'s full layer)'
+    )
   if fine is not None and fine.source is not None:
     changed = finetune.check_settings(setup, fine.source, s['gin'])
     grows = finetune.growth(setup, fine.source.setup)
@@ -137,7 +150,29 @@ def _setup(s, gin_bindings, base, fine, log=print) -> ginconf.GinSetup:
         'reads its attention otherwise than the pretrained model (same '
         f'weights): {", ".join(changed)}'
       )
-  return setup
+  return setup, added
+
+
+def _output_choice(s, setup, base) -> tuple[str, ...]:
+  """The binding that gives a new run at a vocabulary of thousands of
+  pieces a shortlist output layer (`shortlist.auto_size`), or () where
+  the gin or a binding chose an output layer, a fine-tune takes its
+  pretrained model's, or out-dir holds a run started without one (it
+  resumes as it started)."""
+  lines = ginconf.canonical(setup.text).splitlines()
+  if base is not None or any(x.startswith(OUTPUT_CHOICES) for x in lines):
+    return ()
+  saved = ginconf.saved_text(s['out-dir'])
+  if saved is not None:  # A run resumes with the layer it started with.
+    kept = ginconf.canonical(saved).splitlines()
+    return tuple(x for x in kept if x.startswith('output_layer.shortlist'))
+  size = shortlist.auto_size(s['vocab-size'])
+  return (f'output_layer.shortlist = {size}',) if size else ()
+
+
+# Bindings that choose the output layer (a shortlist and `tied` exclude
+# each other): where one is set, `_output_choice` adds nothing.
+OUTPUT_CHOICES = ('output_layer.shortlist', 'output_layer.tied')
 
 
 def _window(s, setup, out_dir: str, resuming: bool) -> int:
@@ -252,7 +287,8 @@ def prepare(
   _notes(settings, log)
   out_dir = check_out_dir(settings)
   s, fine, base = _with_pretrained(settings, out_dir, leader)
-  setup = _setup(s, gin_bindings, base, fine, log)
+  chosen = None if leader is None else tuple(leader['added'])
+  setup, added = _setup(s, gin_bindings, base, fine, chosen, log)
   start_step, checkpoint_folder, damage = _resume_point(setup, out_dir, leader)
   window = _window(s, setup, out_dir, start_step and not leader)
   batch_size, micro = _batch_size(s, cluster)
@@ -269,6 +305,7 @@ def prepare(
     finetune=fine,
     tokenizer=tok,
     gin=setup,
+    gin_added=added,
     corpus=train_corpus,
     eval_corpus=eval_corpus,
     replay_corpus=replay_corpus,
@@ -482,6 +519,7 @@ def _leader_message(run) -> dict:
     'error': None,
     'start': run.start_step,
     'base': list(fine.gin) if fine is not None and fine.gin else None,
+    'added': list(run.gin_added),
     'tokenizer': base64.b64encode(run.tokenizer.model_proto).decode(),
     'tokenizer_settings': {
       k: s[k] for k in ('vocab-size', 'ai-start', 'ai-end', 'line-break')
