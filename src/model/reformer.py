@@ -229,7 +229,9 @@ def output_layer(
       pieces (the lowest ids) are scored from all the features; the rest
       are scored through `width` of them (`src.model.shortlist`: at a
       vocabulary of thousands of pieces, a fraction of the work). A
-      vocabulary no larger than the shortlist keeps Trax's layer.
+      vocabulary no larger than the shortlist keeps Trax's layer. A new
+      run asked for 8,000 pieces or more is bound 2048 by its trainer
+      unless its gin chose (`shortlist.auto_size`).
     width: With a shortlist, the features the rarer pieces are scored
       from; 0 is a quarter of what the output layer reads.
 

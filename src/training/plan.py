@@ -119,17 +119,18 @@ def window_length(s, setup: ginconf.GinSetup) -> int:
   return length
 
 
-def _setup(s, gin_bindings, base, fine, chosen, log=print):
+def _setup(s, gin_bindings, base, fine, leader, log=print):
   """The model's settings: the gin file, the preset's `gin-bindings`, the
   command line's `--bind` (a fine-tune's model settings under them; it
   may read its attention otherwise, `finetune.READING`, and says so), and
-  the output layer `_output_choice` adds (`chosen`: the chief's, in
-  another process of a run). Returns `(setup, bindings added)`."""
+  the output layer `_output_choice` adds (in another process of a run,
+  the chief's: `leader`). Returns `(setup, bindings added)`."""
   bindings = tuple(s['gin-bindings']) + tuple(gin_bindings)
   setup = ginconf.parse(s['gin'], bindings, base=base)
-  added = chosen
-  if added is None:
+  if leader is None:
     added = _output_choice(s, setup, base)
+  else:
+    added = tuple(leader['added'])
   if added:
     setup = ginconf.parse(s['gin'], bindings + added, base=base)
     log(
@@ -287,8 +288,7 @@ def prepare(
   _notes(settings, log)
   out_dir = check_out_dir(settings)
   s, fine, base = _with_pretrained(settings, out_dir, leader)
-  chosen = None if leader is None else tuple(leader['added'])
-  setup, added = _setup(s, gin_bindings, base, fine, chosen, log)
+  setup, added = _setup(s, gin_bindings, base, fine, leader, log)
   start_step, checkpoint_folder, damage = _resume_point(setup, out_dir, leader)
   window = _window(s, setup, out_dir, start_step and not leader)
   batch_size, micro = _batch_size(s, cluster)
