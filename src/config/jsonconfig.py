@@ -125,7 +125,8 @@ TRAIN_KEYS: dict[str, tuple[Any, str]] = {
   'vocab-size': (
     500,
     'Sentencepiece vocabulary size (up to 32000 and '
-    'more); fewer if the data is too small.',
+    'more); fewer if the data is too small. From 8000 a new run scores '
+    'its rarer pieces through a shortlist (output_layer.shortlist).',
   ),
   'ai-start': ('|aigenerationstart|', 'Marker that starts an AI turn.'),
   'ai-end': ('|endofgeneration|', 'Marker that ends an AI turn.'),
