@@ -1,6 +1,6 @@
 """The project's CPU kernels: one library, built and registered with XLA.
 
-Six sources, compiled together (with `cpu_pool.h`, their one way of
+Seven sources, compiled together (with `cpu_pool.h`, their one way of
 spreading work over XLA's threads, `bf16.h`, their bfloat16 rounding and
 products, and `vec8.h`, their 8-float vectors and micro-tile height) into
 one shared library:
@@ -16,7 +16,9 @@ one shared library:
 - `memory_attention.cc`: a chat's new tokens over a wide LSH layer's
   whole key cache, fused (`src.model.memory_attention`);
 - `output_layer.cc`: the output layer and its cross-entropy, one chunk of
-  rows fused on AMX tiles (`src.model.output_layer`).
+  rows fused on AMX tiles (`src.model.output_layer`);
+- `layer_norm.cc`: Trax's layer norm and its gradient, a row at a time
+  (`src.model.layer_norm`).
 
 The library is compiled once per source, jaxlib and CPU with the system's
 C++ compiler (`c++`; its sources side by side, ~10 s on 2 cores) into
@@ -60,6 +62,7 @@ SOURCES = (
   _HERE / 'gather_rows.cc',
   _HERE / 'memory_attention.cc',
   _HERE / 'output_layer.cc',
+  _HERE / 'layer_norm.cc',
 )
 HEADERS = (_HERE / 'cpu_pool.h', _HERE / 'bf16.h', _HERE / 'vec8.h')
 _OPTIONS = ('-O3', '-march=native', '-std=c++17', '-fPIC', '-w')
@@ -77,6 +80,8 @@ TARGETS = {
   'jade_memory_attention': 'JadeMemoryAttention',
   'jade_output_pack': 'JadeOutputPack',
   'jade_output_chunk': 'JadeOutputChunk',
+  'jade_layer_norm': 'JadeLayerNorm',
+  'jade_layer_norm_backward': 'JadeLayerNormBackward',
 }
 
 

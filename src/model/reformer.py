@@ -17,11 +17,12 @@ import math
 import jax.numpy as jnp
 import trax
 from trax import layers as tl
+from trax.layers import normalization
 from trax.layers.research import efficient_attention as ea
 
 from src.core.errors import UserError
+from src.model import layer_norm, reversible, tied
 from src.model import positions as axial
-from src.model import reversible, tied
 from src.model import shortlist as shortlist_lib
 
 
@@ -182,7 +183,7 @@ def branch_outputs(lm) -> tuple[list, list]:
   dense = []
   for node in all_layers(lm):
     subs = list(getattr(node, 'sublayers', ()) or ())
-    if subs and type(subs[0]).__name__ == 'LayerNorm':
+    if subs and isinstance(subs[0], normalization.LayerNorm):
       found = [s for s in subs if type(s).__name__ == 'Dense']
       dense += found[1:2] if len(found) == 2 else []
   return attention, dense
@@ -302,7 +303,8 @@ def reformer_lm(
   `offset` is where a training window starts on it ('zero' or 'random').
   `output`: see `output_layer`. `aligned` (see `smear`): the
   smeared layers' `w_s` start as their query projections. `kept`: see
-  `reversible.settings`.
+  `reversible.settings`. Its layer norms are `layer_norm.LayerNorm`
+  (Trax's, by a CPU kernel where it runs).
   """
   lm = trax.models.ReformerLM(vocab_size=vocab_size, mode=mode)
   _keep_last(lm, kept, mode == 'train')
@@ -329,6 +331,13 @@ def reformer_lm(
       _replace(lm, layer, _zero_dense(layer))
   if aligned:
     _start_aligned(lm)
+  _own_layers(lm, axial_init_scale, offset)
+  return lm
+
+
+def _own_layers(lm, axial_init_scale: float | None, offset: str):
+  """Puts this project's axial positions and layer norms where `lm` has
+  Trax's (see `reformer_lm`)."""
   for layer in all_layers(lm):
     if isinstance(layer, tl.AxialPositionalEncoding):
       init = None
@@ -336,7 +345,8 @@ def reformer_lm(
         d_model = sum(layer._d_embs)
         init = tl.RandomNormalInitializer(axial_init_scale / math.sqrt(d_model))
       _replace(lm, layer, axial.AxialPositions.like(layer, offset, init))
-  return lm
+    elif type(layer) is normalization.LayerNorm:  # Not gin's subclass.
+      _replace(lm, layer, layer_norm.LayerNorm.like(layer))
 
 
 def _keep_last(lm, blocks: int, training: bool):

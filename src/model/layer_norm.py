@@ -1,0 +1,119 @@
+"""Trax's `LayerNorm`, its forward and gradient by the CPU kernel
+`layer_norm.cc` where it runs.
+
+`LayerNorm` is `tl.LayerNorm` (the same weights, `(scale, bias)`, the
+same start, the same values within float rounding) whose `forward` calls
+`normalize`. `reformer.reformer_lm` puts one wherever Trax's model has
+Trax's (each block's attention and feed-forward branch, and before the
+output layer), so a checkpoint of either loads into the other.
+
+XLA's CPU backend runs a reduction over a row of more than 32 values as
+`reduce-window` loops on one thread: at 32k positions and d_model 256 a
+layer norm took 6.9 ms forward and 20.4 ms forward and backward, ~0.22 s
+of a ~6.5 s step for the benchmark's eight (BENCHMARKS.md "A layer norm
+as a kernel"). The kernel reads a row once a pass, on XLA's threads.
+
+The kernel runs for centered float32 rows whose width is a multiple of 8,
+at least `MIN_ROWS` rows a call, on XLA's CPU backend with the kernels
+built (`src.model.kernels`); Trax's own formula everywhere else (a chat's
+token, RMS normalization, `JADE_KERNELS=off`, or `JADE_NORM_KERNEL=off`
+for this kernel alone).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax import numpy as jnp
+from trax.layers import normalization
+
+from src.model import kernels
+from src.runtime import switches
+
+# Rows a call normalizes from which the kernel runs (below, XLA's loops
+# are as fast, and a chat's one token keeps Trax's formula).
+MIN_ROWS = 1024
+
+
+def _trax(x, scale, bias, epsilon: float, center: bool):
+  """Trax's `LayerNorm.forward`, as it computes it."""
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  centered = x - mean if center else x
+  variance = jnp.mean(centered * centered, axis=-1, keepdims=True)
+  norm_inputs = centered / jnp.sqrt(variance + epsilon)
+  scaled = norm_inputs * scale
+  return scaled + bias if center else scaled
+
+
+def _fusable(x, scale, bias, center: bool) -> bool:
+  d = x.shape[-1] if x.ndim else 0
+  return (
+    center
+    and x.dtype == jnp.float32
+    and scale.dtype == jnp.float32
+    and bias.dtype == jnp.float32
+    and scale.shape == (d,)
+    and bias.shape == (d,)
+    and d > 0
+    and d % 8 == 0
+    and x.size // d >= MIN_ROWS
+    and not switches.off('JADE_NORM_KERNEL')
+    and kernels.available()
+  )
+
+
+def normalize(x, scale, bias, epsilon: float = 1e-6, center: bool = True):
+  """Trax's layer norm of `x` `[..., d]` over its last axis: `(x - mean) /
+  sqrt(var + epsilon) * scale + bias` (without centering, `x / sqrt(mean
+  square + epsilon) * scale`)."""
+  if not _fusable(x, scale, bias, center):
+    return _trax(x, scale, bias, epsilon, center)
+  rows = jnp.reshape(x, (-1, x.shape[-1]))
+  return jnp.reshape(_norm(rows, scale, bias, float(epsilon)), x.shape)
+
+
+def _forward_call(rows, scale, bias, epsilon: float):
+  out = jax.ShapeDtypeStruct(rows.shape, jnp.float32)
+  call = jax.ffi.ffi_call('jade_layer_norm', out, vmap_method='sequential')
+  return call(rows, scale, bias, eps=np.float32(epsilon))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _norm(rows, scale, bias, epsilon: float):
+  return _forward_call(rows, scale, bias, epsilon)
+
+
+def _norm_forward(rows, scale, bias, epsilon: float):
+  return _forward_call(rows, scale, bias, epsilon), (rows, scale)
+
+
+def _norm_backward(epsilon: float, saved, g):
+  rows, scale = saved
+  d = rows.shape[-1]
+  outs = (
+    jax.ShapeDtypeStruct(rows.shape, jnp.float32),
+    jax.ShapeDtypeStruct((d,), jnp.float32),
+    jax.ShapeDtypeStruct((d,), jnp.float32),
+  )
+  call = jax.ffi.ffi_call(
+    'jade_layer_norm_backward', outs, vmap_method='sequential'
+  )
+  return call(rows, scale, g, eps=np.float32(epsilon))
+
+
+_norm.defvjp(_norm_forward, _norm_backward)
+
+
+class LayerNorm(normalization.LayerNorm):
+  """Trax's `LayerNorm` by `normalize` (the same weights and start)."""
+
+  def forward(self, x):
+    scale, bias = self.weights
+    return normalize(x, scale, bias, self._epsilon, self._center)
+
+  @classmethod
+  def like(cls, layer: normalization.LayerNorm) -> LayerNorm:
+    """One with `layer`'s settings (a model not initialized yet)."""
+    return cls(center=layer._center, epsilon=layer._epsilon)
