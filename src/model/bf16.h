@@ -15,6 +15,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec8.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -93,8 +95,7 @@ inline void pairs_across_rows(int64_t rows, int64_t cols, const float* x,
 // out[j * ldo + i] = in[i * ld + j] for an [rows, cols] block of words.
 inline void transpose_words(int64_t rows, int64_t cols, const uint32_t* in,
                             int64_t ld, uint32_t* out, int64_t ldo) {
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) out[j * ldo + i] = in[i * ld + j];
+  transpose32(rows, cols, in, ld, out, ldo);
 }
 
 #if defined(__AVX512BF16__)

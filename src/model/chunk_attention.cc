@@ -50,13 +50,6 @@ inline float exp_row(float* row, int64_t width, float shift) {
   return sum;
 }
 
-// out[j * ld_out + i] = in[i * ld + j] for an [rows, cols] block.
-void transpose(int64_t rows, int64_t cols, const float* in, int64_t ld,
-               float* out, int64_t ld_out) {
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) out[j * ld_out + i] = in[i * ld + j];
-}
-
 struct Shape {
   int64_t batch, n, d, dv, chunk, before, chunks, width;  // width: keys a row.
   int64_t rows;   // Query rows a pass takes at once (its scores in cache).
@@ -170,8 +163,8 @@ struct Call {
     out.resize((s.before + 1) * dim * s.ldt());
     for (int64_t a = 0; a <= s.before; ++a) {
       const int64_t k0 = b * s.n + s.key_chunk(c, a) * s.chunk;
-      transpose(s.chunk, dim, x + k0 * dim, dim, out.data() + a * dim * s.ldt(),
-                s.ldt());
+      jade::transpose32(s.chunk, dim, x + k0 * dim, dim,
+                        out.data() + a * dim * s.ldt(), s.ldt());
     }
     of = b * s.chunks + c;
   }
