@@ -1,6 +1,6 @@
-"""The layer norm's kernel (`src.model.layer_norm`): Trax's `LayerNorm`
+"""The normalization kernels (`src.model.layer_norm`): Trax's `LayerNorm`
 values and gradients, the same weights in the model, and Trax's own
-formula where the kernel does not run."""
+formula where the kernel does not run; the LSH layer's normalized keys."""
 
 import jax
 import numpy as np
@@ -8,8 +8,10 @@ import pytest
 import trax
 from jax import numpy as jnp
 from trax.layers import normalization
+from trax.layers.research import efficient_attention as ea
 
-from src.model import kernels, layer_norm, reformer
+from src.model import ginconf, kernels, layer_norm, reformer
+from tests.conftest import TINY_GIN
 
 needs_kernels = pytest.mark.skipif(
   not kernels.available(), reason='the CPU kernels cannot be built here'
@@ -118,11 +120,12 @@ def test_where_the_kernel_does_not_run_it_is_traxs_formula(monkeypatch):
 
 
 def test_the_model_has_ours_with_traxs_weights():
-  """`reformer_lm` puts `layer_norm.LayerNorm` wherever Trax's model has
+  """The model (tiny.gin) has `layer_norm.LayerNorm` wherever Trax's model has
   Trax's (each block's two branches and before the output: 2 per layer
   plus 1), with the same settings, and the weights' shapes are Trax's:
   a checkpoint of either model loads into the other."""
-  ours = reformer.reformer_lm(vocab_size=40, mode='train')
+  ginconf.parse(TINY_GIN)
+  ours = ginconf.model(40, 'train')
   theirs = trax.models.ReformerLM(vocab_size=40, mode='train')
 
   def norms(model):
@@ -137,10 +140,42 @@ def test_the_model_has_ours_with_traxs_weights():
   assert [(x._center, x._epsilon) for x in norms(ours)] == [
     (x._center, x._epsilon) for x in norms(theirs)
   ]
-  signature = trax.shapes.ShapeDtype((1, 64), jnp.int32)
+  signature = trax.shapes.ShapeDtype((1, 512), jnp.int32)
   ours.init(signature)
   theirs.init(signature)
   shapes = jax.tree.map(lambda w: getattr(w, 'shape', None), ours.weights)
   assert shapes == jax.tree.map(
     lambda w: getattr(w, 'shape', None), theirs.weights
+  )
+
+
+@needs_kernels
+def test_unit_rows_are_traxs_normalized_keys():
+  """The LSH layer's shared keys (`length_normalized(q) / sqrt(d)`) under
+  `vmap` over heads, forward and gradient, by the kernel; Trax's formula
+  below `MIN_ROWS`."""
+  x = _values((4, 1024, 64), 10, scale=3.0, shift=0.5)
+  g = _values((4, 1024, 64), 11)
+
+  def trax_keys(x):
+    return ea.length_normalized(x) / jnp.sqrt(jnp.asarray(64.0))
+
+  def ours(x):
+    return jax.vmap(lambda r: layer_norm.unit_rows(r, 1 / 8))(x)
+
+  assert 'jade_unit_rows' in jax.jit(ours).lower(x).as_text()
+  np.testing.assert_allclose(
+    np.asarray(jax.jit(ours)(x)), np.asarray(trax_keys(x)), atol=1e-6
+  )
+  grads = [
+    jax.jit(lambda x, g, f=f: jax.vjp(f, x)[1](g)[0])(x, g)
+    for f in (ours, trax_keys)
+  ]
+  np.testing.assert_allclose(
+    np.asarray(grads[0]), np.asarray(grads[1]), rtol=1e-5, atol=1e-6
+  )
+  few = x[:, :5]
+  assert 'jade_' not in jax.jit(ours).lower(few).as_text()
+  np.testing.assert_allclose(
+    np.asarray(ours(few)), np.asarray(trax_keys(few)), atol=1e-7
   )

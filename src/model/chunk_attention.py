@@ -43,6 +43,7 @@ loaded) Trax's `attend` runs, and `JADE_VERBOSE=1` says why in one line.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import NamedTuple
 
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from trax.layers.research import efficient_attention as ea
 
-from src.model import kernels
+from src.model import kernels, layer_norm
 from src.runtime import switches
 
 _CAUSAL, _EXCLUDE_SELF, _MASKED = 1, 2, 4
@@ -269,9 +270,12 @@ def attend(
   in_order = jnp.arange(1, q.shape[-2] + 1, dtype=jnp.int32)
   qi = in_order if q_info is None else q_info + 1
   ki = (in_order if k is not None else qi) if kv_info is None else kv_info + 1
-  if k is None:  # Shared queries and keys, as Trax's.
-    k = ea.length_normalized(q)
-  k = k / jnp.sqrt(jnp.asarray(k.shape[-1], k.dtype))
+  if k is None and layer_norm.unit_fusable(q):  # Shared, by the kernel.
+    k = layer_norm.unit_rows(q, 1 / math.sqrt(q.shape[-1]))
+  else:
+    if k is None:  # Shared queries and keys, as Trax's.
+      k = ea.length_normalized(q)
+    k = k / jnp.sqrt(jnp.asarray(k.shape[-1], k.dtype))
   qi = jnp.broadcast_to(qi.astype(jnp.int32), q.shape[:-1])
   ki = jnp.broadcast_to(ki.astype(jnp.int32), k.shape[:-1])
   if not skips_dead_tiles():

@@ -17,8 +17,8 @@ one shared library:
   whole key cache, fused (`src.model.memory_attention`);
 - `output_layer.cc`: the output layer and its cross-entropy, one chunk of
   rows fused on AMX tiles (`src.model.output_layer`);
-- `layer_norm.cc`: Trax's layer norm and its gradient, a row at a time
-  (`src.model.layer_norm`).
+- `layer_norm.cc`: Trax's layer norm and the LSH layer's normalized keys,
+  and their gradients, a row at a time (`src.model.layer_norm`).
 
 The library is compiled once per source, jaxlib and CPU with the system's
 C++ compiler (`c++`; its sources side by side, ~10 s on 2 cores) into
@@ -82,6 +82,8 @@ TARGETS = {
   'jade_output_chunk': 'JadeOutputChunk',
   'jade_layer_norm': 'JadeLayerNorm',
   'jade_layer_norm_backward': 'JadeLayerNormBackward',
+  'jade_unit_rows': 'JadeUnitRows',
+  'jade_unit_rows_backward': 'JadeUnitRowsBackward',
 }
 
 

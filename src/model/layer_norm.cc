@@ -1,5 +1,6 @@
-// Trax's LayerNorm (centered) forward and backward, a row at a time, for
-// XLA's CPU backend (src/model/layer_norm.py). XLA's CPU backend runs a
+// Trax's LayerNorm (centered) forward and backward, and its LSH layer's
+// keys (`length_normalized` rows, scaled), a row at a time, for XLA's CPU
+// backend (src/model/layer_norm.py). XLA's CPU backend runs a
 // reduction over a row of more than 32 values as `reduce-window` loops on
 // one thread; a 32k window's layer norm took 6.9 ms forward and 20.4 ms
 // forward + backward (BENCHMARKS.md "A layer norm as a kernel"). Here a
@@ -182,7 +183,101 @@ ffi::Error backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
+// 1 / sqrt(mean square + eps) of a row.
+inline float rms_inverse(const float* x, int64_t d, float eps) {
+  v8 s0{}, s1{};
+  int64_t j = 0;
+  for (; j + 16 <= d; j += 16) {
+    const v8 a = load(x + j), b = load(x + j + 8);
+    s0 += a * a;
+    s1 += b * b;
+  }
+  if (j < d) {
+    const v8 a = load(x + j);
+    s0 += a * a;
+  }
+  return 1.f / std::sqrt(lanes(s0 + s1) / static_cast<float>(d) + eps);
+}
+
+// Rows scaled to a root mean square of `scale` (Trax's `length_normalized`
+// times `scale`): y = x / sqrt(mean(x^2) + eps) * scale.
+ffi::Error unit_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                     ffi::Result<ffi::AnyBuffer> y, float eps, float scale) {
+  const auto xd = x.dimensions();
+  const int64_t d = xd.size() ? xd[xd.size() - 1] : 0;
+  if (x.element_type() != ffi::DataType::F32 || d <= 0 || d % 8 != 0 ||
+      y->element_count() != x.element_count())
+    return ffi::Error::InvalidArgument(
+        "unit rows: float32 [..., d], d a multiple of 8, y like x");
+  const int64_t rows = static_cast<int64_t>(x.element_count()) / d;
+  const float* src = x.typed_data<float>();
+  float* dst = y->typed_data<float>();
+  const int64_t tasks = (rows + kBlockRows - 1) / kBlockRows;
+  jade::run_all<NoState>(pool, tasks, [&](int64_t t, NoState&) {
+    const int64_t r1 = std::min(rows, (t + 1) * kBlockRows);
+    for (int64_t r = t * kBlockRows; r < r1; ++r) {
+      const float* in = src + r * d;
+      const v8 f = v8{} + rms_inverse(in, d, eps) * scale;
+      for (int64_t j = 0; j < d; j += 8) store(dst + r * d + j, load(in + j) * f);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// Their gradient: dx = scale r (dy - xhat mean(dy xhat)), r = 1 / sqrt(
+// mean(x^2) + eps), xhat = x r.
+ffi::Error unit_backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                              ffi::AnyBuffer dy,
+                              ffi::Result<ffi::AnyBuffer> dx, float eps,
+                              float scale) {
+  const auto xd = x.dimensions();
+  const int64_t d = xd.size() ? xd[xd.size() - 1] : 0;
+  if (x.element_type() != ffi::DataType::F32 ||
+      dy.element_type() != ffi::DataType::F32 || d <= 0 || d % 8 != 0 ||
+      dy.element_count() != x.element_count() ||
+      dx->element_count() != x.element_count())
+    return ffi::Error::InvalidArgument(
+        "unit rows backward: float32 x, dy and dx alike, d a multiple of 8");
+  const int64_t rows = static_cast<int64_t>(x.element_count()) / d;
+  const float* src = x.typed_data<float>();
+  const float* g = dy.typed_data<float>();
+  float* out = dx->typed_data<float>();
+  const float inv_d = 1.f / static_cast<float>(d);
+  const int64_t tasks = (rows + kBlockRows - 1) / kBlockRows;
+  jade::run_all<NoState>(pool, tasks, [&](int64_t t, NoState&) {
+    const int64_t r1 = std::min(rows, (t + 1) * kBlockRows);
+    for (int64_t r = t * kBlockRows; r < r1; ++r) {
+      const float* in = src + r * d;
+      const float* gr = g + r * d;
+      const v8 rv = v8{} + rms_inverse(in, d, eps);
+      v8 sgx{};
+      for (int64_t j = 0; j < d; j += 8) sgx += load(gr + j) * load(in + j) * rv;
+      const v8 c = v8{} + lanes(sgx) * inv_d, f = rv * scale;
+      for (int64_t j = 0; j < d; j += 8)
+        store(out + r * d + j, f * (load(gr + j) - load(in + j) * rv * c));
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeUnitRows, unit_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeUnitRowsBackward, unit_backward_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("eps")
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeLayerNorm, forward_impl,
                               ffi::Ffi::Bind()
