@@ -1,12 +1,12 @@
 // Trax's LayerNorm (centered) forward and backward, and its LSH layer's
 // keys (`length_normalized` rows, scaled), a row at a time, for XLA's CPU
-// backend (src/model/layer_norm.py). XLA's CPU backend runs a
-// reduction over a row of more than 32 values as `reduce-window` loops on
-// one thread; a 32k window's layer norm took 6.9 ms forward and 20.4 ms
-// forward + backward (BENCHMARKS.md "A layer norm as a kernel"). Here a
-// row (d_model floats, in L1) is read from memory once per pass over the
-// rows, on XLA's threads. Built and loaded by src/model/kernels.py; never
-// edited there.
+// backend (src/model/layer_norm.py). XLA's CPU backend runs a reduction
+// over a row of more than 32 values as `reduce-window` loops on one
+// thread; a 32k window's layer norm took 6.9 ms forward and 20.4 ms
+// forward + backward (BENCHMARKS.md "Layer norms and the LSH keys as
+// kernels"). Here a row (d_model floats, in L1) is read from memory once
+// per pass over the rows, on XLA's threads. Built and loaded by
+// src/model/kernels.py; never edited there.
 //
 // forward: x `[..., d]` float32, scale `[d]`, bias `[d]`, eps ->
 // y = (x - mean) / sqrt(var + eps) * scale + bias, mean and var over each

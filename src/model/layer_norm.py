@@ -1,23 +1,27 @@
-"""Trax's `LayerNorm`, its forward and gradient by the CPU kernel
-`layer_norm.cc` where it runs.
+"""Trax's `LayerNorm`, and the LSH layer's normalized keys, their forwards
+and gradients by the CPU kernel `layer_norm.cc` where it runs.
 
-`LayerNorm` is `tl.LayerNorm` (the same weights, `(scale, bias)`, the
-same start, the same values within float rounding) whose `forward` calls
-`normalize`. `reformer.reformer_lm` puts one wherever Trax's model has
-Trax's (each block's attention and feed-forward branch, and before the
-output layer), so a checkpoint of either loads into the other.
+`LayerNorm` is Trax's (`trax.layers.normalization.LayerNorm`: the same
+weights, `(scale, bias)`, the same start, the same values within float
+rounding) with a `forward` that calls `normalize`. `reformer.reformer_lm`
+puts one wherever Trax's model has Trax's (each block's attention and
+feed-forward branch, and before the output layer), so a checkpoint of
+either loads into the other. `unit_rows` is Trax's `length_normalized`
+times a scale: `chunk_attention.attend`'s shared keys.
 
 XLA's CPU backend runs a reduction over a row of more than 32 values as
 `reduce-window` loops on one thread: at 32k positions and d_model 256 a
 layer norm took 6.9 ms forward and 20.4 ms forward and backward, ~0.22 s
-of a ~6.5 s step for the benchmark's eight (BENCHMARKS.md "A layer norm
-as a kernel"). The kernel reads a row once a pass, on XLA's threads.
+of a ~6.5 s step for the benchmark's eight; one 32k attention branch's
+forward and backward took ~40 ms less with the kernel, a feed-forward
+branch ~10 ms less (BENCHMARKS.md "Layer norms and the LSH keys as
+kernels"). The kernel reads a row once a pass, on XLA's threads.
 
-The kernel runs for centered float32 rows whose width is a multiple of 8,
-at least `MIN_ROWS` rows a call, on XLA's CPU backend with the kernels
-built (`src.model.kernels`); Trax's own formula everywhere else (a chat's
-token, RMS normalization, `JADE_KERNELS=off`, or `JADE_NORM_KERNEL=off`
-for this kernel alone).
+The kernels run for float32 rows whose width is a multiple of 8 (the
+layer norm's centered), at least `MIN_ROWS` rows a call, on XLA's CPU
+backend with the kernels built (`src.model.kernels`); Trax's own formula
+everywhere else (a chat's token, RMS normalization, `JADE_KERNELS=off`,
+or `JADE_NORM_KERNEL=off` for these two alone).
 """
 
 from __future__ import annotations
