@@ -11,15 +11,14 @@
 // forward: x `[..., d]` float32, scale `[d]`, bias `[d]`, eps ->
 // y = (x - mean) / sqrt(var + eps) * scale + bias, mean and var over each
 // row's d values (var of the centered values, as Trax computes it).
-// backward: x, scale, dy -> dx `[..., d]`, dscale `[d]`, dbias `[d]`. The
-// row statistics are computed again (a row is a few hundred floats). The
-// weights' gradients are summed per block of rows, then the blocks in
-// order: the same sums whatever thread ran a block.
+// backward: x, scale, dy -> dx `[..., d]` and the weights' gradients
+// summed per block of rows (the caller adds the blocks in order: the same
+// sums whatever thread ran a block). The row statistics are computed
+// again (a row is a few hundred floats).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 #include "cpu_pool.h"
 #include "vec8.h"
@@ -120,31 +119,33 @@ ffi::Error forward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
+// The weights' gradients come out as each block's sums (`sums`, `[blocks,
+// 2, d]`: of dy * xhat, then of dy), added up by the caller: the kernel
+// allocates nothing (a block of the heap taken mid-step can pin glibc's
+// heap above a step's freed scratch).
 ffi::Error backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                          ffi::AnyBuffer scale, ffi::AnyBuffer dy,
                          ffi::Result<ffi::AnyBuffer> dx,
-                         ffi::Result<ffi::AnyBuffer> dscale,
-                         ffi::Result<ffi::AnyBuffer> dbias, float eps) {
+                         ffi::Result<ffi::AnyBuffer> sums, float eps) {
   int64_t rows, d;
   if (auto e = shape_of(x, scale, &rows, &d); e.failure()) return e;
+  const int64_t tasks = (rows + kBlockRows - 1) / kBlockRows;
   if (dy.element_type() != ffi::DataType::F32 ||
       dy.element_count() != x.element_count() ||
       dx->element_count() != x.element_count() ||
-      static_cast<int64_t>(dscale->element_count()) != d ||
-      static_cast<int64_t>(dbias->element_count()) != d)
+      static_cast<int64_t>(sums->element_count()) != tasks * 2 * d)
     return ffi::Error::InvalidArgument(
-        "layer norm backward: dy and dx like x, dscale and dbias [d]");
+        "layer norm backward: dy and dx like x, sums [blocks, 2, d]");
   const float* src = x.typed_data<float>();
   const float* w = scale.typed_data<float>();
   const float* g = dy.typed_data<float>();
   float* out = dx->typed_data<float>();
-  const int64_t tasks = (rows + kBlockRows - 1) / kBlockRows;
-  // Each block's sums of dy * xhat (first d) and dy (next d).
-  std::vector<float> parts(tasks * 2 * d, 0.f);
+  float* parts = sums->typed_data<float>();
   const float inv_d = 1.f / static_cast<float>(d);
   jade::run_all<NoState>(pool, tasks, [&](int64_t t, NoState&) {
-    float* ps = parts.data() + t * 2 * d;
+    float* ps = parts + t * 2 * d;
     float* pb = ps + d;
+    std::fill(ps, ps + 2 * d, 0.f);
     const int64_t r1 = std::min(rows, (t + 1) * kBlockRows);
     for (int64_t r = t * kBlockRows; r < r1; ++r) {
       const float* in = src + r * d;
@@ -169,17 +170,6 @@ ffi::Error backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
       }
     }
   });
-  float* ds = dscale->typed_data<float>();
-  float* db = dbias->typed_data<float>();
-  std::fill(ds, ds + d, 0.f);
-  std::fill(db, db + d, 0.f);
-  for (int64_t t = 0; t < tasks; ++t) {
-    const float* ps = parts.data() + t * 2 * d;
-    for (int64_t j = 0; j < d; ++j) {
-      ds[j] += ps[j];
-      db[j] += ps[d + j];
-    }
-  }
   return ffi::Error::Success();
 }
 
@@ -294,7 +284,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JadeLayerNormBackward, backward_impl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("eps"));

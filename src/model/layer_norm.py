@@ -40,6 +40,7 @@ from src.runtime import switches
 # Rows a call normalizes from which the kernel runs (below, XLA's loops
 # are as fast, and a chat's one token keeps Trax's formula).
 MIN_ROWS = 1024
+BLOCK_ROWS = 128  # Rows a task of the kernel (`kBlockRows` in layer_norm.cc).
 
 
 def _trax(x, scale, bias, epsilon: float, center: bool):
@@ -96,16 +97,18 @@ def _norm_forward(rows, scale, bias, epsilon: float):
 
 def _norm_backward(epsilon: float, saved, g):
   rows, scale = saved
-  d = rows.shape[-1]
+  n, d = rows.shape
+  blocks = -(-n // BLOCK_ROWS)
   outs = (
     jax.ShapeDtypeStruct(rows.shape, jnp.float32),
-    jax.ShapeDtypeStruct((d,), jnp.float32),
-    jax.ShapeDtypeStruct((d,), jnp.float32),
+    jax.ShapeDtypeStruct((blocks, 2, d), jnp.float32),
   )
   call = jax.ffi.ffi_call(
     'jade_layer_norm_backward', outs, vmap_method='sequential'
   )
-  return call(rows, scale, g, eps=np.float32(epsilon))
+  dx, sums = call(rows, scale, g, eps=np.float32(epsilon))
+  totals = jnp.sum(sums, axis=0)  # The blocks' sums, in order.
+  return dx, totals[0], totals[1]
 
 
 _norm.defvjp(_norm_forward, _norm_backward)
