@@ -15,8 +15,6 @@
 #include <cstring>
 #include <vector>
 
-#include "vec8.h"
-
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -90,12 +88,6 @@ inline void pairs_across_rows(int64_t rows, int64_t cols, const float* x,
       }
     for (; j < cols; ++j) to[j] = pair(lo[j], hi ? hi[j] : 0.f);
   }
-}
-
-// out[j * ldo + i] = in[i * ld + j] for an [rows, cols] block of words.
-inline void transpose_words(int64_t rows, int64_t cols, const uint32_t* in,
-                            int64_t ld, uint32_t* out, int64_t ldo) {
-  transpose32(rows, cols, in, ld, out, ldo);
 }
 
 #if defined(__AVX512BF16__)

@@ -187,7 +187,7 @@ struct Call {
         jade::pairs_across_rows(s.chunk, dim, x0, dim, to, dim);
       } else {
         jade::pairs_in_rows(s.chunk, dim, x0, dim, tmp.data(), dp);
-        jade::transpose_words(s.chunk, dp, tmp.data(), dp, to, s.ldt());
+        jade::transpose32(s.chunk, dp, tmp.data(), dp, to, s.ldt());
       }
     }
     of = b * s.chunks + c;

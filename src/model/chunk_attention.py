@@ -270,7 +270,7 @@ def attend(
   in_order = jnp.arange(1, q.shape[-2] + 1, dtype=jnp.int32)
   qi = in_order if q_info is None else q_info + 1
   ki = (in_order if k is not None else qi) if kv_info is None else kv_info + 1
-  if k is None and layer_norm.unit_fusable(q):  # Shared, by the kernel.
+  if k is None and layer_norm.rows_fusable(q):  # Shared, by the kernel.
     k = layer_norm.unit_rows(q, 1 / math.sqrt(q.shape[-1]))
   else:
     if k is None:  # Shared queries and keys, as Trax's.

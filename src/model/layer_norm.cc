@@ -54,11 +54,9 @@ inline float row_sum(const float* x, int64_t d) {
   return lanes(s0 + s1);
 }
 
-// The mean and 1 / sqrt(var + eps) of a row.
-inline void moments(const float* x, int64_t d, float eps, float* mean,
-                    float* rstd) {
-  const float m = row_sum(x, d) / static_cast<float>(d);
-  const v8 mv = v8{} + m;
+// 1 / sqrt(mean((x - shift)^2) + eps) over a row's d values.
+inline float inverse_root(const float* x, int64_t d, float shift, float eps) {
+  const v8 mv = v8{} + shift;
   v8 s0{}, s1{};
   int64_t j = 0;
   for (; j + 16 <= d; j += 16) {
@@ -70,8 +68,32 @@ inline void moments(const float* x, int64_t d, float eps, float* mean,
     const v8 a = load(x + j) - mv;
     s0 += a * a;
   }
-  *mean = m;
-  *rstd = 1.f / std::sqrt(lanes(s0 + s1) / static_cast<float>(d) + eps);
+  return 1.f / std::sqrt(lanes(s0 + s1) / static_cast<float>(d) + eps);
+}
+
+// The mean and 1 / sqrt(var + eps) of a row.
+inline void moments(const float* x, int64_t d, float eps, float* mean,
+                    float* rstd) {
+  *mean = row_sum(x, d) / static_cast<float>(d);
+  *rstd = inverse_root(x, d, *mean, eps);
+}
+
+// Calls fn(t, r0, r1) for each block t of `kBlockRows` rows [r0, r1) of
+// `rows`, on XLA's threads.
+inline int64_t blocks(int64_t rows) {
+  return (rows + kBlockRows - 1) / kBlockRows;
+}
+template <class F>
+void for_blocks(ffi::ThreadPool& pool, int64_t rows, const F& fn) {
+  jade::run_all<NoState>(pool, blocks(rows), [&](int64_t t, NoState&) {
+    fn(t, t * kBlockRows, std::min(rows, (t + 1) * kBlockRows));
+  });
+}
+
+// The width of x's rows (its last dimension; 0 for a scalar).
+inline int64_t width_of(const ffi::AnyBuffer& x) {
+  const auto xd = x.dimensions();
+  return xd.size() ? xd[xd.size() - 1] : 0;
 }
 
 // Rows and width of x; scale (and bias) `[d]`; d a multiple of 8.
@@ -103,10 +125,8 @@ ffi::Error forward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const float* w = scale.typed_data<float>();
   const float* b = bias.typed_data<float>();
   float* dst = y->typed_data<float>();
-  const int64_t tasks = (rows + kBlockRows - 1) / kBlockRows;
-  jade::run_all<NoState>(pool, tasks, [&](int64_t t, NoState&) {
-    const int64_t r1 = std::min(rows, (t + 1) * kBlockRows);
-    for (int64_t r = t * kBlockRows; r < r1; ++r) {
+  for_blocks(pool, rows, [&](int64_t, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
       const float* in = src + r * d;
       float* out = dst + r * d;
       float mean, rstd;
@@ -129,11 +149,10 @@ ffi::Error backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> sums, float eps) {
   int64_t rows, d;
   if (auto e = shape_of(x, scale, &rows, &d); e.failure()) return e;
-  const int64_t tasks = (rows + kBlockRows - 1) / kBlockRows;
   if (dy.element_type() != ffi::DataType::F32 ||
       dy.element_count() != x.element_count() ||
       dx->element_count() != x.element_count() ||
-      static_cast<int64_t>(sums->element_count()) != tasks * 2 * d)
+      static_cast<int64_t>(sums->element_count()) != blocks(rows) * 2 * d)
     return ffi::Error::InvalidArgument(
         "layer norm backward: dy and dx like x, sums [blocks, 2, d]");
   const float* src = x.typed_data<float>();
@@ -142,12 +161,11 @@ ffi::Error backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   float* out = dx->typed_data<float>();
   float* parts = sums->typed_data<float>();
   const float inv_d = 1.f / static_cast<float>(d);
-  jade::run_all<NoState>(pool, tasks, [&](int64_t t, NoState&) {
+  for_blocks(pool, rows, [&](int64_t t, int64_t r0, int64_t r1) {
     float* ps = parts + t * 2 * d;
     float* pb = ps + d;
     std::fill(ps, ps + 2 * d, 0.f);
-    const int64_t r1 = std::min(rows, (t + 1) * kBlockRows);
-    for (int64_t r = t * kBlockRows; r < r1; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const float* in = src + r * d;
       const float* gr = g + r * d;
       float mean, rstd;
@@ -173,28 +191,11 @@ ffi::Error backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
-// 1 / sqrt(mean square + eps) of a row.
-inline float rms_inverse(const float* x, int64_t d, float eps) {
-  v8 s0{}, s1{};
-  int64_t j = 0;
-  for (; j + 16 <= d; j += 16) {
-    const v8 a = load(x + j), b = load(x + j + 8);
-    s0 += a * a;
-    s1 += b * b;
-  }
-  if (j < d) {
-    const v8 a = load(x + j);
-    s0 += a * a;
-  }
-  return 1.f / std::sqrt(lanes(s0 + s1) / static_cast<float>(d) + eps);
-}
-
 // Rows scaled to a root mean square of `scale` (Trax's `length_normalized`
 // times `scale`): y = x / sqrt(mean(x^2) + eps) * scale.
 ffi::Error unit_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                      ffi::Result<ffi::AnyBuffer> y, float eps, float scale) {
-  const auto xd = x.dimensions();
-  const int64_t d = xd.size() ? xd[xd.size() - 1] : 0;
+  const int64_t d = width_of(x);
   if (x.element_type() != ffi::DataType::F32 || d <= 0 || d % 8 != 0 ||
       y->element_count() != x.element_count())
     return ffi::Error::InvalidArgument(
@@ -202,12 +203,10 @@ ffi::Error unit_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const int64_t rows = static_cast<int64_t>(x.element_count()) / d;
   const float* src = x.typed_data<float>();
   float* dst = y->typed_data<float>();
-  const int64_t tasks = (rows + kBlockRows - 1) / kBlockRows;
-  jade::run_all<NoState>(pool, tasks, [&](int64_t t, NoState&) {
-    const int64_t r1 = std::min(rows, (t + 1) * kBlockRows);
-    for (int64_t r = t * kBlockRows; r < r1; ++r) {
+  for_blocks(pool, rows, [&](int64_t, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
       const float* in = src + r * d;
-      const v8 f = v8{} + rms_inverse(in, d, eps) * scale;
+      const v8 f = v8{} + inverse_root(in, d, 0.f, eps) * scale;
       for (int64_t j = 0; j < d; j += 8) store(dst + r * d + j, load(in + j) * f);
     }
   });
@@ -220,8 +219,7 @@ ffi::Error unit_backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                               ffi::AnyBuffer dy,
                               ffi::Result<ffi::AnyBuffer> dx, float eps,
                               float scale) {
-  const auto xd = x.dimensions();
-  const int64_t d = xd.size() ? xd[xd.size() - 1] : 0;
+  const int64_t d = width_of(x);
   if (x.element_type() != ffi::DataType::F32 ||
       dy.element_type() != ffi::DataType::F32 || d <= 0 || d % 8 != 0 ||
       dy.element_count() != x.element_count() ||
@@ -233,13 +231,11 @@ ffi::Error unit_backward_impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   const float* g = dy.typed_data<float>();
   float* out = dx->typed_data<float>();
   const float inv_d = 1.f / static_cast<float>(d);
-  const int64_t tasks = (rows + kBlockRows - 1) / kBlockRows;
-  jade::run_all<NoState>(pool, tasks, [&](int64_t t, NoState&) {
-    const int64_t r1 = std::min(rows, (t + 1) * kBlockRows);
-    for (int64_t r = t * kBlockRows; r < r1; ++r) {
+  for_blocks(pool, rows, [&](int64_t, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
       const float* in = src + r * d;
       const float* gr = g + r * d;
-      const v8 rv = v8{} + rms_inverse(in, d, eps);
+      const v8 rv = v8{} + inverse_root(in, d, 0.f, eps);
       v8 sgx{};
       for (int64_t j = 0; j < d; j += 8) sgx += load(gr + j) * load(in + j) * rv;
       const v8 c = v8{} + lanes(sgx) * inv_d, f = rv * scale;

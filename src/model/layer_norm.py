@@ -3,7 +3,7 @@ and gradients by the CPU kernel `layer_norm.cc` where it runs.
 
 `LayerNorm` is Trax's (`trax.layers.normalization.LayerNorm`: the same
 weights, `(scale, bias)`, the same start, the same values within float
-rounding) with a `forward` that calls `normalize`. `reformer.reformer_lm`
+rounding) whose `forward` runs the kernel. `reformer.reformer_lm`
 puts one wherever Trax's model has Trax's (each block's attention and
 feed-forward branch, and before the output layer), so a checkpoint of
 either loads into the other. `unit_rows` is Trax's `length_normalized`
@@ -43,25 +43,13 @@ MIN_ROWS = 1024
 BLOCK_ROWS = 128  # Rows a task of the kernel (`kBlockRows` in layer_norm.cc).
 
 
-def _trax(x, scale, bias, epsilon: float, center: bool):
-  """Trax's `LayerNorm.forward`, as it computes it."""
-  mean = jnp.mean(x, axis=-1, keepdims=True)
-  centered = x - mean if center else x
-  variance = jnp.mean(centered * centered, axis=-1, keepdims=True)
-  norm_inputs = centered / jnp.sqrt(variance + epsilon)
-  scaled = norm_inputs * scale
-  return scaled + bias if center else scaled
-
-
-def _fusable(x, scale, bias, center: bool) -> bool:
+def rows_fusable(x) -> bool:
+  """Whether the kernels take `x`'s rows (`unit_rows` runs its kernel
+  then): float32, a width a multiple of 8, `MIN_ROWS` of them or more,
+  the kernels here and switched on."""
   d = x.shape[-1] if x.ndim else 0
   return (
-    center
-    and x.dtype == jnp.float32
-    and scale.dtype == jnp.float32
-    and bias.dtype == jnp.float32
-    and scale.shape == (d,)
-    and bias.shape == (d,)
+    x.dtype == jnp.float32
     and d > 0
     and d % 8 == 0
     and x.size // d >= MIN_ROWS
@@ -70,14 +58,16 @@ def _fusable(x, scale, bias, center: bool) -> bool:
   )
 
 
-def normalize(x, scale, bias, epsilon: float = 1e-6, center: bool = True):
-  """Trax's layer norm of `x` `[..., d]` over its last axis: `(x - mean) /
-  sqrt(var + epsilon) * scale + bias` (without centering, `x / sqrt(mean
-  square + epsilon) * scale`)."""
-  if not _fusable(x, scale, bias, center):
-    return _trax(x, scale, bias, epsilon, center)
-  rows = jnp.reshape(x, (-1, x.shape[-1]))
-  return jnp.reshape(_norm(rows, scale, bias, float(epsilon)), x.shape)
+def _fusable(x, scale, bias, center: bool) -> bool:
+  d = x.shape[-1] if x.ndim else 0
+  return (
+    center
+    and scale.dtype == jnp.float32
+    and bias.dtype == jnp.float32
+    and scale.shape == (d,)
+    and bias.shape == (d,)
+    and rows_fusable(x)
+  )
 
 
 def _forward_call(rows, scale, bias, epsilon: float):
@@ -120,22 +110,9 @@ def unit_rows(x, scale: float, epsilon: float = 1e-6):
   kernel where it runs (its forward squared, summed and divided the
   rows in three passes over the heads' `[4, 32768, 64]` queries, its
   gradient in three more, ~2% of the benchmark's step)."""
-  if not unit_fusable(x):
+  if not rows_fusable(x):
     return ea.length_normalized(x, epsilon) * jnp.asarray(scale, x.dtype)
   return _unit(x, float(scale), float(epsilon))
-
-
-def unit_fusable(x) -> bool:
-  """Whether `unit_rows(x, ...)` runs the kernel."""
-  d = x.shape[-1] if x.ndim else 0
-  return (
-    x.dtype == jnp.float32
-    and d > 0
-    and d % 8 == 0
-    and x.size // d >= MIN_ROWS
-    and not switches.off('JADE_NORM_KERNEL')
-    and kernels.available()
-  )
 
 
 def _unit_call(x, scale: float, epsilon: float):
@@ -165,11 +142,16 @@ _unit.defvjp(_unit_forward, _unit_backward)
 
 
 class LayerNorm(normalization.LayerNorm):
-  """Trax's `LayerNorm` by `normalize` (the same weights and start)."""
+  """Trax's `LayerNorm` (the same weights and start), by the kernel where
+  it runs and by Trax's own `forward` elsewhere."""
 
   def forward(self, x):
     scale, bias = self.weights
-    return normalize(x, scale, bias, self._epsilon, self._center)
+    if not _fusable(x, scale, bias, self._center):
+      return super().forward(x)
+    rows = jnp.reshape(x, (-1, x.shape[-1]))
+    out = _norm(rows, scale, bias, float(self._epsilon))
+    return jnp.reshape(out, x.shape)
 
   @classmethod
   def like(cls, layer: normalization.LayerNorm) -> LayerNorm:

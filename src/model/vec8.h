@@ -1,8 +1,9 @@
 // The project's CPU kernels' 8-float vectors (GCC/Clang vector extensions:
 // one AVX register, half an AVX-512 one), the height of their products'
-// micro-tiles, their exponential and their float32 product
-// (src/model/chunk_attention.cc, src/model/lsh_hash.cc,
-// src/model/memory_attention.cc, src/model/output_layer.cc).
+// micro-tiles, their exponential, their float32 product and their
+// transpose of 32-bit words (src/model/chunk_attention.cc,
+// src/model/lsh_hash.cc, src/model/memory_attention.cc,
+// src/model/output_layer.cc, src/model/layer_norm.cc).
 #ifndef JADE_VEC8_H_
 #define JADE_VEC8_H_
 
